@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvoffload bench``; results go to ``benchmarks/results/`` as JSON."""

@@ -1,0 +1,145 @@
+"""``kvoffload bench transfer``: store and load GB/s per model shape and engine layout.
+
+Without a GPU it measures the ``host`` backend (CPU memory to CPU memory). Each configuration
+copies ``--blocks`` randomly chosen engine blocks to randomly chosen host slots and back, checks
+the round trip byte for byte, and reports the median of ``--reps`` timed copies after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvoffload.bench.common import (
+    console,
+    default_out,
+    machine_info,
+    median_seconds,
+    progress,
+    write_json,
+)
+from kvoffload.bench.shapes import LAYOUTS, MODELS, engine_tensors
+
+DEFAULT_LAYOUTS = ("kv_split", "page", "cross_layer")
+
+
+def _csv(kind: type) -> Any:
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", type=_csv(str), default=list(MODELS), help="model shapes")
+    p.add_argument(
+        "--layouts", type=_csv(str), default=list(DEFAULT_LAYOUTS), help="engine layouts"
+    )
+    p.add_argument("--blocks", type=_csv(int), default=[64, 512], help="blocks per transfer")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement")
+    p.add_argument("--out", type=Path, default=None, help="JSON result path")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for m in args.models:
+        if m not in MODELS:
+            raise SystemExit(f"--models: expected names from {sorted(MODELS)}, got {m!r}")
+    for lay in args.layouts:
+        if lay not in LAYOUTS:
+            raise SystemExit(f"--layouts: expected names from {sorted(LAYOUTS)}, got {lay!r}")
+    if any(b <= 0 for b in args.blocks) or args.block_size <= 0 or args.reps <= 0:
+        raise SystemExit("--blocks, --block-size and --reps must be positive")
+
+
+def measure_host(
+    model: str, layout: str, n_blocks: int, block_size: int, reps: int
+) -> dict[str, Any]:
+    """One configuration through the host backend; raises if the round trip is not exact."""
+    from kvoffload.store.arena import HostArena
+    from kvoffload.transfer.host import HostBackend
+    from kvoffload.transfer.layout import KVLayout
+    from kvoffload.transfer.spec import TransferSpec
+
+    shape = MODELS[model]
+    rng = np.random.default_rng(0)
+    pool = n_blocks + n_blocks // 4 + 1  # spare blocks that must stay untouched
+    tensors, block_dim = engine_tensors(
+        shape, layout, pool, block_size, lambda s: rng.integers(0, 1 << 16, s, dtype=np.uint16)
+    )
+    kv = KVLayout.from_tensors(tensors, block_size=block_size, block_dim=block_dim)
+    arena = HostArena(pool, kv.slot_bytes)
+    backend = HostBackend(kv, arena)
+    try:
+        blocks = rng.permutation(pool)[:n_blocks]
+        slots = rng.permutation(pool)[:n_blocks]
+        store = [TransferSpec.of("store", blocks, slots)]
+        dest = rng.permutation(pool)[:n_blocks]
+        load = [TransferSpec.of("load", dest, slots)]
+        t_store = median_seconds(lambda: backend.copy(store), reps)
+        t_load = median_seconds(lambda: backend.copy(load), reps)
+        ok = _round_trip_exact(tensors, block_dim, blocks, dest)
+    finally:
+        backend.close()
+        arena.close()
+    if not ok:
+        raise RuntimeError(f"host backend round trip corrupted bytes ({model}, {layout})")
+    nbytes = n_blocks * kv.slot_bytes
+    return {
+        "model": model,
+        "layout": layout,
+        "blocks": n_blocks,
+        "block_size": block_size,
+        "slot_bytes": kv.slot_bytes,
+        "piece_bytes": kv.groups[0].regions[0].page_bytes,
+        "regions": len(kv.groups[0].regions),
+        "store_GBps": nbytes / t_store / 1e9,
+        "load_GBps": nbytes / t_load / 1e9,
+        "round_trip_exact": ok,
+    }
+
+
+def _round_trip_exact(
+    tensors: list[np.ndarray], block_dim: int, src: np.ndarray, dst: np.ndarray
+) -> bool:
+    """After store(src) then load(dst): engine block dst[i] equals block src[i] everywhere."""
+    return all(
+        np.array_equal(np.take(t, dst, axis=block_dim), np.take(t, src, axis=block_dim))
+        for t in tensors
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    configs = [(m, lay, n) for m in args.models for lay in args.layouts for n in args.blocks]
+    rows = []
+    with progress() as bar:
+        task = bar.add_task("host backend", total=len(configs))
+        for model, layout, n in configs:
+            bar.update(task, description=f"{model} {layout} x{n}")
+            rows.append(measure_host(model, layout, n, args.block_size, args.reps))
+            bar.advance(task)
+    _print(rows)
+    out = args.out or default_out("transfer", "cpu")
+    result = {"benchmark": "transfer", "device": "cpu", "backend": "host", **machine_info()}
+    result["rows"] = rows
+    console.print(f"wrote {write_json(out, result)}")
+    return 0
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(title="host backend (CPU memory <-> host arena), GB/s")
+    for col in ("model", "layout", "blocks", "piece", "store GB/s", "load GB/s"):
+        table.add_column(col, justify="right" if col not in ("model", "layout") else "left")
+    for r in rows:
+        table.add_row(
+            r["model"],
+            r["layout"],
+            str(r["blocks"]),
+            f"{r['piece_bytes'] // 1024} KiB",
+            f"{r['store_GBps']:.2f}",
+            f"{r['load_GBps']:.2f}",
+        )
+    console.print(table)

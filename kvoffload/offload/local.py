@@ -1,0 +1,41 @@
+"""Both halves in one process, for engines whose scheduler and worker share memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvoffload.config import OffloadConfig
+from kvoffload.offload.offloader import Offloader
+from kvoffload.offload.worker import TransferWorker
+from kvoffload.store.arena import HostArena
+from kvoffload.transfer.backend import make_backend
+from kvoffload.transfer.layout import KVLayout
+
+
+@dataclass
+class LocalOffload:
+    offloader: Offloader
+    worker: TransferWorker
+    arena: HostArena
+
+    def close(self) -> None:
+        self.worker.close()
+        self.arena.close()
+
+
+def build_local(layout: KVLayout, config: OffloadConfig | None = None) -> LocalOffload:
+    """An Offloader, a TransferWorker and the host arena they share, sized by ``config``.
+
+    >>> off = build_local(KVLayout.from_tensors(kv_tensors, block_size=16))   # doctest: +SKIP
+    """
+    config = config or OffloadConfig()
+    offloader = Offloader(config, layout.slot_bytes)
+    pin = config.pin_memory if config.pin_memory is not None else layout.is_cuda
+    pin_fn = None
+    if pin:
+        from kvoffload.transfer.pinning import cuda_pin
+
+        pin_fn = cuda_pin
+    arena = HostArena(offloader.num_slots, layout.slot_bytes, pin=pin_fn)
+    backend = make_backend(config.backend, layout, arena)
+    return LocalOffload(offloader, TransferWorker(backend), arena)

@@ -1,0 +1,87 @@
+"""The worker side: runs transfer jobs asynchronously and reports them finished by id."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvoffload.offload.jobs import JobResult, TransferJob
+from kvoffload.transfer.backend import CopyBackend, Pending
+
+
+@dataclass
+class _Running:
+    job: TransferJob
+    pending: Pending
+    started: float
+
+
+class TransferWorker:
+    """Submits jobs to a ``CopyBackend`` and collects their results; never raises a copy error.
+
+    A copy that fails (bad memory, a driver error) comes back as ``JobResult(ok=False, error=...)``
+    for the engine to handle by recomputing; bad *input* (a malformed job) raises ValueError at
+    ``submit``.
+    """
+
+    def __init__(self, backend: CopyBackend) -> None:
+        self.backend = backend
+        self._running: dict[int, _Running] = {}
+        self._finished: list[JobResult] = []
+
+    def submit(self, job: TransferJob) -> None:
+        if job.job_id in self._running:
+            raise ValueError(f"submit: expected a new job id, got {job.job_id} already running")
+        self._running[job.job_id] = _Running(
+            job, self.backend.submit(job.specs), time.perf_counter()
+        )
+
+    def cancel(self, job_ids: Iterable[int]) -> list[int]:
+        """Cancel jobs that have not started; they finish as ``cancelled``. Returns those ids."""
+        cancelled = []
+        for job_id in job_ids:
+            run = self._running.get(job_id)
+            if run is not None and run.pending.cancel():
+                del self._running[job_id]
+                self._finished.append(JobResult(job_id, False, 0, 0.0, "cancelled", cancelled=True))
+                cancelled.append(job_id)
+        return cancelled
+
+    def get_finished(self) -> list[JobResult]:
+        """Results of jobs finished since the last call (never blocks)."""
+        for job_id in [j for j, run in self._running.items() if run.pending.done()]:
+            self._finish(job_id)
+        out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> set[int]:
+        """Block until ``job_ids`` finish or ``timeout`` s pass; returns those still running."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        left = set()
+        for job_id in job_ids:
+            run = self._running.get(job_id)
+            if run is None:
+                continue
+            remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            if not run.pending.wait(remaining):
+                left.add(job_id)
+        return left
+
+    def pending_count(self) -> int:
+        return len(self._running)
+
+    def close(self) -> None:
+        self.wait(list(self._running))
+        self.backend.close()
+
+    def _finish(self, job_id: int) -> None:
+        run = self._running.pop(job_id)
+        error = run.pending.error()
+        seconds = time.perf_counter() - run.started
+        if error is None:
+            self._finished.append(JobResult(job_id, True, run.job.nbytes, seconds))
+        else:
+            self._finished.append(
+                JobResult(job_id, False, 0, seconds, f"{type(error).__name__}: {error}")
+            )

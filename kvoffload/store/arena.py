@@ -1,0 +1,73 @@
+"""The host arena: one allocation cut into fixed-size slots, one slot per block.
+
+A slot holds one block for every layer of a layer group (K and V), contiguous, so a whole block
+moves as one DMA descriptor, one file write or one remote object. The memory is an anonymous
+``mmap`` (page-aligned, committed by the OS on first touch). Pinning it for the GPU is done by the
+caller through ``pin``, a function ``(address, nbytes) -> unpin`` (see
+``kvoffload.transfer.pinning``), so this module never imports torch or CUDA.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable
+
+import numpy as np
+
+PinFn = Callable[[int, int], Callable[[], None]]
+
+
+def slots_for_capacity(capacity_bytes: int, slot_bytes: int) -> int:
+    """How many whole slots fit in ``capacity_bytes``; ValueError if not even one."""
+    if slot_bytes <= 0:
+        raise ValueError(f"expected slot_bytes > 0, got {slot_bytes}")
+    if capacity_bytes < slot_bytes:
+        raise ValueError(
+            f"expected a host capacity of at least one block ({slot_bytes} bytes), "
+            f"got {capacity_bytes} bytes"
+        )
+    return capacity_bytes // slot_bytes
+
+
+class HostArena:
+    """Fixed-size slots; ``slots`` is their (num_slots, slot_bytes) uint8 view."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin: PinFn | None = None) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"expected num_slots > 0, got {num_slots}")
+        if slot_bytes <= 0:
+            raise ValueError(f"expected slot_bytes > 0, got {slot_bytes}")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.nbytes = num_slots * slot_bytes
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes)
+        self.slots: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8).reshape(
+            num_slots, slot_bytes
+        )
+        self.base_address: int = self.slots.ctypes.data
+        self._unpin = pin(self.base_address, self.nbytes) if pin is not None else None
+
+    @property
+    def pinned(self) -> bool:
+        return self._unpin is not None
+
+    def slot_address(self, slot: int) -> int:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"expected a slot in [0, {self.num_slots}), got {slot}")
+        return self.base_address + slot * self.slot_bytes
+
+    def close(self) -> None:
+        """Unpin and unmap. Views taken from ``slots`` must be dropped first."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        if self._mmap is not None:
+            del self.slots
+            self._mmap.close()
+            self._mmap = None
+
+    def __enter__(self) -> HostArena:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,248 @@
+"""The block index: which key lives in which host slot, and in what state.
+
+Lifecycle of a block (the one place it is written down)::
+
+    (absent) --prepare_store--> WRITING --complete_store(success=True)--> READABLE
+                                   |                                        |   ^
+                                   +--complete_store(success=False)--> (absent) |
+                                                                            |   |
+             READABLE --prepare_load--> READABLE, readers += 1 --complete_load--+
+             READABLE, readers == 0 --evict (pressure, reset, remove)--> (absent)
+
+- A slot is exactly one of FREE, WRITING (its key is not readable: ``lookup`` stops there) or
+  READABLE. Every slot that is not FREE has exactly one key, and every key has exactly one slot.
+- ``prepare_store`` hands out slots for the keys not already present, evicting unpinned READABLE
+  blocks when the free list runs dry. Keys that do not fit are dropped from the plan from the first
+  one that does not fit (a later block of a prefix is useless without the earlier ones).
+- A READABLE block with readers (between ``prepare_load`` and ``complete_load``) is never evicted.
+- A failed store (``complete_store(success=False)``) leaves nothing readable and frees its slots.
+
+The index deals in keys and integer slot ids only: no bytes, no torch. It is single-threaded: the
+scheduler that owns it calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvoffload.store.keys import BlockKey
+from kvoffload.store.policies import EvictionPolicy, make_policy
+from kvoffload.store.stats import StoreStats
+
+FREE, WRITING, READABLE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """What ``prepare_store`` decided: write ``keys`` into ``slots`` (same order)."""
+
+    keys: list[BlockKey]
+    slots: np.ndarray  # int64, one per key
+    evicted: list[BlockKey] = field(default_factory=list)
+    skipped_present: int = 0  # keys already WRITING or READABLE
+    skipped_full: int = 0  # keys that found no slot
+
+
+class BlockIndex:
+    def __init__(self, num_slots: int, slot_bytes: int, policy: str | EvictionPolicy = "lru"):
+        if num_slots <= 0:
+            raise ValueError(f"expected num_slots > 0, got {num_slots}")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.policy = make_policy(policy, num_slots) if isinstance(policy, str) else policy
+        self.stats = StoreStats()
+        self._readable: dict[BlockKey, int] = {}
+        self._writing: dict[BlockKey, int] = {}
+        self._readers: dict[BlockKey, int] = {}  # only keys with readers > 0
+        # Free slots as an int32 stack (4 bytes per slot instead of a list of Python ints).
+        self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int32)
+        self._num_free = num_slots
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """Number of leading ``keys`` that are READABLE. Counts hits and misses in ``stats``."""
+        readable = self._readable
+        n = 0
+        for key in keys:
+            if key not in readable:
+                break
+            n += 1
+        self.stats.lookups += 1
+        self.stats.hits += n
+        self.stats.misses += len(keys) - n
+        return n
+
+    def state(self, key: BlockKey) -> int:
+        if key in self._readable:
+            return READABLE
+        return WRITING if key in self._writing else FREE
+
+    def slot_of(self, key: BlockKey) -> int | None:
+        slot = self._readable.get(key)
+        return self._writing.get(key) if slot is None else slot
+
+    def readers(self, key: BlockKey) -> int:
+        return self._readers.get(key, 0)
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_readable(self) -> int:
+        return len(self._readable)
+
+    @property
+    def num_writing(self) -> int:
+        return len(self._writing)
+
+    # -- stores -------------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[BlockKey]) -> StorePlan:
+        """Reserve slots for the keys not yet present (see the module docstring)."""
+        _check_unique(keys, "prepare_store")
+        new = [k for k in keys if k not in self._readable and k not in self._writing]
+        evicted: list[BlockKey] = []
+        if len(new) > self._num_free:  # never evict a block of this same call
+            evicted = self._evict(len(new) - self._num_free, protect=set(keys))
+        fit = min(len(new), self._num_free)
+        new, dropped = new[:fit], len(new) - fit
+        slots = self._pop_free(fit)
+        self._writing.update(zip(new, slots.tolist(), strict=True))
+        return StorePlan(new, slots, evicted, len(keys) - len(new) - dropped, dropped)
+
+    def complete_store(self, keys: Iterable[BlockKey], success: bool = True) -> None:
+        keys = list(keys)
+        missing = [k for k in keys if k not in self._writing]
+        if missing:
+            raise ValueError(
+                f"complete_store: expected keys prepared for store, got {len(missing)} that are "
+                f"not being written (first: {missing[0].hex()})"
+            )
+        slots = [self._writing.pop(k) for k in keys]
+        if success:
+            self._readable.update(zip(keys, slots, strict=True))
+            for key in keys:
+                self.policy.insert(key)
+            self.stats.stores += len(keys)
+            self.stats.bytes_in += len(keys) * self.slot_bytes
+        else:
+            self._push_free(slots)
+            self.stats.store_failures += len(keys)
+
+    # -- loads --------------------------------------------------------------------------------
+
+    def prepare_load(self, keys: Sequence[BlockKey]) -> np.ndarray:
+        """Pin READABLE ``keys`` against eviction and return their slots (int64)."""
+        absent = [k for k in keys if k not in self._readable]
+        if absent:
+            raise ValueError(
+                f"prepare_load: expected READABLE keys, got {len(absent)} that are not "
+                f"(first: {absent[0].hex()})"
+            )
+        readers = self._readers
+        for key in keys:
+            readers[key] = readers.get(key, 0) + 1
+            self.policy.touch(key)
+        return np.fromiter((self._readable[k] for k in keys), dtype=np.int64, count=len(keys))
+
+    def complete_load(self, keys: Iterable[BlockKey], success: bool = True) -> None:
+        keys = list(keys)
+        unpinned = [k for k in keys if self._readers.get(k, 0) <= 0]
+        if unpinned:
+            raise ValueError(
+                f"complete_load: expected keys prepared for load, got {len(unpinned)} that are "
+                f"not being read (first: {unpinned[0].hex()})"
+            )
+        for key in keys:
+            left = self._readers[key] - 1
+            if left:
+                self._readers[key] = left
+            else:
+                del self._readers[key]
+        if success:
+            self.stats.loads += len(keys)
+            self.stats.bytes_out += len(keys) * self.slot_bytes
+        else:
+            self.stats.load_failures += len(keys)
+
+    def touch(self, keys: Iterable[BlockKey]) -> None:
+        for key in keys:
+            if key in self._readable:
+                self.policy.touch(key)
+
+    # -- eviction -----------------------------------------------------------------------------
+
+    def evict(self, n: int) -> list[BlockKey]:
+        """Evict up to ``n`` unpinned READABLE blocks in policy order; returns their keys."""
+        return self._evict(n, protect=())
+
+    def remove(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        """Drop the given unpinned READABLE keys (not an eviction); returns those dropped."""
+        gone = [k for k in keys if k in self._readable and k not in self._readers]
+        self._drop(gone, evicted=False)
+        return gone
+
+    def reset(self) -> int:
+        """Drop every unpinned READABLE block; blocks being read or written stay."""
+        return len(self.remove(list(self._readable)))
+
+    def _evict(self, n: int, protect: Collection[BlockKey]) -> list[BlockKey]:
+        readers = self._readers
+        evictable = (k for k in self.policy.candidates() if k not in readers and k not in protect)
+        victims = list(itertools.islice(evictable, n))
+        self._drop(victims, evicted=True)
+        return victims
+
+    def _drop(self, keys: list[BlockKey], evicted: bool) -> None:
+        slots = [self._readable.pop(k) for k in keys]
+        for key in keys:
+            self.policy.remove(key, evicted)
+        self._push_free(slots)
+        if evicted:
+            self.stats.evictions += len(keys)
+
+    # -- free list ----------------------------------------------------------------------------
+
+    def _pop_free(self, n: int) -> np.ndarray:
+        top = self._num_free
+        slots = self._free[top - n : top][::-1].astype(np.int64)
+        self._num_free = top - n
+        return slots
+
+    def _push_free(self, slots: Sequence[int]) -> None:
+        top = self._num_free
+        self._free[top : top + len(slots)] = slots
+        self._num_free = top + len(slots)
+
+    # -- checking -----------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping contradicts itself (for tests; O(num_slots))."""
+        free = self._free[: self._num_free]
+        used = list(self._readable.values()) + list(self._writing.values())
+        every = np.concatenate([free.astype(np.int64), np.asarray(used, dtype=np.int64)])
+        if len(every) != self.num_slots or not np.array_equal(
+            np.sort(every), np.arange(self.num_slots)
+        ):
+            raise AssertionError("slots are not partitioned into free / writing / readable")
+        if self._readable.keys() & self._writing.keys():
+            raise AssertionError("a key is both readable and being written")
+        if not self._readers.keys() <= self._readable.keys():
+            raise AssertionError("a key being read is not readable")
+        if len(self.policy) != len(self._readable) or any(
+            k not in self.policy for k in self._readable
+        ):
+            raise AssertionError("the policy does not track exactly the readable keys")
+
+
+def _check_unique(keys: Sequence[BlockKey], where: str) -> None:
+    if len(set(keys)) != len(keys):
+        raise ValueError(
+            f"{where}: expected distinct keys, got {len(keys) - len(set(keys))} repeats"
+        )

@@ -1,0 +1,73 @@
+"""Block keys: what names one full block of KV in every tier.
+
+A key is ``bytes``. Engines that hash their own blocks (vLLM: ``request.block_hashes``) hand those
+in, as bytes or int; engines that do not can have us compute a prefix chain: key_i =
+xxh3_128(key_{i-1} || token ids of block i as little-endian int64 || salt). A key therefore names a
+whole prefix, not just one block's tokens. Python's ``hash()`` is never used: it is salted per
+process, so two engine instances (or a restart) would disagree on every key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+BlockKey = bytes
+
+# Ints are keyed as 16 bytes, two's complement: xxh3-128 and 64-bit hashes both fit, and negative
+# values (older vLLM hashed with Python's hash()) stay distinct from positive ones.
+_INT_KEY_BYTES = 16
+_ROOT = b"kvoffload/root/v1"
+
+
+def as_block_key(h: bytes | int) -> BlockKey:
+    """An engine-provided block hash as a key. Raises ValueError for other types or empty bytes."""
+    if isinstance(h, bytes):
+        if not h:
+            raise ValueError("expected a non-empty block hash, got b''")
+        return h
+    if isinstance(h, int) and not isinstance(h, bool):
+        try:
+            return h.to_bytes(_INT_KEY_BYTES, "big", signed=True)
+        except OverflowError:
+            raise ValueError(
+                f"expected an int block hash of at most 128 bits, got {h.bit_length()} bits"
+            ) from None
+    raise ValueError(f"expected a block hash as bytes or int, got {type(h).__name__}")
+
+
+def as_block_keys(hashes: Iterable[bytes | int]) -> list[BlockKey]:
+    return [as_block_key(h) for h in hashes]
+
+
+def prefix_block_keys(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    salt: bytes = b"",
+    parent: BlockKey | None = None,
+) -> list[BlockKey]:
+    """Chain keys for the full blocks of ``token_ids``; a partial last block gets no key.
+
+    ``parent`` continues a chain (the key of the block before ``token_ids[0]``); ``salt`` separates
+    caches that must never share blocks (a LoRA adapter, a model revision, a tenant).
+
+    >>> keys = prefix_block_keys(list(range(40)), block_size=16)
+    >>> len(keys), len(keys[0])
+    (2, 16)
+    """
+    if block_size <= 0:
+        raise ValueError(f"expected block_size > 0, got {block_size}")
+    tokens = np.ascontiguousarray(token_ids, dtype="<i8")
+    if tokens.ndim != 1:
+        raise ValueError(f"expected a 1-D sequence of token ids, got shape {tokens.shape}")
+    n_full = len(tokens) // block_size
+    raw = tokens[: n_full * block_size].tobytes()
+    step = block_size * 8
+    key = _ROOT if parent is None else parent
+    keys: list[BlockKey] = []
+    for i in range(n_full):
+        key = xxhash.xxh3_128_digest(key + raw[i * step : (i + 1) * step] + salt)
+        keys.append(key)
+    return keys

@@ -1,0 +1,88 @@
+"""The copy-backend contract, and the registry that builds one by name.
+
+A backend moves the bytes of ``TransferSpec`` lists between an engine's KV tensors (described by a
+``KVLayout``) and a ``HostArena``. ``submit`` must not block on the copy; it returns a ``Pending``
+the caller polls or waits on. Adding a backend never touches the store.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from kvoffload.store.arena import HostArena
+from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.spec import TransferSpec
+
+
+class Pending(ABC):
+    """One submitted transfer."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the copy finished (successfully or not); never blocks."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block up to ``timeout`` seconds; True if the copy finished."""
+
+    @abstractmethod
+    def error(self) -> BaseException | None:
+        """After ``done``: the exception the copy raised, or None."""
+
+    def cancel(self) -> bool:
+        """Try to stop a copy that has not started; True if it will never touch memory."""
+        return False
+
+
+class CopyBackend(ABC):
+    name: str = ""
+
+    def __init__(self, layout: KVLayout, arena: HostArena) -> None:
+        if arena.slot_bytes < layout.slot_bytes:
+            raise ValueError(
+                f"expected host slots of at least {layout.slot_bytes} bytes for this layout, "
+                f"got {arena.slot_bytes}"
+            )
+        self.layout = layout
+        self.arena = arena
+
+    @abstractmethod
+    def submit(self, specs: Sequence[TransferSpec]) -> Pending:
+        """Start copying ``specs`` (validated first: ValueError for bad input)."""
+
+    def validate(self, specs: Sequence[TransferSpec]) -> None:
+        for spec in specs:
+            spec.validate(self.layout, self.arena.num_slots)
+
+    def close(self) -> None:
+        return
+
+
+BackendFactory = Callable[[KVLayout, HostArena], CopyBackend]
+
+
+def _host(layout: KVLayout, arena: HostArena) -> CopyBackend:
+    from kvoffload.transfer.host import HostBackend
+
+    return HostBackend(layout, arena)
+
+
+BACKENDS: dict[str, BackendFactory] = {"host": _host}
+
+
+def register_backend(name: str, factory: BackendFactory) -> None:
+    BACKENDS[name] = factory
+
+
+def make_backend(name: str, layout: KVLayout, arena: HostArena) -> CopyBackend:
+    """Build a backend by name; ``auto`` picks ``host`` for CPU layouts."""
+    if name == "auto":
+        name = "host" if not layout.is_cuda else "staged"
+    try:
+        factory = BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"expected a copy backend in {sorted([*BACKENDS, 'auto'])}, got {name!r}"
+        ) from None
+    return factory(layout, arena)

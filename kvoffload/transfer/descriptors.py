@@ -1,0 +1,61 @@
+"""Copy descriptors (src address, dst address, bytes), built with vectorized numpy.
+
+One descriptor per (block, region), block-major, so the pieces of one host slot are adjacent.
+The DMA backends submit these; the host backend does not need them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvoffload.transfer.layout import LayerGroup
+from kvoffload.transfer.spec import TransferSpec
+
+
+def region_arrays(group: LayerGroup) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(bases, block strides, page bytes, offsets in slot) of a group's regions, int64."""
+    regions = group.regions
+    return (
+        np.array([r.base for r in regions], dtype=np.int64),
+        np.array([r.block_stride for r in regions], dtype=np.int64),
+        np.array([r.page_bytes for r in regions], dtype=np.int64),
+        np.array(group.offsets, dtype=np.int64),
+    )
+
+
+def build_descriptors(
+    spec: TransferSpec,
+    group: LayerGroup,
+    arena_base: int,
+    slot_bytes: int,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """A (3, n_blocks * n_regions) int64 array of (src, dst, size) for ``spec``.
+
+    ``out``, when given, is a reused (3, >= n) int64 buffer (pinned, for DMA); the result is a view
+    of it.
+    """
+    bases, strides, pages, offsets = region_arrays(group)
+    n = len(spec) * len(bases)
+    if out is None:
+        out = np.empty((3, n), dtype=np.int64)
+    elif out.dtype != np.int64 or out.ndim != 2 or out.shape[0] != 3 or out.shape[1] < n:
+        raise ValueError(
+            f"expected an int64 (3, >={n}) descriptor buffer, got {out.dtype} {out.shape}"
+        )
+    engine = (
+        out[0, :n].reshape(len(spec), -1)
+        if spec.direction == "store"
+        else out[1, :n].reshape(len(spec), -1)
+    )
+    host = (
+        out[1, :n].reshape(len(spec), -1)
+        if spec.direction == "store"
+        else out[0, :n].reshape(len(spec), -1)
+    )
+    np.multiply(spec.blocks[:, None], strides[None, :], out=engine)
+    engine += bases[None, :]
+    np.multiply(spec.slots[:, None], slot_bytes, out=host)
+    host += offsets[None, :] + arena_base
+    out[2, :n].reshape(len(spec), -1)[:] = pages[None, :]
+    return out[:, :n]

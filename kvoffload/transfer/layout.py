@@ -1,0 +1,220 @@
+"""KVLayout: an engine's KV cache described as byte regions, whatever tensors hold it.
+
+A *region* is memory where block ``b``'s bytes for one piece of the model (a layer's K, a layer's
+K+V page, or every layer at once) sit contiguously at ``base + b * block_stride`` and span
+``page_bytes``. A *layer group* is a list of regions that share block ids (vLLM's KV cache group:
+full-attention layers apart from sliding-window ones). One host slot holds one block of one group:
+its regions' pages back to back, in region order.
+
+The layouts engines use all reduce to this:
+
+=====================================================  ==========================================
+engine tensors                                         regions per block
+=====================================================  ==========================================
+per-layer K and V, ``[num_blocks, bs, heads, hd]``     2 per layer (``from_tensors(block_dim=0)``)
+per-layer ``[2, num_blocks, bs, heads, hd]`` (vLLM     2 per layer (``from_tensors(block_dim=1)``)
+<= 0.26, FlashAttention)
+per-layer page holding K and V (vLLM 0.33 ``LBHNC``,   1 per layer (``from_tensors(block_dim=0)``)
+``[num_blocks, ...]`` or int8 ``[num_blocks, page]``)
+block-outermost / cross-layer ``[num_blocks, L, ...]`` 1 for the whole model
+=====================================================  ==========================================
+
+Tensors may be torch tensors (CPU or CUDA) or numpy arrays; only their addresses, shapes, strides
+and dtype are read, so this module never imports torch. The caller keeps the tensors alive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Region:
+    base: int  # address of block 0's page
+    block_stride: int  # bytes from block b to block b + 1
+    page_bytes: int  # bytes of one block, contiguous
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if self.page_bytes <= 0 or self.num_blocks <= 0:
+            raise ValueError(
+                f"expected page_bytes > 0 and num_blocks > 0, got {self.page_bytes}, "
+                f"{self.num_blocks}"
+            )
+        if self.num_blocks > 1 and self.block_stride < self.page_bytes:
+            raise ValueError(
+                f"expected block_stride >= page_bytes ({self.page_bytes}), got {self.block_stride}"
+            )
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    regions: tuple[Region, ...]
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.regions:
+            raise ValueError("expected a layer group with at least one region, got none")
+        counts = {r.num_blocks for r in self.regions}
+        if len(counts) != 1:
+            raise ValueError(
+                f"expected every region of group {self.name!r} to have the same number of "
+                f"blocks, got {sorted(counts)}"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.regions[0].num_blocks
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(r.page_bytes for r in self.regions)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Byte offset of each region's page inside a host slot."""
+        out, acc = [], 0
+        for r in self.regions:
+            out.append(acc)
+            acc += r.page_bytes
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    groups: tuple[LayerGroup, ...]
+    dtype: str  # e.g. "bfloat16"
+    block_size: int  # tokens per block
+    device: str  # "cpu", "cuda:0", ...
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("expected a layout with at least one layer group, got none")
+        if self.block_size <= 0:
+            raise ValueError(f"expected block_size > 0, got {self.block_size}")
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one host slot: the largest group's block (vLLM sizes groups equally)."""
+        return max(g.slot_bytes for g in self.groups)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def fingerprint(self, model: str = "") -> str:
+        """Stable across processes and restarts: shapes and dtype, never addresses."""
+        parts = [model, self.dtype, str(self.block_size)]
+        for g in self.groups:
+            parts.append(g.name + ":" + ",".join(str(r.page_bytes) for r in g.regions))
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Sequence[Any],
+        block_size: int,
+        block_dim: int = 0,
+        groups: Sequence[Sequence[int]] | None = None,
+        group_names: Sequence[str] | None = None,
+    ) -> KVLayout:
+        """Describe ``tensors`` (one entry per engine KV tensor, in layer order).
+
+        ``block_dim`` is the dimension that indexes blocks: 0 for ``[num_blocks, ...]``, 1 for
+        ``[2, num_blocks, ...]`` (each index before it becomes its own region). ``groups`` lists,
+        per layer group, the indices into ``tensors`` it holds (default: one group of all).
+        Raises ValueError for mixed dtypes or devices, differing shapes inside a group, or a block
+        whose bytes are not contiguous.
+        """
+        if not tensors:
+            raise ValueError("expected at least one KV tensor, got none")
+        infos = [_describe(t) for t in tensors]
+        for name in ("dtype", "device"):
+            values = {getattr(i, name) for i in infos}
+            if len(values) != 1:
+                raise ValueError(f"expected KV tensors of one {name}, got {sorted(values)}")
+        groups = [list(range(len(tensors)))] if groups is None else [list(g) for g in groups]
+        names = [str(i) for i in range(len(groups))] if group_names is None else list(group_names)
+        if len(names) != len(groups):
+            raise ValueError(f"expected {len(groups)} group names, got {len(names)}")
+        built = []
+        for name, members in zip(names, groups, strict=True):
+            if not members or any(not 0 <= m < len(tensors) for m in members):
+                raise ValueError(
+                    f"expected group {name!r} to list tensor indices in [0, {len(tensors)}), "
+                    f"got {members}"
+                )
+            shapes = {infos[m].shape for m in members}
+            if len(shapes) != 1:
+                raise ValueError(
+                    f"expected the tensors of group {name!r} to share one shape, got "
+                    f"{sorted(shapes)}"
+                )
+            regions = [r for m in members for r in _regions(infos[m], block_dim, m)]
+            built.append(LayerGroup(tuple(regions), name))
+        return cls(tuple(built), infos[0].dtype, block_size, infos[0].device)
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in bytes
+    itemsize: int
+    dtype: str
+    device: str
+
+
+def _describe(t: Any) -> _TensorInfo:
+    if hasattr(t, "data_ptr"):  # torch.Tensor
+        item = t.element_size()
+        return _TensorInfo(
+            t.data_ptr(),
+            tuple(t.shape),
+            tuple(s * item for s in t.stride()),
+            item,
+            str(t.dtype).removeprefix("torch."),
+            str(t.device),
+        )
+    if hasattr(t, "__array_interface__"):  # numpy.ndarray
+        return _TensorInfo(
+            t.ctypes.data, tuple(t.shape), tuple(t.strides), t.itemsize, str(t.dtype), "cpu"
+        )
+    raise ValueError(f"expected a torch.Tensor or numpy.ndarray, got {type(t).__name__}")
+
+
+def _regions(info: _TensorInfo, block_dim: int, index: int) -> list[Region]:
+    ndim = len(info.shape)
+    if not 0 <= block_dim < ndim:
+        raise ValueError(
+            f"expected block_dim in [0, {ndim}) for tensor {index} of shape {info.shape}, "
+            f"got {block_dim}"
+        )
+    inner_shape = info.shape[block_dim + 1 :]
+    page = prod(inner_shape) * info.itemsize
+    contiguous = info.itemsize
+    for size, stride in zip(
+        reversed(inner_shape), reversed(info.strides[block_dim + 1 :]), strict=True
+    ):
+        if size != 1 and stride != contiguous:
+            raise ValueError(
+                f"expected each block of tensor {index} (shape {info.shape}, byte strides "
+                f"{info.strides}) to be contiguous below dim {block_dim}"
+            )
+        contiguous *= size
+    outer: list[tuple[int, ...]] = [()]  # every index combination of the dims before block_dim
+    for size in info.shape[:block_dim]:
+        outer = [(*o, i) for o in outer for i in range(size)]
+    return [
+        Region(
+            info.address + sum(i * s for i, s in zip(idx, info.strides[:block_dim], strict=True)),
+            info.strides[block_dim],
+            page,
+            info.shape[block_dim],
+        )
+        for idx in outer
+    ]
