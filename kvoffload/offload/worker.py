@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvoffload.offload.jobs import JobResult, TransferJob
 from kvoffload.transfer.backend import CopyBackend, Pending
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,8 +74,11 @@ class TransferWorker:
     def pending_count(self) -> int:
         return len(self._running)
 
-    def close(self) -> None:
-        self.wait(list(self._running))
+    def close(self, timeout: float = 60.0) -> None:
+        """Wait up to ``timeout`` s for running jobs, then release the backend."""
+        stuck = self.wait(list(self._running), timeout)
+        if stuck:
+            log.warning("closing with %d transfer job(s) still running: %s", len(stuck), stuck)
         self.backend.close()
 
     def _finish(self, job_id: int) -> None:

@@ -57,13 +57,16 @@ class HostArena:
         return self.base_address + slot * self.slot_bytes
 
     def close(self) -> None:
-        """Unpin and unmap. Views taken from ``slots`` must be dropped first."""
+        """Unpin, and drop this arena's reference to the memory.
+
+        The memory is unmapped once the last numpy view of it is gone (so a view kept elsewhere
+        stays valid instead of pointing at unmapped memory). No copy may be in flight.
+        """
         if self._unpin is not None:
             self._unpin()
             self._unpin = None
         if self._mmap is not None:
             del self.slots
-            self._mmap.close()
             self._mmap = None
 
     def __enter__(self) -> HostArena:

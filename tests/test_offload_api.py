@@ -1,0 +1,162 @@
+"""The engine-neutral API end to end on CPU: Offloader + TransferWorker + host backend."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload import KVLayout, OffloadConfig, build_local, prefix_block_keys
+from kvoffload.offload import JobResult, TransferWorker
+from kvoffload.transfer.host import HostBackend
+
+NUM_BLOCKS, BS = 32, 16
+
+
+@pytest.fixture
+def engine():
+    gen = torch.Generator().manual_seed(0)
+    kv = [
+        torch.randint(-(2**15), 2**15, (2, NUM_BLOCKS, BS, 2, 32), dtype=torch.int16, generator=gen)
+        for _ in range(3)
+    ]
+    layout = KVLayout.from_tensors(kv, block_size=BS, block_dim=1)
+    local = build_local(layout, OffloadConfig(host_capacity_blocks=8))
+    yield kv, local
+    local.close()
+
+
+def run(local, job):
+    local.worker.submit(job)
+    assert local.worker.wait([job.job_id], timeout=30) == set()
+    return local.offloader.complete(local.worker.get_finished())
+
+
+def blocks_of(kv, ids):
+    return [t[:, ids].clone() for t in kv]
+
+
+def test_store_lookup_load_round_trip(engine):
+    kv, local = engine
+    off = local.offloader
+    keys = prefix_block_keys(np.arange(100), BS)  # 6 full blocks
+    src = [4, 9, 1, 30, 2, 7]
+    want = blocks_of(kv, src)
+    assert off.lookup(keys) == 0
+    job = off.schedule_store("a", keys, src)
+    assert off.lookup(keys) == 0  # being written is not a hit yet
+    (done,) = run(local, job)
+    assert done.job_id == job.job_id and off.is_settled("a")
+    assert off.lookup(keys) == 6 and off.lookup([*keys[:3], b"x", *keys[4:]]) == 3
+
+    dst = [10, 11, 12, 13, 14, 15]
+    run(local, off.schedule_load("b", keys, dst))
+    assert all(torch.equal(a, b) for a, b in zip(blocks_of(kv, dst), want, strict=True))
+    s = off.index.stats
+    assert (s.stores, s.loads, s.bytes_in, s.bytes_out) == (
+        6,
+        6,
+        6 * off.slot_bytes,
+        6 * off.slot_bytes,
+    )
+
+
+def test_store_skips_held_blocks_and_evicts_under_pressure(engine):
+    _kv, local = engine
+    off = local.offloader
+    keys = prefix_block_keys(np.arange(16 * 12), BS)  # 12 blocks, capacity 8
+    run(local, off.schedule_store("a", keys[:6], range(6)))
+    job = off.schedule_store("a", keys[:8], range(8))
+    assert job is not None and job.keys == tuple(keys[6:8])
+    run(local, job)
+    assert off.schedule_store("a", keys[:8], range(8)) is None
+    run(local, off.schedule_store("b", keys[8:12], range(8, 12)))
+    assert off.index.stats.evictions == 4 and off.lookup(keys[8:]) == 4
+
+
+def test_failed_copy_is_a_failed_job_and_rolls_back(engine):
+    _kv, local = engine
+    off = local.offloader
+    keys = prefix_block_keys(np.arange(32), BS)
+    job = off.schedule_store("a", keys, [0, 1])
+    # Corrupt the job the way a broken backend would fail: a slot outside the arena.
+    job.specs[0].slots[1] = 10**6
+    local.worker.backend.validate = lambda specs: None  # let it reach the copy
+    local.worker.submit(job)
+    local.worker.wait([job.job_id], 30)
+    (result,) = local.worker.get_finished()
+    assert not result.ok and "IndexError" in result.error
+    off.complete([result])
+    assert off.lookup(keys) == 0 and off.index.num_free == off.num_slots
+
+
+class GatedHostBackend(HostBackend):
+    """The host backend, holding each copy at a gate until the test opens it (then real bytes)."""
+
+    def __init__(self, layout, arena):
+        super().__init__(layout, arena)
+        self.started = threading.Event()
+        self.gate = threading.Event()
+
+    def copy(self, specs):
+        self.started.set()
+        assert self.gate.wait(30)
+        super().copy(specs)
+
+
+def test_abort_cancels_what_has_not_started_and_settles(engine):
+    _kv, local = engine
+    off = local.offloader
+    gated = GatedHostBackend(local.worker.backend.layout, local.arena)
+    worker = TransferWorker(gated)
+    keys = prefix_block_keys(np.arange(64), BS)
+    held = off.schedule_store("held", keys[:2], [0, 1])
+    waiting = off.schedule_store("aborted", keys[2:4], [2, 3])
+    try:
+        worker.submit(held)
+        assert gated.started.wait(10)  # `held` is copying now
+        worker.submit(waiting)
+        assert off.abort("aborted") == [waiting.job_id]
+        assert worker.cancel(off.abort("aborted")) == [waiting.job_id]
+        assert off.abort("held") == [held.job_id]
+        assert worker.cancel([held.job_id]) == []  # already running: it must finish
+        assert not off.is_settled("held")
+    finally:
+        gated.gate.set()
+    assert worker.wait([held.job_id], 30) == set()
+    results = worker.get_finished()
+    assert {r.job_id: (r.ok, r.cancelled) for r in results} == {
+        waiting.job_id: (False, True),
+        held.job_id: (True, False),
+    }
+    off.complete(results)
+    assert off.is_settled("aborted") and off.is_settled("held")
+    assert off.lookup(keys[2:4]) == 0  # cancelled store left nothing readable
+    assert off.lookup(keys[:2]) == 2  # the in-flight store finished: its KV is valid
+    assert off.index.num_free == off.num_slots - 2
+    gated.close()
+
+
+def test_bad_calls(engine):
+    _kv, local = engine
+    off = local.offloader
+    keys = prefix_block_keys(np.arange(32), BS)
+    with pytest.raises(ValueError, match="one engine block per key"):
+        off.schedule_store("a", keys, [0])
+    with pytest.raises(ValueError, match="expected READABLE keys"):
+        off.schedule_load("a", keys, [0, 1])
+    with pytest.raises(ValueError, match="unknown id 99"):
+        off.complete([JobResult(99, True, 0, 0.0)])
+    job = off.schedule_store("a", keys, [0, 0])  # the same source block twice is allowed
+    local.worker.submit(job)
+    with pytest.raises(ValueError, match="already running"):
+        local.worker.submit(job)
+
+
+def test_capacity_smaller_than_one_block_is_an_error():
+    kv = [torch.zeros(2, 4, 16, 8, 64, dtype=torch.bfloat16)]
+    layout = KVLayout.from_tensors(kv, block_size=16, block_dim=1)
+    with pytest.raises(ValueError, match="at least one block"):
+        build_local(layout, OffloadConfig(host_capacity_bytes=1024))
