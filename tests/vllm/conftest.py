@@ -1,0 +1,13 @@
+"""vLLM contract tests: skipped where vLLM is not installed (the main CPU suite).
+
+vLLM runs on CPU here, with no compiled ops and no network: ``VLLM_TARGET_DEVICE=cpu`` and
+``HF_HUB_OFFLINE=1`` are set before any test module imports it.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
