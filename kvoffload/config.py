@@ -29,6 +29,31 @@ class OffloadConfig:
     # Page-lock the host arena: None pins it when the engine's KV is on a CUDA device.
     pin_memory: bool | None = None
 
+    # -- lower tiers (docs/tiers.md): host blocks are also written to disk and/or Valkey -------
+    # Model name and revision, mixed into the lower tiers' layout fingerprint so that two models
+    # with the same KV shapes never share blocks. Required when disk_path or valkey_url is set.
+    model_id: str = ""
+    # Directory of the disk tier (blocks survive a restart there); None: no disk tier.
+    disk_path: str | None = None
+    # Disk space the disk tier may use, in bytes; the least recently used blocks go first.
+    disk_capacity_bytes: int = 32 << 30
+    # URL of the shared Valkey/Redis tier: redis://host:port/db, rediss:// (TLS),
+    # unix:///path.sock; None: no shared tier.
+    valkey_url: str | None = None
+    # Seconds a block lives in Valkey after its last write or hit; 0: no expiry.
+    valkey_ttl_s: int = 3600
+    # Largest Valkey value (header + one block); larger blocks are not shared.
+    valkey_max_value_bytes: int = 64 << 20
+    # Valkey connect and reply timeout, seconds; a slower answer is a miss.
+    valkey_timeout_s: float = 0.5
+    # Connections in the Valkey client pool.
+    valkey_pool_size: int = 8
+    # Most host-block bytes being written down at once (each pins its host slot until written;
+    # capped at half the host capacity); later blocks wait their turn, oldest first.
+    tier_write_backlog_bytes: int = 512 << 20
+    # Background threads per lower tier.
+    tier_threads: int = 2
+
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_blocks is not None:
             raise ValueError(
@@ -48,6 +73,47 @@ class OffloadConfig:
         if self.pin_memory not in (None, True, False):
             raise ValueError(
                 f"expected pin_memory to be None, True or False, got {self.pin_memory!r}"
+            )
+        self._check_tiers()
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return self.disk_path is not None or self.valkey_url is not None
+
+    def _check_tiers(self) -> None:
+        for name in ("disk_path", "valkey_url"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"expected {name} to be None or a non-empty string, got {value!r}")
+        if self.has_lower_tiers and not self.model_id:
+            raise ValueError(
+                "expected model_id (the model name and revision, so that two models with the same "
+                "KV shapes never share disk or Valkey blocks) when disk_path or valkey_url is "
+                "set, got ''"
+            )
+        positive = (
+            "disk_capacity_bytes",
+            "valkey_max_value_bytes",
+            "valkey_pool_size",
+            "tier_write_backlog_bytes",
+            "tier_threads",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"expected {name} to be a positive int, got {value!r}")
+        if not isinstance(self.valkey_ttl_s, int) or self.valkey_ttl_s < 0:
+            raise ValueError(f"expected valkey_ttl_s to be an int >= 0, got {self.valkey_ttl_s!r}")
+        if not isinstance(self.valkey_timeout_s, (int, float)) or not self.valkey_timeout_s > 0:
+            raise ValueError(
+                f"expected valkey_timeout_s to be a number > 0, got {self.valkey_timeout_s!r}"
+            )
+        if self.valkey_url is not None and not self.valkey_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError(
+                "expected valkey_url like redis://host:port/db, rediss://... or unix:///path, "
+                f"got {self.valkey_url!r}"
             )
 
     def num_slots(self, slot_bytes: int) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvoffload.config import OffloadConfig
 from kvoffload.offload.offloader import Offloader
+from kvoffload.offload.tiers import TierMover, build_mover
 from kvoffload.offload.worker import TransferWorker
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import make_backend
@@ -17,9 +18,15 @@ class LocalOffload:
     offloader: Offloader
     worker: TransferWorker
     arena: HostArena
+    mover: TierMover | None = None  # the lower tiers' worker side, when the config names any
 
-    def close(self) -> None:
+    def close(self, tier_drain_s: float = 30.0) -> None:
+        """Finish transfers, write host blocks still queued for the lower tiers (up to
+        ``tier_drain_s`` seconds: the disk tier keeps them across a restart), then release."""
         self.worker.close()
+        if self.mover is not None:
+            self.offloader.drain_tiers(tier_drain_s)
+            self.mover.close()
         self.arena.close()
 
 
@@ -38,4 +45,7 @@ def build_local(layout: KVLayout, config: OffloadConfig | None = None) -> LocalO
         pin_fn = cuda_pin
     arena = HostArena(offloader.num_slots, layout.slot_bytes, pin=pin_fn)
     backend = make_backend(config.backend, layout, arena)
-    return LocalOffload(offloader, TransferWorker(backend), arena)
+    mover = build_mover(layout, config, arena) if config.has_lower_tiers else None
+    if mover is not None:
+        offloader.attach_tiers(mover)
+    return LocalOffload(offloader, TransferWorker(backend), arena, mover)

@@ -12,17 +12,26 @@ Engine loop, one request (see ``docs/api.md`` for the full example)::
 Each job pins what it touches (host slots being read or written) until its result is passed to
 ``complete``. ``abort`` cancels what has not started and lets in-flight copies finish; a request
 is settled once none of its jobs is in flight.
+
+With lower tiers attached (``attach_tiers``; ``build_local`` does it when the config names a disk
+path or a Valkey URL), stored blocks are also written down behind the engine's back, and
+``lookup_tiers`` (a richer ``lookup``) brings blocks a tier holds up into host slots: they are
+reported ``pending`` until their bytes are verified, then ``ready``, and load like any host hit.
+``kvoffload.offload.lower`` has the design; none of it blocks or raises on a tier failure.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 from kvoffload.config import OffloadConfig
 from kvoffload.offload.jobs import JobResult, TransferJob
+from kvoffload.offload.lower import LowerTiers, TierLookup
+from kvoffload.offload.tiers import TierMover
 from kvoffload.store.index import BlockIndex
 from kvoffload.store.keys import BlockKey
 from kvoffload.transfer.spec import Direction, TransferSpec
@@ -37,6 +46,7 @@ class Offloader:
         self._jobs: dict[int, TransferJob] = {}
         self._by_req: dict[str, set[int]] = {}
         self._aborted: set[str] = set()
+        self.lower: LowerTiers | None = None
 
     @property
     def num_slots(self) -> int:
@@ -64,6 +74,8 @@ class Offloader:
         """
         blocks_arr = self._blocks(keys, blocks)
         plan = self.index.prepare_store(keys)
+        if self.lower is not None:
+            self.lower.evicted(plan.evicted)
         if not plan.keys:
             return None
         position = {k: i for i, k in enumerate(keys)}
@@ -83,6 +95,8 @@ class Offloader:
                 )
             if job.direction == "store":
                 self.index.complete_store(job.keys, result.ok)
+                if result.ok and self.lower is not None:
+                    self.lower.stored(job.keys)
             else:
                 self.index.complete_load(job.keys, result.ok)
             jobs = self._by_req[job.req_id]
@@ -91,6 +105,8 @@ class Offloader:
                 del self._by_req[job.req_id]
                 self._aborted.discard(job.req_id)
             done.append(job)
+        if self.lower is not None:
+            self.lower.poll()
         return done
 
     def abort(self, req_id: str) -> list[int]:
@@ -103,6 +119,38 @@ class Offloader:
     def is_settled(self, req_id: str) -> bool:
         """True when no job of ``req_id`` is in flight: its engine blocks may be reused."""
         return req_id not in self._by_req
+
+    # -- lower tiers (disk, Valkey) ------------------------------------------------------------
+
+    def attach_tiers(self, mover: TierMover) -> None:
+        """Write stored blocks down to ``mover``'s tiers and promote their hits (see above)."""
+        slots_cap = max(1, self.num_slots // 2)
+        backlog = max(1, min(self.config.tier_write_backlog_bytes // self.slot_bytes, slots_cap))
+        self.lower = LowerTiers(self.index, mover, backlog)
+
+    def lookup_tiers(self, keys: Sequence[BlockKey]) -> TierLookup:
+        """Like ``lookup``, and also start bringing up the next blocks a lower tier holds.
+
+        ``ready`` leading keys are on host now (as ``lookup`` returns); ``pending`` more after
+        them are on their way (being stored, or read up from disk/Valkey and checked): look up
+        again on a later step. A pending block whose read fails becomes a miss. Never blocks.
+        """
+        if self.lower is None:
+            return TierLookup(self.index.lookup(keys), 0, False)
+        return self.lower.lookup(keys)
+
+    def poll_tiers(self) -> None:
+        """Apply finished lower-tier reads and writes (``complete`` and ``lookup_tiers`` do too)."""
+        if self.lower is not None:
+            self.lower.poll()
+
+    def drain_tiers(self, timeout: float) -> bool:
+        """Block until every stored block is written down (or ``timeout`` s); for shutdown."""
+        return True if self.lower is None else self.lower.drain(timeout)
+
+    def tier_stats(self) -> dict[str, Any]:
+        """Counters of the lower tiers: ``flow`` (writes, promotions, lost) and per tier."""
+        return {} if self.lower is None else self.lower.snapshot()
 
     def in_flight(self, req_id: str | None = None) -> set[int]:
         if req_id is None:

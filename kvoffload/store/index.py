@@ -8,13 +8,16 @@ Lifecycle of a block (the one place it is written down)::
                                                                             |   |
              READABLE --prepare_load--> READABLE, readers += 1 --complete_load--+
              READABLE, readers == 0 --evict (pressure, reset, remove)--> (absent)
+             READABLE --pin--> READABLE, readers += 1 --unpin--> (a reader that is not a load)
 
 - A slot is exactly one of FREE, WRITING (its key is not readable: ``lookup`` stops there) or
   READABLE. Every slot that is not FREE has exactly one key, and every key has exactly one slot.
 - ``prepare_store`` hands out slots for the keys not already present, evicting unpinned READABLE
   blocks when the free list runs dry. Keys that do not fit are dropped from the plan from the first
   one that does not fit (a later block of a prefix is useless without the earlier ones).
-- A READABLE block with readers (between ``prepare_load`` and ``complete_load``) is never evicted.
+- A READABLE block with readers (between ``prepare_load`` and ``complete_load``, or ``pin`` and
+  ``unpin``) is never evicted. ``pin`` is for copies out of a host slot that are not engine loads
+  (a lower tier writing the block down): it counts no load and does not touch the policy.
 - A failed store (``complete_store(success=False)``) leaves nothing readable and frees its slots.
 
 The index deals in keys and integer slot ids only: no bytes, no torch. It is single-threaded: the
@@ -24,6 +27,7 @@ scheduler that owns it calls it from one thread.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -170,6 +174,36 @@ class BlockIndex:
             self.stats.bytes_out += len(keys) * self.slot_bytes
         else:
             self.stats.load_failures += len(keys)
+
+    def pin(self, keys: Iterable[BlockKey]) -> None:
+        """Hold READABLE ``keys`` against eviction (a reader that is not a load); see ``unpin``."""
+        keys = list(keys)
+        absent = [k for k in keys if k not in self._readable]
+        if absent:
+            raise ValueError(
+                f"pin: expected READABLE keys, got {len(absent)} that are not "
+                f"(first: {absent[0].hex()})"
+            )
+        readers = self._readers
+        for key in keys:
+            readers[key] = readers.get(key, 0) + 1
+
+    def unpin(self, keys: Iterable[BlockKey]) -> None:
+        """Release one ``pin`` of each key; counts nothing."""
+        keys = list(keys)
+        counts = Counter(keys)
+        unpinned = [k for k, n in counts.items() if self._readers.get(k, 0) < n]
+        if unpinned:
+            raise ValueError(
+                f"unpin: expected pinned keys, got {len(unpinned)} pinned fewer times than asked "
+                f"(first: {unpinned[0].hex()})"
+            )
+        for key in keys:
+            left = self._readers[key] - 1
+            if left:
+                self._readers[key] = left
+            else:
+                del self._readers[key]
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
         for key in keys:

@@ -1,0 +1,267 @@
+"""The scheduler side of the lower tiers: what to write down, what to bring up, and when.
+
+Runs on the scheduler's thread next to the ``BlockIndex`` it shares with the ``Offloader``; the
+bytes move on the ``TierMover``'s threads. Nothing here blocks and nothing here raises on a tier
+failure: a failed write leaves the block on host only, a failed read rolls its slot back.
+
+Going down, write-behind (not demote-on-evict):
+    When an engine store completes, its blocks are queued, oldest first, for every lower tier that
+    does not hold them yet. Up to ``backlog_blocks`` block writes run at once; each pins its host
+    slot (``BlockIndex.pin``) until the tier has the bytes, so the slot can be neither evicted nor
+    reused while it is being copied out. Eviction then never waits: it takes unpinned blocks,
+    whose bytes are already below (or, when the tiers fell behind, never will be: counted
+    ``lost``, a later miss).
+    Why not demote-on-evict (write the victim when the host evicts it, holding the slot until the
+    write finishes)? Then every store into a full host waits for a disk write per block before its
+    copy may start: on this machine a 2 MiB block write takes milliseconds, against ~40 us for the
+    engine -> host copy of the same block at 50 GB/s, and the request cannot free its GPU blocks
+    until its store settles. ``kvoffload bench tiers`` measures both policies side by side (store
+    settle time with a full host); ``docs/tiers.md`` has the numbers. Write-behind costs disk
+    bandwidth for blocks that would never have been evicted; the backlog bound and the oldest-first
+    order keep that cost off the engine's path.
+
+Coming up, promotion:
+    ``lookup`` counts the leading keys READABLE on host (``ready``), then walks on: a key being
+    written (an engine store or a promotion in flight) is *pending*; a key a tier holds gets a host
+    slot through ``prepare_store`` (WRITING, so it is pending too, never readable early) and a read
+    op; a key whose shared-tier presence is unknown starts one pipelined probe (``probing``) and
+    ends the walk; a key nobody holds ends it. The ready keys are pinned while slots are taken, so
+    making room never evicts what was just reported ready. When a read finishes, each block whose
+    checksum matched becomes READABLE (``complete_store``) and the engine's next lookup reports it
+    ready: the normal load path follows. A block that failed (missing, corrupt, timeout) is rolled
+    back: the engine recomputes it, exactly as for a host miss. So a tier failure can only turn a
+    pending block into a miss, never into wrong KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvoffload.offload.tiers import OpKind, TierMover, TierOp, TierResult
+from kvoffload.store.index import FREE, READABLE, WRITING, BlockIndex
+from kvoffload.store.keys import BlockKey
+
+OP_BLOCKS = 16  # blocks per tier op: one pipeline / a run of disk I/O, then a result
+LOOKAHEAD = 512  # most keys past the host prefix one lookup walks (at most half the host slots)
+
+
+@dataclass(frozen=True)
+class TierLookup:
+    """What ``Offloader.lookup_tiers`` found for a prefix of keys."""
+
+    ready: int  # leading keys READABLE on host now: schedule_load(keys[:ready]) may follow
+    pending: int  # keys right after those that are on their way to host; look up again later
+    probing: bool  # a shared tier is being asked about the key after those; look up again
+
+    @property
+    def hit(self) -> int:
+        """Keys that will be ready once pending blocks land (some may still turn into misses)."""
+        return self.ready + self.pending
+
+
+@dataclass
+class FlowStats:
+    writes: int = 0  # block writes started (one per block per tier)
+    written: int = 0  # block writes that succeeded
+    write_failures: int = 0  # block writes that failed (the block stays on host only)
+    lost: int = 0  # blocks that left host before any write to a tier that lacked them
+    promotions: int = 0  # blocks whose read up from a tier started
+    promoted: int = 0  # blocks read up, verified and READABLE on host
+    promote_failures: int = 0  # blocks whose read failed: rolled back, a miss
+    probes: int = 0  # keys asked about with a probe
+
+
+class LowerTiers:
+    def __init__(self, index: BlockIndex, mover: TierMover, backlog_blocks: int) -> None:
+        if backlog_blocks <= 0:
+            raise ValueError(f"expected backlog_blocks > 0, got {backlog_blocks}")
+        self.index = index
+        self.mover = mover
+        self.backlog_blocks = backlog_blocks
+        self.names = list(mover.tiers)
+        self.stats = FlowStats()
+        self._ids = itertools.count()
+        self._ops: dict[int, TierOp] = {}
+        self._dirty: OrderedDict[BlockKey, tuple[str, ...]] = OrderedDict()
+        self._pinned = 0  # block writes in flight (each pins its slot once)
+        self._probing: set[BlockKey] = set()
+
+    # -- engine events ------------------------------------------------------------------------
+
+    def stored(self, keys: Sequence[BlockKey]) -> None:
+        """``keys`` became READABLE from engine stores: queue them for every tier."""
+        for key in keys:
+            self._dirty[key] = tuple(self.names)
+        self._pump()
+
+    def evicted(self, keys: Sequence[BlockKey]) -> None:
+        """The host gave these blocks up; those not yet written anywhere are lost below."""
+        for key in keys:
+            if self._dirty.pop(key, None) is not None:
+                self.stats.lost += 1
+
+    def poll(self) -> None:
+        """Apply finished tier ops to the index, then start queued writes."""
+        for result in self.mover.get_finished():
+            self._apply(result)
+        self._pump()
+
+    # -- lookup and promotion -----------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockKey]) -> TierLookup:
+        self.poll()
+        index = self.index
+        ready = index.lookup(keys)
+        rest = keys[ready : ready + min(LOOKAHEAD, max(1, index.num_slots // 2))]
+        chain: list[BlockKey] = []  # keys after the ready prefix that are (or will be) on host
+        held: list[BlockKey] = list(keys[:ready])  # READABLE: protected while slots are taken
+        promote: dict[BlockKey, str] = {}
+        unknown: list[BlockKey] = []
+        for i, key in enumerate(rest):
+            state = index.state(key)
+            if state == READABLE:
+                held.append(key)
+            elif state != WRITING:
+                source, maybe = self._source(key)
+                if source is None:
+                    if maybe:
+                        unknown = [k for k in rest[i:] if index.state(k) == FREE]
+                    break
+                promote[key] = source
+            chain.append(key)
+        granted = self._promote(promote, held) if promote else set()
+        pending = 0
+        for key in chain:
+            if key in promote and key not in granted:
+                break
+            pending += 1
+        probing = bool(unknown) and pending == len(chain)
+        if probing:
+            self._probe(unknown)
+        return TierLookup(ready, pending, probing)
+
+    def _source(self, key: BlockKey) -> tuple[str | None, bool]:
+        """The first tier holding ``key``; else None and whether some tier does not know."""
+        maybe = False
+        for name in self.names:
+            known = self.mover.tiers[name].contains([key])[0]
+            if known:
+                return name, False
+            maybe = maybe or known is None
+        return None, maybe
+
+    def _promote(self, promote: dict[BlockKey, str], held: list[BlockKey]) -> set[BlockKey]:
+        index = self.index
+        index.pin(held)
+        try:
+            plan = index.prepare_store(list(promote))
+        finally:
+            index.unpin(held)
+        self.evicted(plan.evicted)
+        by_tier: dict[str, list[tuple[BlockKey, int]]] = {}
+        for key, slot in zip(plan.keys, plan.slots.tolist(), strict=True):
+            by_tier.setdefault(promote[key], []).append((key, slot))
+        for name, items in by_tier.items():
+            for start in range(0, len(items), OP_BLOCKS):
+                chunk = items[start : start + OP_BLOCKS]
+                self._submit("read", name, [k for k, _ in chunk], [s for _, s in chunk])
+        self.stats.promotions += len(plan.keys)
+        return set(plan.keys)
+
+    def _probe(self, keys: list[BlockKey]) -> None:
+        keys = [k for k in keys if k not in self._probing]
+        if not keys:
+            return
+        for name in self.names:
+            tier = self.mover.tiers[name]
+            asked = [k for k, known in zip(keys, tier.contains(keys), strict=True) if known is None]
+            if asked:
+                self._probing.update(asked)
+                self.stats.probes += len(asked)
+                self._submit("probe", name, asked, [])
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def _pump(self, limit: int | None = None) -> None:
+        """Start writes for the oldest queued blocks while the backlog has room."""
+        limit = self.backlog_blocks if limit is None else limit
+        index = self.index
+        batches: dict[str, list[BlockKey]] = {}
+        while self._dirty and self._pinned < limit:
+            key, targets = self._dirty.popitem(last=False)
+            if index.state(key) != READABLE:  # dropped by the engine (remove / reset)
+                self.stats.lost += 1
+                continue
+            for name in targets:
+                if self.mover.tiers[name].contains([key])[0]:
+                    continue  # already there (written before, or this block came from it)
+                batch = batches.setdefault(name, [])
+                batch.append(key)
+                self._pinned += 1
+                if len(batch) == OP_BLOCKS:
+                    self._write(name, batches.pop(name))
+        for name, batch in batches.items():
+            self._write(name, batch)
+
+    def _write(self, name: str, keys: list[BlockKey]) -> None:
+        self.index.pin(keys)  # raises unless every key is READABLE: each has a slot
+        slots = [self.index.slot_of(k) for k in keys]
+        self._submit("write", name, keys, [s for s in slots if s is not None])
+        self.stats.writes += len(keys)
+
+    def _submit(self, kind: OpKind, tier: str, keys: list[BlockKey], slots: list[int]) -> None:
+        op = TierOp(next(self._ids), kind, tier, tuple(keys), tuple(slots))
+        self._ops[op.op_id] = op
+        self.mover.submit(op)
+
+    def _apply(self, result: TierResult) -> None:
+        op = self._ops.pop(result.op_id)
+        ok = [k for k, good in zip(op.keys, result.ok, strict=True) if good]
+        bad = [k for k, good in zip(op.keys, result.ok, strict=True) if not good]
+        if op.kind == "write":
+            self.index.unpin(op.keys)
+            self._pinned -= len(op.keys)
+            self.stats.written += len(ok)
+            self.stats.write_failures += len(bad)
+        elif op.kind == "read":
+            if ok:
+                self.index.complete_store(ok, success=True)
+            if bad:
+                self.index.complete_store(bad, success=False)
+            self.stats.promoted += len(ok)
+            self.stats.promote_failures += len(bad)
+            above = tuple(self.names[: self.names.index(op.tier)])
+            for key in ok if above else ():  # a shared-tier hit is kept on local disk too
+                self._dirty[key] = above
+        else:
+            self._probing.difference_update(op.keys)
+
+    # -- shutdown and numbers -----------------------------------------------------------------
+
+    def drain(self, timeout: float) -> bool:
+        """Write every queued block and wait for all ops; True if done within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for result in self.mover.get_finished():
+                self._apply(result)
+            self._pump(limit=1 << 62)
+            if not self._ops and not self._dirty:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.mover.wait_idle(min(left, 0.05))
+
+    @property
+    def backlog(self) -> int:
+        """Blocks queued or being written to a tier."""
+        return len(self._dirty) + self._pinned
+
+    def snapshot(self) -> dict[str, Any]:
+        tiers = {name: t.stats.snapshot() for name, t in self.mover.tiers.items()}
+        return {"flow": asdict(self.stats), "tiers": tiers}
