@@ -176,9 +176,15 @@ def _pin_fn(pin: bool) -> PinFn | None:
 
 
 def _cuda_thread_init(device: str) -> Callable[[], None]:
+    """Each lane thread gets its own idle current stream: a backend that orders its copies after
+    the submitting thread's current stream then waits only for the fence taken at submit (never for
+    the engine's later kernels, as the legacy default stream would)."""
+
     def init() -> None:
         import torch
 
-        torch.cuda.set_device(torch.device(device))
+        dev = torch.device(device)
+        torch.cuda.set_device(dev)
+        torch.cuda.set_stream(torch.cuda.Stream(dev))  # type: ignore[no-untyped-call]
 
     return init

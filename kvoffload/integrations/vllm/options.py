@@ -9,6 +9,7 @@ and what is accepted.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,11 +56,19 @@ def parse_options(extra_config: Mapping[str, Any]) -> VllmOptions:
         )
     capacity = _capacity(extra_config.get(CAPACITY_KEY))
     ours = {k: v for k, v in extra_config.items() if k not in VLLM_KEYS and k != CAPACITY_KEY}
-    unsupported = sorted(set(ours) - set(ADAPTER_KEYS))
-    if unsupported:
+    accepted = [CAPACITY_KEY, *ADAPTER_KEYS]
+    config_fields = {f.name for f in dataclasses.fields(OffloadConfig)}
+    not_here = sorted(k for k in ours if k in config_fields and k not in ADAPTER_KEYS)
+    if not_here:
         raise ValueError(
-            f"unknown kvoffload option(s) {unsupported} in kv_connector_extra_config; expected "
-            f"some of {[CAPACITY_KEY, *ADAPTER_KEYS]} (besides vLLM's own {sorted(VLLM_KEYS)})"
+            f"kvoffload option(s) {not_here} are not supported with vLLM (the host tier is sized "
+            f"by {CAPACITY_KEY}); expected some of {accepted}"
+        )
+    unknown = sorted(set(ours) - set(ADAPTER_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown kvoffload option(s) {unknown} in kv_connector_extra_config; expected some "
+            f"of {accepted} (besides vLLM's own {sorted(VLLM_KEYS)})"
         )
     config = OffloadConfig.from_dict({**ours, "host_capacity_bytes": capacity})
     return VllmOptions(config, capacity)
