@@ -15,13 +15,18 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvoffload import KVLayout, OffloadConfig, build_local
+from kvoffload.offload import Offloader, TransferWorker
 from kvoffload.offload.local import LocalOffload
+from kvoffload.offload.tiers import TierMover
+from kvoffload.store.arena import HostArena
 from kvoffload.store.tiers.local_server import LocalServer, server_binary
+from kvoffload.transfer.host import HostBackend
 
 MODEL = "test/model@rev1"
 NUM_BLOCKS, BS, LAYERS = 32, 16, 2
@@ -98,6 +103,26 @@ def build(kv: list[np.ndarray], host_blocks: int, **tiers: object) -> LocalOfflo
         {"host_capacity_blocks": host_blocks, "model_id": MODEL, **tiers}
     )
     return build_local(layout_of(kv), config)
+
+
+def build_with(kv: list[np.ndarray], host_blocks: int, make_tiers) -> LocalOffload:
+    """Like ``build``, with tiers made by ``make_tiers(slot_bytes)`` (test doubles that subclass
+    the real tiers)."""
+    layout = layout_of(kv)
+    offloader = Offloader(OffloadConfig(host_capacity_blocks=host_blocks), layout.slot_bytes)
+    arena = HostArena(offloader.num_slots, layout.slot_bytes)
+    mover = TierMover(arena, make_tiers(layout.slot_bytes))
+    offloader.attach_tiers(mover)
+    return LocalOffload(offloader, TransferWorker(HostBackend(layout, arena)), arena, mover)
+
+
+def mover_of(local: LocalOffload) -> TierMover:
+    assert local.mover is not None
+    return local.mover
+
+
+def tier_of(local: LocalOffload, name: str) -> Any:
+    return mover_of(local).tiers[name]
 
 
 def run_job(local: LocalOffload, job: object) -> None:

@@ -20,6 +20,7 @@ the server) is ``misses``; a value that fails its checks is ``corrupt`` and is d
 ``contains`` answers from a small in-process memory of what this process wrote, probed or read
 (positive answers kept 30 s, negative 1 s, so a block another instance stores becomes visible
 within a second); unknown keys are None, for the caller to ``probe`` (one pipelined ``EXISTS``).
+While the tier is down, ``contains`` says False for every key: nothing is probed or read.
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ class ValkeyTier(Tier):
         return ok
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+        if not self._up.is_set():
+            return [False] * len(keys)  # down: every read would be a miss anyway
         now = time.monotonic()
         known = self._known
         out: list[bool | None] = []
@@ -163,8 +166,9 @@ class ValkeyTier(Tier):
     def probe(self, keys: Sequence[BlockKey]) -> list[bool]:
         replies = self._pipeline([("exists", (self._name(k),), {}) for k in keys], "probe")
         if replies is None:
-            return [False] * len(keys)
-        held = [r == 1 for r in replies]
+            held = [False] * len(keys)  # not asked again for KNOWN_ABSENT_S
+        else:
+            held = [r == 1 for r in replies]
         for key, h in zip(keys, held, strict=True):
             self._remember(key, h)
         return held
