@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.tiers_support import running_server
 
@@ -43,7 +44,7 @@ else:
 """
 
 
-def role(name: str, seed: int, **tiers: object) -> dict:
+def role(name: str, seed: int, **tiers: object) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-c", ROLE, name, str(seed), json.dumps(tiers)],
         cwd=REPO,
@@ -53,7 +54,8 @@ def role(name: str, seed: int, **tiers: object) -> dict:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def test_block_stored_by_one_process_is_loaded_by_another_through_valkey():
