@@ -1,0 +1,60 @@
+"""Model shapes: the published configs of Llama-3-8B and Qwen2.5-7B, and tiny ones for CPU runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    layers: int
+    hidden: int
+    heads: int  # query heads
+    kv_heads: int
+    head_size: int
+    intermediate: int  # SwiGLU inner width
+    vocab: int
+    rope_theta: float
+    qkv_bias: bool = False  # Qwen2 has biases on the q, k, v projections
+    rms_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"expected heads to be a multiple of kv_heads, got {self.heads}, {self.kv_heads}"
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer, bf16."""
+        return 2 * self.layers * self.kv_heads * self.head_size * 2
+
+    @property
+    def params(self) -> int:
+        attn = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_size
+        attn += self.heads * self.head_size * self.hidden
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attn + mlp) + 2 * self.vocab * self.hidden
+
+
+MODELS: dict[str, ModelConfig] = {
+    m.name: m
+    for m in (
+        # meta-llama/Meta-Llama-3-8B config.json (RoPE scaling of 3.1 left out: no effect on cost)
+        ModelConfig("llama3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 500000.0),
+        # Qwen/Qwen2.5-7B config.json
+        ModelConfig("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, 1e6, True, 1e-6),
+        # CPU shapes: small enough that a multi-turn run takes about a minute on two cores
+        ModelConfig("tiny", 4, 512, 8, 2, 64, 1536, 4096, 10000.0),
+        # unit tests: a forward pass in milliseconds
+        ModelConfig("micro", 2, 128, 4, 2, 32, 256, 512, 10000.0, True),
+    )
+}
+
+
+def model_config(name: str) -> ModelConfig:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"expected a model in {sorted(MODELS)}, got {name!r}") from None

@@ -1,0 +1,106 @@
+"""A Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) in plain torch.
+
+Weights are seeded random bf16 (nothing is downloaded): the cost of a forward pass and the bytes of
+its KV cache are those of the real model; the tokens it produces mean nothing. Attention over the
+KV cache is not done here: ``forward`` calls ``attend(layer, q, k, v)``, which stores ``k, v`` in
+the engine's paged cache and returns the attention output (see ``attention.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.engine.config import ModelConfig
+
+# (layer, q [n, heads, head], k [n, kv_heads, head], v) -> [n, heads, head]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head, hidden]
+    qkv_bias: torch.Tensor | None
+    out: torch.Tensor  # [hidden, heads * head]
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+class Model:
+    def __init__(self, config: ModelConfig, device: str = "cpu", seed: int = 0) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        gen = torch.Generator(self.device).manual_seed(seed)
+        c = config
+        q_kv = (c.heads + 2 * c.kv_heads) * c.head_size
+
+        def weight(rows: int, cols: int, std: float | None = None) -> torch.Tensor:
+            w = torch.randn(rows, cols, generator=gen, device=self.device, dtype=torch.float32)
+            return w.mul_(std if std is not None else cols**-0.5).to(torch.bfloat16)
+
+        def ones(n: int) -> torch.Tensor:
+            return torch.ones(n, device=self.device, dtype=torch.bfloat16)
+
+        self.embed = weight(c.vocab, c.hidden, 1.0)
+        self.layers = [
+            Layer(
+                ones(c.hidden),
+                weight(q_kv, c.hidden),
+                weight(1, q_kv, 0.02).view(-1) if c.qkv_bias else None,
+                weight(c.hidden, c.heads * c.head_size),
+                ones(c.hidden),
+                weight(2 * c.intermediate, c.hidden),
+                weight(c.hidden, c.intermediate),
+            )
+            for _ in range(c.layers)
+        ]
+        self.norm = ones(c.hidden)
+        self.lm_head = weight(c.vocab, c.hidden)
+        half = c.head_size // 2
+        exponent = torch.arange(half, device=self.device, dtype=torch.float32) / half
+        self.inv_freq = c.rope_theta**-exponent
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """Logits (float32) of the last token; ``tokens`` and ``positions`` are int64 [n]."""
+        c = self.config
+        n = tokens.shape[0]
+        cos, sin = self._rope(positions)
+        x = self.embed[tokens]
+        q_size, kv_size = c.heads * c.head_size, c.kv_heads * c.head_size
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, c.rms_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], -1)
+            q = rope(q.view(n, c.heads, c.head_size), cos, sin)
+            k = rope(k.view(n, c.kv_heads, c.head_size), cos, sin)
+            o = attend(i, q, k, v.reshape(n, c.kv_heads, c.head_size))
+            x = x + F.linear(o.reshape(n, q_size), layer.out)
+            h = rms_norm(x, layer.mlp_norm, c.rms_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        last = rms_norm(x[-1:], self.norm, c.rms_eps)
+        return F.linear(last, self.lm_head).float().view(-1)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return x32.to(x.dtype) * weight
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (as in HF Llama), computed in float32."""
+    x1, x2 = x.float().chunk(2, -1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)

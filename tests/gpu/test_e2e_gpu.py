@@ -1,0 +1,38 @@
+"""The e2e correctness check at real shapes on a GPU: KV restored from kvoffload's host tier (the
+default ``auto`` backend, pinned host memory) gives bit-equal first-token logits and the same 16
+greedy tokens as the prefix computed on the GPU."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvoffload as kvo  # noqa: E402
+from benchmarks.engine.config import model_config  # noqa: E402
+from benchmarks.engine.host_tier import HostTier  # noqa: E402
+from benchmarks.engine.kv_cache import PagedKVCache  # noqa: E402
+from benchmarks.engine.model import Model  # noqa: E402
+from benchmarks.engine.verify import check_turn  # noqa: E402
+from benchmarks.engine.workload import ChatShape  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "qwen2.5-7b"])
+def test_restore_from_host_is_bit_exact_at_real_shapes(name):
+    config = model_config(name)
+    chat = ChatShape(1, 3, 2048, 512, 256)  # turn 3: a 3328-token prefix restored from host
+    blocks = 3 * -(-chat.history_tokens // 16)
+    model = Model(config, "cuda", seed=0)
+    cache = PagedKVCache(config, blocks, 16, torch.device("cuda"))
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=blocks))
+    try:
+        check = check_turn(model, cache, host, chat, 3, seed=11, chunk_tokens=2048)
+    finally:
+        host.close()
+        del model, cache
+        torch.cuda.empty_cache()
+    print(name, check)
+    assert check["restored_host_hit_tokens"] == check["reference_gpu_hit_tokens"] > 3000
+    assert check["restored_gpu_hit_tokens"] == 0
+    assert check["logits_bit_equal"] and check["greedy_tokens_equal"] and check["ok"]
+    assert check["max_abs_diff_vs_full_recompute"] <= 0.1 * check["logits_abs_max"]

@@ -1,0 +1,68 @@
+"""``kvoffload bench e2e`` end to end at micro shapes, and its guards."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvoffload.cli import main
+
+
+def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("torch")
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--model", "micro", "--device", "cpu", "--out", str(out)]
+    assert main([*argv, "--zero-reuse-rounds", "1", "--zero-reuse-turns", "4"]) == 0
+    result = json.loads(out.read_text())
+    assert result["device"]["name"].startswith("cpu")
+    modes = result["results"]["modes"]
+    assert list(modes) == ["recompute", "gpu", "kvoffload"]
+    for run in modes.values():
+        assert run["turns"] == 4 * 3 and len(run["records"]) == 12
+        assert run["ttft_ms"]["p50"] > 0 and run["turns_per_s"] > 0
+        ratios = run["hit_ratio"]
+        assert ratios["gpu"] + ratios["host"] + ratios["computed"] == pytest.approx(1.0)
+    assert modes["recompute"]["hit_ratio"]["computed"] == 1.0
+    assert modes["kvoffload"]["hit_ratio"]["host"] > 0
+    assert modes["kvoffload"]["host"]["loaded_bytes"] > 0
+    assert modes["kvoffload"]["host"]["stored_bytes"] > 0
+    zero = result["results"]["zero_reuse"]
+    assert zero["runs"]["kvoffload"][0]["hit_ratio"]["host"] == 0.0
+    assert [c["ok"] for c in result["results"]["verify"]] == [True, True]
+    text = capsys.readouterr().out
+    assert "TTFT per mode" in text and "zero reuse" in text
+    if _has_matplotlib():
+        assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def _has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_bad_workload_exits_with_a_message():
+    with pytest.raises(SystemExit, match="expected turns > 0"):
+        main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--turns", "0"])
+    with pytest.raises(SystemExit, match="GPU pool of at least"):
+        main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--gpu-blocks", "3"])
+    with pytest.raises(SystemExit, match="expected modes"):
+        main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--modes", "disk"])
+
+
+def test_outside_a_checkout_it_says_how_to_get_one(monkeypatch, tmp_path):
+    import kvoffload
+    from kvoffload.bench import e2e
+
+    monkeypatch.setattr(kvoffload, "__file__", str(tmp_path / "site" / "kvoffload" / "__init__.py"))
+    with pytest.raises(SystemExit, match="pip install -e"):
+        e2e.checkout()
+
+
+def test_the_command_module_does_not_import_torch():
+    code = "import sys, kvoffload.bench.e2e; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,169 @@
+"""The e2e model runner's parts on CPU at micro shapes: block pool, paged attention, chunking,
+modes, and the rule that a block being stored is not reused."""
+
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvoffload as kvo  # noqa: E402
+from benchmarks.engine.attention import paged_attend, sdpa  # noqa: E402
+from benchmarks.engine.block_pool import BlockPool, PoolExhausted  # noqa: E402
+from benchmarks.engine.config import model_config  # noqa: E402
+from benchmarks.engine.engine import Engine  # noqa: E402
+from benchmarks.engine.host_tier import HostTier  # noqa: E402
+from benchmarks.engine.kv_cache import PagedKVCache  # noqa: E402
+from benchmarks.engine.model import Model  # noqa: E402
+from benchmarks.engine.timing import SectionTimer  # noqa: E402
+from benchmarks.engine.workload import ChatShape, chat_turns  # noqa: E402
+from kvoffload.transfer import backend as backends  # noqa: E402
+from kvoffload.transfer.host import HostBackend  # noqa: E402
+
+MICRO = model_config("micro")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model(MICRO, "cpu", seed=0)
+
+
+def test_pool_caches_matches_and_evicts_least_recently_freed_first():
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    pool.cache(a, [b"k0", b"k1"])
+    pool.release(a)  # freed last block first: k1 is evicted before k0
+    assert pool.match([b"k0", b"k1", b"k2"]) == a
+    pool.release(a)
+    pool.allocate(2)  # the two never-cached blocks
+    assert pool.num_cached == 2 and pool.evictions == 0
+    pool.allocate(1)
+    assert pool.evictions == 1 and pool.match([b"k0"]) == [a[0]] and pool.match([b"k1"]) == []
+    with pytest.raises(PoolExhausted):
+        pool.allocate(1)
+
+
+def test_pool_rejects_bad_use():
+    pool = BlockPool(2)
+    with pytest.raises(ValueError, match="block in use"):
+        pool.release([0])
+    with pytest.raises(ValueError, match="one key per block"):
+        pool.cache([0], [])
+    with pytest.raises(ValueError, match="num_blocks > 0"):
+        BlockPool(0)
+
+
+def test_paged_attention_equals_dense_causal_attention_on_scattered_blocks():
+    cache = PagedKVCache(MICRO, 12, 4, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    length, start, heads, kvh, hd = 22, 13, MICRO.heads, MICRO.kv_heads, MICRO.head_size
+    q = torch.randn(length, heads, hd, generator=gen).bfloat16()
+    k = torch.randn(length, kvh, hd, generator=gen).bfloat16()
+    v = torch.randn(length, kvh, hd, generator=gen).bfloat16()
+    table = torch.tensor([7, 2, 11, 0, 5, 9])  # scattered blocks, 24 slots for 22 tokens
+    timer = SectionTimer(torch.device("cpu"))
+    first = torch.arange(0, start)
+    paged_attend(cache, table, 0, first, timer)(1, q[:start], k[:start], v[:start])
+    rest = torch.arange(start, length)
+    out = paged_attend(cache, table, start, rest, timer)(1, q[start:], k[start:], v[start:])
+    # the reference: every query against all keys up to its own position, in float32
+    rep = heads // kvh
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(rep, 1))
+    scores = scores / hd**0.5
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    want = torch.einsum("hqk,khd->qhd", probs, v.float().repeat_interleave(rep, 1))
+    torch.testing.assert_close(out.float(), want[start:], atol=2e-2, rtol=2e-2)
+    assert set(timer.collect()) == {"gather", "sdpa"}
+    # the blocks outside the table were never written
+    untouched = [b for b in range(12) if b not in table.tolist()]
+    assert not cache.tensors[1][:, untouched].any()
+    assert sdpa(q[:1], k[:1], v[:1], 0).shape == (1, heads, hd)
+
+
+def test_chunked_prefill_matches_one_pass(model):
+    cache = PagedKVCache(MICRO, 32, 16, torch.device("cpu"))
+    prompt = np.random.default_rng(3).integers(0, MICRO.vocab, 150)
+    whole = Engine(model, cache, "recompute", chunk_tokens=1000).run(prompt)
+    chunked = Engine(model, cache, "recompute", chunk_tokens=16).run(prompt)
+    torch.testing.assert_close(whole.logits, chunked.logits, atol=0.1, rtol=0.05)
+    assert whole.computed_tokens == chunked.computed_tokens == 150
+
+
+def test_modes_reuse_what_they_should(model):
+    shape = ChatShape(conversations=3, turns=3, system_tokens=32, user_tokens=32, answer_tokens=16)
+    turns = chat_turns(shape, MICRO.vocab, seed=0)
+    cache = PagedKVCache(MICRO, 2 * -(-shape.history_tokens // 16), 16, torch.device("cpu"))
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=64))
+    try:
+        hits = {}
+        for mode in ("recompute", "gpu", "kvoffload"):
+            engine = Engine(model, cache, mode, host if mode == "kvoffload" else None, 64)
+            runs = [engine.run(t.prompt, t.answer) for t in turns]
+            engine.idle()
+            hits[mode] = (
+                sum(r.gpu_hit_tokens for r in runs),
+                sum(r.host_hit_tokens for r in runs),
+                sum(r.computed_tokens for r in runs),
+            )
+            assert engine.pool.num_free == engine.pool.num_blocks  # every block given back
+        total = sum(len(t.prompt) for t in turns)
+        assert hits["recompute"] == (0, 0, total)
+        assert hits["gpu"][0] > 0 and hits["gpu"][1] == 0
+        # the pool holds two histories: the third conversation pushes the first out of the pool,
+        # and kvoffload loads it back instead of recomputing it
+        assert hits["kvoffload"][1] > 0
+        assert hits["kvoffload"][2] < hits["gpu"][2]
+        assert sum(hits["kvoffload"]) == sum(hits["gpu"]) == total
+        assert host.stats.stores > 0 and host.stats.failures == 0
+        assert host.stats.store_bytes == host.stats.stores * cache.block_bytes
+    finally:
+        host.close()
+
+
+class GatedBackend(HostBackend):
+    """The host backend, copying only once ``gate`` opens (stores then stay in flight)."""
+
+    gate = threading.Event()
+
+    def copy(self, specs):
+        self.gate.wait(10)
+        super().copy(specs)
+
+
+def test_blocks_being_stored_are_not_reused_until_the_store_settles(model, monkeypatch):
+    monkeypatch.setitem(backends.BACKENDS, "host", GatedBackend)
+    GatedBackend.gate.clear()
+    cache = PagedKVCache(MICRO, 8, 16, torch.device("cpu"))
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=16))
+    try:
+        engine = Engine(model, cache, "kvoffload", host, 64)
+        prompt = np.arange(80) % MICRO.vocab
+        engine.run(prompt)  # 5 blocks, 5 full ones being stored
+        assert engine.pool.num_free == 3  # held while their store is in flight
+        GatedBackend.gate.set()
+        engine.idle()
+        assert engine.pool.num_free == 8 and host.stats.stores == 5
+        # with the copy done, the same prompt now comes back from host after the pool forgets it
+        engine.drop_gpu_cache()
+        again = engine.run(prompt)
+        assert again.host_hit_tokens == 64 and again.gpu_hit_tokens == 0
+    finally:
+        GatedBackend.gate.set()
+        host.close()
+
+
+def test_engine_rejects_bad_input(model):
+    cache = PagedKVCache(MICRO, 4, 16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="mode"):
+        Engine(model, cache, "disk")
+    with pytest.raises(ValueError, match="host tier exactly"):
+        Engine(model, cache, "kvoffload")
+    engine = Engine(model, cache, "gpu")
+    with pytest.raises(ValueError, match="non-empty 1-D prompt"):
+        engine.run([])
+    with pytest.raises(ValueError, match="answer tokens or decode"):
+        engine.run([1, 2], answer=[3], decode=1)
+    with pytest.raises(PoolExhausted):
+        engine.run(np.zeros(100, dtype=np.int64))
