@@ -22,6 +22,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "kvoffload.bench.store",
         "control-plane cost: lookup, store and eviction at 10^4 and 10^6 resident blocks",
     ),
+    ("bench", "e2e"): (
+        "kvoffload.bench.e2e",
+        "multi-turn chat TTFT: recompute vs GPU prefix cache vs kvoffload, on a model runner",
+    ),
 }
 
 
