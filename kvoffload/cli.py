@@ -14,6 +14,14 @@ from collections.abc import Sequence
 
 # command path -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("doctor",): (
+        "kvoffload.doctor",
+        "GPU, driver, cuMemcpyBatchAsync, Triton, calibration table, measured link GB/s",
+    ),
+    ("calibrate",): (
+        "kvoffload.calibrate",
+        "measure the copy backends on this GPU and cache the planner's table",
+    ),
     ("bench", "transfer"): (
         "kvoffload.bench.transfer",
         "copy GB/s per model shape and layout (host backend on CPU; GPU backends on a GPU)",
@@ -21,6 +29,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "store"): (
         "kvoffload.bench.store",
         "control-plane cost: lookup, store and eviction at 10^4 and 10^6 resident blocks",
+    ),
+    ("bench", "tiers"): (
+        "kvoffload.bench.tiers",
+        "disk and Valkey tier MB/s and per-block latency; file-per-block vs slab; write policy",
     ),
     ("bench", "e2e"): (
         "kvoffload.bench.e2e",

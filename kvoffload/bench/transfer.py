@@ -3,6 +3,10 @@
 Without a GPU it measures the ``host`` backend (CPU memory to CPU memory). Each configuration
 copies ``--blocks`` randomly chosen engine blocks to randomly chosen host slots and back, checks
 the round trip byte for byte, and reports the median of ``--reps`` timed copies after a warm-up.
+
+With a GPU (``--device auto`` finds one) it runs ``kvoffload.bench.transfer_gpu``: the link limit,
+``staged`` / ``dma`` / ``sm`` side by side, store+load at once, GEMM interference and binding host
+time, writing JSON and a PNG plot next to it (see docs/transfer.md).
 """
 
 from __future__ import annotations
@@ -39,6 +43,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per block")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement")
     p.add_argument("--out", type=Path, default=None, help="JSON result path")
+    g = p.add_argument_group("GPU run (ignored without CUDA)")
+    g.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if present"
+    )
+    g.add_argument("--block-sizes", type=_csv(int), default=[16, 48], help="GPU: tokens per block")
+    g.add_argument("--methods", type=_csv(str), default=["staged", "dma", "sm"], help="GPU methods")
+    g.add_argument("--link-bytes", type=int, default=1 << 30, help="GPU: bytes per link copy")
+    g.add_argument("--link-reps", type=int, default=5, help="GPU: timed link copies")
+    g.add_argument(
+        "--gemm-reps", type=int, default=8, help="GPU: interleaved GEMM windows (0: skip)"
+    )
+    g.add_argument("--gemms", type=int, default=8, help="GPU: GEMMs per window")
+    g.add_argument(
+        "--both-layout", default="page", help="GPU: layout of the store+load-at-once and GEMM runs"
+    )
+    g.add_argument(
+        "--binding-counts", type=_csv(int), default=[2048, 10000], help="GPU: descriptors per call"
+    )
+    g.add_argument("--plot", type=Path, default=None, help="GPU: PNG path (default: next to JSON)")
+    g.add_argument("--quick", action="store_true", help="GPU: one block size, fewer repetitions")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -103,8 +127,22 @@ def measure_host(
     }
 
 
+def _use_gpu(args: argparse.Namespace) -> bool:
+    if args.device == "cpu":
+        return False
+    from kvoffload.transfer.pinning import cuda_available
+
+    if cuda_available():
+        return True
+    if args.device == "cuda":
+        raise SystemExit("--device cuda: expected a CUDA GPU, found none")
+    return False
+
+
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    if _use_gpu(args):
+        return run_gpu(args)
     configs = [(m, lay, n) for m in args.models for lay in args.layouts for n in args.blocks]
     rows = []
     with progress() as bar:
@@ -137,3 +175,66 @@ def _print(rows: list[dict[str, Any]]) -> None:
             f"{r['load_GBps']:.2f}",
         )
     console.print(table)
+
+
+def run_gpu(args: argparse.Namespace) -> int:
+    from kvoffload.bench.transfer_gpu import METHODS
+    from kvoffload.bench.transfer_gpu import run_gpu as measure
+    from kvoffload.bench.transfer_plot import plot
+
+    for m in args.methods:
+        if m not in METHODS:
+            raise SystemExit(f"--methods: expected names from {list(METHODS)}, got {m!r}")
+    if args.both_layout not in args.layouts:
+        raise SystemExit(
+            f"--both-layout: expected one of --layouts {args.layouts}, got {args.both_layout!r}"
+        )
+    if args.quick:
+        args.block_sizes = args.block_sizes[:1]
+        args.reps = min(args.reps, 3)
+        args.gemm_reps = min(args.gemm_reps, 4)
+    result = {**measure(args), **machine_info()}
+    device = result["device"]
+    out = args.out or default_out("transfer", device)
+    console.print(f"wrote {write_json(out, result)}")
+    console.print(f"wrote {plot(result, args.plot or out.with_suffix('.png'))}")
+    _print_gpu(result)
+    return 0
+
+
+def _print_gpu(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    link = result["link"]["GBps"]
+    console.print(
+        "link (1 GiB, median [min-max]): "
+        + ", ".join(
+            f"{k} {v['median']:.1f} [{v['min']:.1f}-{v['max']:.1f}]" for k, v in link.items()
+        )
+    )
+    table = Table(title=f"GPU transfers on {result['device']}: GB/s and share of the link")
+    for col in ("model", "layout", "bs", "blocks", "piece", "method", "store", "load", "submit us"):
+        table.add_column(col, justify="left" if col in ("model", "layout", "method") else "right")
+    d2h, h2d = link["d2h"]["median"], link["h2d"]["median"]
+    for r in result["rows"]:
+        table.add_row(
+            r["model"],
+            r["layout"],
+            str(r["block_size"]),
+            str(r["blocks"]),
+            f"{r['piece_bytes'] // 1024} KiB",
+            r["method"],
+            f"{r['store_GBps']:.1f} ({r['store_GBps'] / d2h:.0%})",
+            f"{r['load_GBps']:.1f} ({r['load_GBps'] / h2d:.0%})",
+            f"{r['store_submit_us']:.0f}/{r['store_enqueue_us']:.0f}",
+        )
+    console.print(table)
+    for b in result["store_and_load"]:
+        console.print(f"store+load at once {b['model']} {b['method']}: {b['GBps']:.1f} GB/s")
+    if result["gemm"]:
+        g = result["gemm"]
+        console.print(
+            f"GEMM slowdown (baseline noise {g['baseline_noise']:.1%}): "
+            + ", ".join(f"{m} {v:+.1%}" for m, v in g["slowdown"].items())
+        )
+    console.print(f"binding host us: {result['binding_host_us']}")

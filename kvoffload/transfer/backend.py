@@ -68,7 +68,25 @@ def _host(layout: KVLayout, arena: HostArena) -> CopyBackend:
     return HostBackend(layout, arena)
 
 
-BACKENDS: dict[str, BackendFactory] = {"host": _host}
+def _dma(layout: KVLayout, arena: HostArena) -> CopyBackend:
+    from kvoffload.transfer.cuda.dma import DmaBackend
+
+    return DmaBackend(layout, arena)
+
+
+def _sm(layout: KVLayout, arena: HostArena) -> CopyBackend:
+    from kvoffload.transfer.cuda.sm import SmBackend
+
+    return SmBackend(layout, arena)
+
+
+def _staged(layout: KVLayout, arena: HostArena) -> CopyBackend:
+    from kvoffload.transfer.cuda.staged import StagedBackend
+
+    return StagedBackend(layout, arena)
+
+
+BACKENDS: dict[str, BackendFactory] = {"host": _host, "dma": _dma, "sm": _sm, "staged": _staged}
 
 
 def register_backend(name: str, factory: BackendFactory) -> None:
@@ -76,9 +94,14 @@ def register_backend(name: str, factory: BackendFactory) -> None:
 
 
 def make_backend(name: str, layout: KVLayout, arena: HostArena) -> CopyBackend:
-    """Build a backend by name; ``auto`` picks ``host`` for CPU layouts."""
+    """Build a backend by name; ``auto`` picks ``host`` for CPU layouts and, for CUDA layouts, a
+    planner that routes each transfer by this GPU's calibration table (``staged`` without one)."""
     if name == "auto":
-        name = "host" if not layout.is_cuda else "staged"
+        if layout.is_cuda:
+            from kvoffload.transfer.planner import make_planned
+
+            return make_planned(layout, arena)
+        name = "host"
     try:
         factory = BACKENDS[name]
     except KeyError:

@@ -1,0 +1,470 @@
+# mypy: disable-error-code="no-untyped-call"
+"""``kvoffload bench transfer`` on a GPU: every method side by side, next to the link limit.
+
+One run measures: the link limit (1 GiB contiguous H2D, D2H, both at once; warmed up, repeated,
+with the spread); per model shape x engine layout x block size x blocks per transfer, store and
+load GB/s of ``staged``, ``dma`` (one descriptor per piece, as vLLM does) and ``sm`` (12 programs,
+8 KiB chunks, vLLM's constants), with host submit and enqueue time; store+load at once; the
+slowdown of a bf16 8192^3 GEMM stream while each method transfers in both directions (baseline and
+loaded windows interleaved); the host time of a cuMemcpyBatchAsync call through ctypes and through
+cuda-python. Every transfer's bytes are checked after its round trip.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvoffload.bench.common import progress
+from kvoffload.bench.gpu_timing import Sleeper, measure_link, spread, time_transfers
+from kvoffload.bench.shapes import MODELS, engine_tensors
+from kvoffload.store.arena import HostArena
+from kvoffload.transfer.cuda.base import CudaBackend
+from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.pinning import cuda_pin
+from kvoffload.transfer.spec import TransferSpec
+
+METHODS = ("staged", "dma", "sm")
+
+
+def make(method: str, kv: KVLayout, arena: HostArena) -> CudaBackend:
+    from kvoffload.transfer.cuda.dma import DmaBackend
+    from kvoffload.transfer.cuda.sm import SmBackend
+    from kvoffload.transfer.cuda.staged import StagedBackend
+
+    if method == "staged":
+        return StagedBackend(kv, arena)
+    if method == "dma":
+        return DmaBackend(kv, arena, merge=False)  # one descriptor per piece, as vLLM does
+    if method == "sm":
+        return SmBackend(kv, arena)
+    raise ValueError(f"expected a method in {METHODS}, got {method!r}")
+
+
+def gpu_info() -> dict[str, Any]:
+    import triton
+
+    from kvoffload.transfer.cuda.driver import CudaDriver
+
+    drv = CudaDriver.load()
+    props = torch.cuda.get_device_properties(0)
+    try:
+        from cuda import bindings
+
+        cuda_python = str(bindings.__version__)
+    except ImportError:
+        cuda_python = None
+    return {
+        "device": torch.cuda.get_device_name(),
+        "sms": props.multi_processor_count,
+        "driver": drv.version,
+        "batch_entry_resolved": drv.batch_resolved,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "cuda_python": cuda_python,
+    }
+
+
+class Engine:
+    """One model x layout x block size: random bf16 KV tensors on the GPU."""
+
+    def __init__(self, model: str, layout: str, block_size: int, pool: int) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        self.tensors, block_dim = engine_tensors(
+            MODELS[model],
+            layout,
+            pool,
+            block_size,
+            lambda s: torch.randn(s, device="cuda", generator=gen, dtype=torch.bfloat16),
+        )
+        self.kv = KVLayout.from_tensors(self.tensors, block_size=block_size, block_dim=block_dim)
+        self.block_dim = block_dim
+        self.pool = pool
+
+    def same_blocks(self, a: np.ndarray, b: np.ndarray) -> bool:
+        ia = torch.from_numpy(a).cuda()
+        ib = torch.from_numpy(b).cuda()
+        return all(
+            torch.equal(
+                t.index_select(self.block_dim, ia).view(torch.int16),
+                t.index_select(self.block_dim, ib).view(torch.int16),
+            )
+            for t in self.tensors
+        )
+
+
+def submitter(backend: CudaBackend, *specs: list[TransferSpec]) -> Callable[[Any], list[Any]]:
+    """``stream -> pendings``: submit each of ``specs``, ordered after ``stream``."""
+
+    def submit(stream: Any) -> list[Any]:
+        return [backend.submit(s, order_after=stream) for s in specs]
+
+    return submit
+
+
+def measure_config(
+    sleeper: Sleeper,
+    engine: Engine,
+    arena: HostArena,
+    backends: dict[str, CudaBackend],
+    n: int,
+    reps: int,
+    rng: np.random.Generator,
+) -> list[dict[str, Any]]:
+    rows = []
+    group = engine.kv.groups[0]
+    nbytes = n * group.slot_bytes
+    for method, backend in backends.items():
+        perm = rng.permutation(engine.pool)
+        src, dst = perm[:n], perm[n : 2 * n]
+        slots = rng.permutation(arena.num_slots)[:n]
+        store = [TransferSpec.of("store", src, slots)]
+        load = [TransferSpec.of("load", dst, slots)]
+        times = {}
+        for direction, spec in (("store", store), ("load", load)):
+            for lead in (False, True):
+                times[direction, lead] = time_transfers(
+                    sleeper,
+                    submitter(backend, spec),
+                    reps,
+                    lead=lead,
+                )
+        if not engine.same_blocks(src, dst):
+            raise RuntimeError(f"{method}: round trip corrupted bytes")
+        row: dict[str, Any] = {
+            "method": method,
+            "blocks": n,
+            "piece_bytes": group.regions[0].page_bytes,
+            "pieces": n * len(group.regions),
+            "slot_bytes": group.slot_bytes,
+        }
+        for direction in ("store", "load"):
+            e2e, gpu = times[direction, False], times[direction, True]
+            # GBps: end to end, from submit on an idle GPU to the copy's completion event.
+            row[f"{direction}_GBps"] = nbytes / statistics.median(e2e["gpu_s"]) / 1e9
+            row[f"{direction}_GBps_spread"] = spread([nbytes / x / 1e9 for x in e2e["gpu_s"]])
+            # gpu_GBps: the copies alone, the host's enqueue hidden behind a GPU sleep.
+            row[f"{direction}_gpu_GBps"] = nbytes / statistics.median(gpu["gpu_s"]) / 1e9
+            row[f"{direction}_submit_us"] = (
+                statistics.median(e2e["submit_s"] + gpu["submit_s"]) * 1e6
+            )
+            row[f"{direction}_wake_us"] = statistics.median(e2e["wake_s"]) * 1e6
+            row[f"{direction}_enqueue_us"] = (
+                statistics.median(e2e["enqueue_s"] + gpu["enqueue_s"]) * 1e6
+            )
+        rows.append(row)
+    return rows
+
+
+def measure_both(
+    sleeper: Sleeper,
+    engine: Engine,
+    arena: HostArena,
+    backend: CudaBackend,
+    n: int,
+    reps: int,
+    rng: np.random.Generator,
+) -> float:
+    """GB/s (both directions summed) of a store and a load of ``n`` blocks each, at once."""
+    perm = rng.permutation(engine.pool)
+    slots = rng.permutation(arena.num_slots)
+    store = [TransferSpec.of("store", perm[:n], slots[:n])]
+    load = [TransferSpec.of("load", perm[n : 2 * n], slots[n : 2 * n])]
+    t = time_transfers(
+        sleeper,
+        submitter(backend, store, load),
+        reps,
+    )
+    return float(2 * n * engine.kv.slot_bytes / statistics.median(t["gpu_s"]) / 1e9)
+
+
+def measure_gemm(
+    engine: Engine,
+    arena: HostArena,
+    backends: dict[str, CudaBackend],
+    n: int,
+    reps: int,
+    gemms: int,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
+    """Slowdown of a bf16 8192^3 GEMM stream while each method stores and loads continuously.
+
+    Repetitions interleave a baseline window (GEMMs alone) with one loaded window per method; the
+    slowdown is the median over repetitions of loaded / mean(adjacent baselines) - 1. The
+    baseline's own spread is reported as the noise floor.
+    """
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    comp = torch.cuda.Stream()
+    perm = rng.permutation(engine.pool)
+    slots = rng.permutation(arena.num_slots)
+    store = [TransferSpec.of("store", perm[:n], slots[:n])]
+    load = [TransferSpec.of("load", perm[n : 2 * n], slots[n : 2 * n])]
+    transfer_s = {}
+
+    def window(backend: CudaBackend | None) -> float:
+        torch.cuda.synchronize()
+        pend = []
+        if backend is not None:
+            pend = [backend.submit(store, order_after=None), backend.submit(load, order_after=None)]
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(comp):
+            e0.record()
+            for _ in range(gemms):
+                torch.mm(a, b)
+            e1.record()
+        e1.synchronize()
+        for p in pend:
+            p.wait(120)
+        return float(e0.elapsed_time(e1) / 1e3)
+
+    for backend in [None, *backends.values()]:  # warm-up
+        window(backend)
+    for name, backend in backends.items():
+        torch.cuda.synchronize()
+        s = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
+        s.record()
+        p = [backend.submit(store, order_after=None), backend.submit(load, order_after=None)]
+        for x in p:
+            x.wait_on()
+        e.record()
+        e.synchronize()
+        transfer_s[name] = s.elapsed_time(e) / 1e3
+    base: list[float] = []
+    loaded: dict[str, list[float]] = {m: [] for m in backends}
+    ratios: dict[str, list[float]] = {m: [] for m in backends}
+    prev = window(None)
+    base.append(prev)
+    for _ in range(reps):
+        row = {m: window(bk) for m, bk in backends.items()}
+        nxt = window(None)
+        base.append(nxt)
+        for m, t in row.items():
+            loaded[m].append(t)
+            ratios[m].append(t / ((prev + nxt) / 2) - 1)
+        prev = nxt
+    bmed = statistics.median(base)
+    return {
+        "gemm": "bf16 8192x8192x8192",
+        "gemms_per_window": gemms,
+        "window_s": spread(base),
+        "baseline_noise": (max(base) - min(base)) / bmed,
+        "transfer_pair_s": transfer_s,
+        "blocks_per_transfer": n,
+        "slowdown": {m: statistics.median(r) for m, r in ratios.items()},
+        "slowdown_spread": {m: spread(r) for m, r in ratios.items()},
+    }
+
+
+def measure_binding(counts: tuple[int, ...], reps: int = 15) -> dict[str, Any]:
+    """Host time of one cuMemcpyBatchAsync call of ``count`` 4 KiB D2H descriptors: through ctypes
+    (numpy arrays passed as three pointers) and through cuda-python (lists of CUdeviceptr)."""
+    import time
+
+    from kvoffload.transfer.cuda.driver import CudaDriver
+
+    drv = CudaDriver.load()
+    stream = torch.cuda.Stream()
+    out: dict[str, Any] = {}
+    try:
+        from cuda.bindings import driver as cbd
+    except ImportError as missing:
+        cbd = None
+        out["cuda_python_error"] = str(missing)
+    for count in counts:
+        dev = torch.empty(count * 4096, dtype=torch.uint8, device="cuda")
+        host = torch.empty(count * 4096, dtype=torch.uint8, pin_memory=True)
+        table = np.stack(
+            [
+                dev.data_ptr() + np.arange(count, dtype=np.int64) * 4096,
+                host.data_ptr() + np.arange(count, dtype=np.int64) * 4096,
+                np.full(count, 4096, dtype=np.int64),
+            ]
+        )
+        res: dict[str, Any] = {}
+        ct = []
+        for _ in range(reps):
+            stream.synchronize()
+            t0 = time.perf_counter()
+            drv.memcpy_batch(table, int(stream.cuda_stream))
+            ct.append(time.perf_counter() - t0)
+        res["ctypes_us"] = statistics.median(ct) * 1e6
+        if cbd is not None:
+            try:
+                attr = cbd.CUmemcpyAttributes()
+                attr.srcAccessOrder = cbd.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+                full, call = [], []
+                for _ in range(reps):
+                    stream.synchronize()
+                    t0 = time.perf_counter()
+                    srcs = [cbd.CUdeviceptr(int(x)) for x in table[0].tolist()]
+                    dsts = [cbd.CUdeviceptr(int(x)) for x in table[1].tolist()]
+                    sizes = table[2].tolist()
+                    t1 = time.perf_counter()
+                    (err,) = cbd.cuMemcpyBatchAsync(
+                        dsts,
+                        srcs,
+                        sizes,
+                        count,
+                        [attr],
+                        [0],
+                        1,
+                        cbd.CUstream(int(stream.cuda_stream)),
+                    )[:1]
+                    t2 = time.perf_counter()
+                    if int(err) != 0:
+                        raise RuntimeError(f"cuda-python cuMemcpyBatchAsync: {err}")
+                    full.append(t2 - t0)
+                    call.append(t2 - t1)
+                res["cuda_python_us"] = statistics.median(full) * 1e6
+                res["cuda_python_call_only_us"] = statistics.median(call) * 1e6
+            except (RuntimeError, TypeError, AttributeError, ValueError) as err:
+                res["cuda_python_error"] = f"{type(err).__name__}: {err}"
+        stream.synchronize()
+        out[str(count)] = res
+    return out
+
+
+def measure_host_costs(reps: int = 200) -> dict[str, float]:
+    """Median host microseconds of the calls a transfer's enqueue is made of."""
+    import time
+
+    from kvoffload.transfer.cuda import driver as cu
+    from kvoffload.transfer.cuda.kernels import CopyLauncher
+
+    drv = cu.CudaDriver.load()
+    stream = torch.cuda.Stream()
+    handle = int(stream.cuda_stream)
+    ev = cu.event_create()
+    src = torch.empty(64 * 4096, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(64 * 4096, dtype=torch.uint8, pin_memory=True)
+    idx = torch.arange(64, dtype=torch.int64, device="cuda")
+    regions = torch.tensor(
+        [[src.data_ptr()], [4096], [4096], [0]], dtype=torch.int64, device="cuda"
+    )
+    launcher = CopyLauncher()
+
+    def table(n: int) -> np.ndarray:
+        off = np.arange(n, dtype=np.int64) * 4096
+        return np.stack([src.data_ptr() + off, dst.data_ptr() + off, np.full(n, 4096, np.int64)])
+
+    tables = {n: table(n) for n in (1, 16, 64)}
+
+    def launch() -> None:
+        launcher.launch(
+            stream,
+            16,
+            idx,
+            idx,
+            regions,
+            0,
+            64,
+            1,
+            dst.data_ptr(),
+            4096,
+            to_host=True,
+            identity=True,
+            jobs=8,
+            words=512,
+        )
+
+    calls: dict[str, Callable[[], object]] = {
+        "event_record": lambda: cu.event_record(ev, handle),
+        "stream_wait_event": lambda: cu.stream_wait_event(handle, ev),
+        "event_create_destroy": lambda: cu.event_destroy(cu.event_create()),
+        "event_query": lambda: cu.event_done(ev),
+        "memcpy_async_upload_512B": lambda: drv.memcpy(dst.data_ptr(), src.data_ptr(), 512, handle),
+        "triton_launch": launch,
+        **{f"memcpy_batch_{n}": partial(drv.memcpy_batch, t, handle) for n, t in tables.items()},
+    }
+    out = {}
+    for name, fn in calls.items():
+        fn()
+        stream.synchronize()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+            if len(ts) % 16 == 0:
+                stream.synchronize()
+        stream.synchronize()
+        out[name] = statistics.median(ts) * 1e6
+    cu.event_destroy(ev)
+    return out
+
+
+def run_gpu(args: Any) -> dict[str, Any]:
+    """The whole GPU benchmark; returns the JSON-ready result."""
+    torch.cuda.init()
+    result: dict[str, Any] = {"benchmark": "transfer", **gpu_info()}
+    sleeper = Sleeper()
+    rng = np.random.default_rng(0)
+    result["link"] = measure_link(sleeper, args.link_bytes, args.link_reps)
+    max_blocks = max(args.blocks)
+    pool = 2 * max_blocks + 8
+    slot = max(MODELS[m].block_bytes(bs) for m in args.models for bs in args.block_sizes)
+    arena = HostArena(2 * max_blocks + 8, slot, pin=cuda_pin)
+    fill = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda").cpu().numpy()
+    flat = arena.slots.reshape(-1)
+    for off in range(0, len(flat), len(fill)):
+        part = flat[off : off + len(fill)]
+        part[:] = fill[: len(part)]
+    rows: list[dict[str, Any]] = []
+    both: list[dict[str, Any]] = []
+    configs = [(m, lay, bs) for m in args.models for lay in args.layouts for bs in args.block_sizes]
+    gemm_done = None
+    with progress() as bar:
+        task = bar.add_task("GPU transfers", total=len(configs) * len(args.blocks))
+        for model, layout, bs in configs:
+            engine = Engine(model, layout, bs, pool)
+            backends = {m: make(m, engine.kv, arena) for m in args.methods}
+            try:
+                for n in args.blocks:
+                    bar.update(task, description=f"{model} {layout} bs{bs} x{n}")
+                    for row in measure_config(sleeper, engine, arena, backends, n, args.reps, rng):
+                        rows.append({"model": model, "layout": layout, "block_size": bs, **row})
+                    bar.advance(task)
+                if layout == args.both_layout and bs == args.block_sizes[0]:
+                    for m, bk in backends.items():
+                        gbps = measure_both(sleeper, engine, arena, bk, max_blocks, args.reps, rng)
+                        both.append(
+                            {
+                                "model": model,
+                                "layout": layout,
+                                "block_size": bs,
+                                "blocks": max_blocks,
+                                "method": m,
+                                "GBps": gbps,
+                            }
+                        )
+                if (
+                    args.gemm_reps > 0
+                    and gemm_done is None
+                    and (model, layout, bs)
+                    == (args.models[0], args.both_layout, args.block_sizes[0])
+                ):
+                    bar.update(task, description="GEMM interference")
+                    gemm_done = measure_gemm(
+                        engine, arena, backends, max_blocks, args.gemm_reps, args.gemms, rng
+                    )
+            finally:
+                for bk in backends.values():
+                    bk.close()
+                del engine
+                torch.cuda.empty_cache()
+    arena.close()
+    result["rows"] = rows
+    result["store_and_load"] = both
+    result["gemm"] = gemm_done
+    result["binding_host_us"] = measure_binding(tuple(args.binding_counts))
+    result["host_call_us"] = measure_host_costs()
+    return result

@@ -1,0 +1,54 @@
+"""The transfer benchmark's plot: GB/s by piece size per method, the link limit as a line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+STYLE = {"staged": ("tab:green", "o"), "dma": ("tab:blue", "s"), "sm": ("tab:red", "^")}
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = max(r["blocks"] for r in result["rows"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    for ax, direction, link_key in zip(axes, ("store", "load"), ("d2h", "h2d"), strict=True):
+        for method, (color, marker) in STYLE.items():
+            pts = sorted(
+                (r["piece_bytes"], r[f"{direction}_GBps"])
+                for r in result["rows"]
+                if r["method"] == method and r["blocks"] == blocks
+            )
+            if pts:
+                ax.scatter(
+                    [p[0] / 1024 for p in pts],
+                    [p[1] for p in pts],
+                    color=color,
+                    marker=marker,
+                    label=method,
+                    alpha=0.8,
+                )
+        link = result["link"]["GBps"][link_key]["median"]
+        ax.axhline(link, color="black", linestyle="--", label=f"link {link:.1f} GB/s")
+        ax.axhline(0.95 * link, color="gray", linestyle=":", label="95% of link")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("piece bytes (KiB): one block of one region")
+        ax.set_title(
+            f"{direction} ({'GPU->host' if direction == 'store' else 'host->GPU'}), "
+            f"{blocks} blocks per transfer"
+        )
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(loc="lower right")
+    fig.suptitle(
+        f"kvoffload transfer, {result['device']}, driver {result['driver']}, {result['date'][:10]}"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

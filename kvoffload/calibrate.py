@@ -1,0 +1,116 @@
+"""``kvoffload calibrate``: measure the copy backends on this GPU and cache the table.
+
+Synthetic engines with one piece size each (``--pieces``: bytes of one block of one region; the
+number of regions per block is chosen so a block is about 2 MiB) move ``--blocks`` blocks per
+transfer, both directions, through each method; the median GB/s of each point goes into the
+calibration table (``kvoffload.transfer.calibration``), saved per GPU model and driver. The
+planner (``backend="auto"``) then picks, per transfer, the method that was fastest at the nearest
+point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+
+def _csv(kind: type) -> Any:
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--pieces",
+        type=_csv(int),
+        default=[4096, 16384, 65536, 262144, 1 << 20, 4 << 20],
+        help="piece sizes in bytes",
+    )
+    p.add_argument("--blocks", type=_csv(int), default=[16, 128], help="blocks per transfer")
+    p.add_argument("--methods", type=_csv(str), default=["staged", "dma"], help="methods")
+    p.add_argument("--reps", type=int, default=3, help="timed transfers per point")
+    p.add_argument("--out", default=None, help="table path (default: the per-GPU cache file)")
+
+
+def measure(args: argparse.Namespace) -> Any:
+    import numpy as np
+    import torch
+
+    from kvoffload.bench.common import progress
+    from kvoffload.bench.gpu_timing import Sleeper, time_transfers
+    from kvoffload.bench.transfer_gpu import submitter
+    from kvoffload.store.arena import HostArena
+    from kvoffload.transfer.backend import make_backend
+    from kvoffload.transfer.calibration import CalibrationTable, Measurement
+    from kvoffload.transfer.cuda.base import CudaBackend
+    from kvoffload.transfer.cuda.driver import driver_version
+    from kvoffload.transfer.layout import KVLayout
+    from kvoffload.transfer.pinning import cuda_pin
+    from kvoffload.transfer.spec import TransferSpec
+
+    sleeper = Sleeper()
+    rng = np.random.default_rng(0)
+    n_max = max(args.blocks)
+    entries = []
+    with progress() as bar:
+        task = bar.add_task("calibrating", total=len(args.pieces))
+        for piece in args.pieces:
+            regions = min(64, max(1, (2 << 20) // piece))
+            pool = 2 * n_max
+            tensors = [
+                torch.randint(0, 256, (pool, piece), dtype=torch.uint8, device="cuda")
+                for _ in range(regions)
+            ]
+            kv = KVLayout.from_tensors(tensors, block_size=16)
+            arena = HostArena(pool, kv.slot_bytes, pin=cuda_pin)
+            try:
+                for method in args.methods:
+                    backend = make_backend(method, kv, arena)
+                    assert isinstance(backend, CudaBackend)
+                    try:
+                        for n in args.blocks:
+                            for direction in ("store", "load"):
+                                spec = [
+                                    TransferSpec.of(
+                                        direction,
+                                        rng.permutation(pool)[:n],
+                                        rng.permutation(pool)[:n],
+                                    )
+                                ]
+                                t = time_transfers(sleeper, submitter(backend, spec), args.reps)
+                                gbps = n * kv.slot_bytes / statistics.median(t["gpu_s"]) / 1e9
+                                entries.append(
+                                    Measurement(method, direction, piece, n * regions, gbps)
+                                )
+                    finally:
+                        backend.close()
+            finally:
+                arena.close()
+                del tensors
+                torch.cuda.empty_cache()
+            bar.advance(task)
+    return CalibrationTable(torch.cuda.get_device_name(), driver_version(), tuple(entries))
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvoffload.bench.common import console
+    from kvoffload.transfer.calibration import save
+    from kvoffload.transfer.pinning import cuda_available
+
+    if not cuda_available():
+        console.print("kvoffload calibrate: no CUDA GPU here; nothing to calibrate")
+        return 1
+    for m in args.methods:
+        if m not in ("staged", "dma", "sm"):
+            raise SystemExit(f"--methods: expected names from ['staged', 'dma', 'sm'], got {m!r}")
+    table = measure(args)
+    path = save(table, Path(args.out) if args.out else None)
+    for e in table.entries:
+        console.print(
+            f"{e.method:>7} {e.direction:>5} piece {e.piece_bytes:>8} x{e.pieces:>6}: "
+            f"{e.gbps:6.1f} GB/s"
+        )
+    console.print(f"wrote {path}")
+    return 0

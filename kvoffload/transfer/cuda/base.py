@@ -1,0 +1,208 @@
+"""What the CUDA copy backends share: streams per direction, ordering, submission, buffers.
+
+Ordering: ``submit`` records an event on the caller's current CUDA stream (or on the stream or
+event given as ``order_after``) and the copy's streams wait for it on the GPU, so a store reads the
+blocks only after the compute enqueued before it wrote them, and a load overwrites blocks only
+after the work enqueued before it stopped reading them. Completion: each transfer's ``CudaPending``
+carries an event recorded after its last copy (``wait_on(stream)`` makes an engine stream wait).
+
+Submission: by default a submitter thread (one per backend, FIFO) enqueues the copies, so
+``submit`` costs the caller only validation, one event record and a queue put; the thread's host
+time per transfer is in ``CudaPending.enqueue_seconds``. ``submit_thread=False`` enqueues in the
+caller's thread. Stores and loads run on separate streams, so they overlap; transfers of one
+direction run in submission order.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvoffload.store.arena import HostArena
+from kvoffload.transfer.backend import CopyBackend
+from kvoffload.transfer.cuda import driver as cu
+from kvoffload.transfer.cuda.pending import CudaPending
+from kvoffload.transfer.descriptors import region_arrays
+from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.spec import TransferSpec
+
+
+class Lane:
+    """The CUDA streams of one direction; ``tail`` is the stream whose work finishes last."""
+
+    def __init__(self, device: Any, count: int, tail: int) -> None:
+        import torch
+
+        self.streams = [
+            torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            for _ in range(count)
+        ]
+        self.handles = [int(s.cuda_stream) for s in self.streams]
+        self.tail = self.handles[tail]
+
+
+class CudaBackend(CopyBackend):
+    """Base of ``dma``, ``sm`` and ``staged``. Subclasses implement ``_enqueue(spec, lane)``."""
+
+    lane_streams = 1  # streams per direction
+    # per direction, the stream whose work finishes last
+    lane_tails: ClassVar[dict[str, int]] = {"store": 0, "load": 0}
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        arena: HostArena,
+        *,
+        driver: cu.CudaDriver | None = None,
+        submit_thread: bool = True,
+    ) -> None:
+        if not layout.is_cuda:
+            raise ValueError(
+                f"expected a CUDA layout for the {self.name} backend, got device {layout.device}"
+            )
+        if not arena.pinned:
+            raise ValueError(
+                f"expected a page-locked host arena for the {self.name} backend (build it with "
+                "pin=kvoffload.transfer.pinning.cuda_pin), got an unpinned one"
+            )
+        super().__init__(layout, arena)
+        import torch
+
+        index: int | None = torch.device(layout.device).index
+        device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self.device = device
+        self.driver = driver or cu.CudaDriver.load()
+        with torch.cuda.device(device):
+            self._regions = [
+                torch.from_numpy(np.ascontiguousarray(np.stack(region_arrays(g)))).to(device)
+                for g in layout.groups
+            ]
+            self.lanes = {
+                d: Lane(device, self.lane_streams, self.lane_tails[d]) for d in ("store", "load")
+            }
+        self._order_events: collections.deque[int] = collections.deque()
+        self._closed = False
+        self._queue: queue.SimpleQueue[Any] | None = None
+        self._thread: threading.Thread | None = None
+        if submit_thread:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(
+                target=self._serve, name=f"kvoffload-{self.name}", daemon=True
+            )
+            self._thread.start()
+
+    # -- the contract ----------------------------------------------------------------------------
+    def submit(self, specs: Sequence[TransferSpec], *, order_after: Any = "current") -> CudaPending:
+        """Start copying ``specs``; see the module docstring for ordering.
+
+        ``order_after``: ``"current"`` (default) orders the copy after the work enqueued so far on
+        the caller's current stream; a ``torch.cuda.Stream`` or raw stream handle after that
+        stream's; None orders it after nothing.
+        """
+        if self._closed:
+            raise ValueError(f"submit: expected an open {self.name} backend, got a closed one")
+        specs = list(specs)
+        self.validate(specs)
+        import torch
+
+        with torch.cuda.device(self.device):
+            order = self._order_event(order_after)
+            pending = CudaPending()
+        if self._queue is not None:
+            self._queue.put((specs, order, pending))
+        else:
+            with torch.cuda.device(self.device):
+                self._run(specs, order, pending)
+        return pending
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None and self._queue is not None:
+            self._queue.put(None)
+            self._thread.join()
+        for lane in self.lanes.values():
+            for s in lane.streams:
+                s.synchronize()
+        while self._order_events:
+            cu.event_destroy(self._order_events.pop())
+        self._close_buffers()
+
+    # -- for subclasses --------------------------------------------------------------------------
+    def _enqueue(self, spec: TransferSpec, lane: Lane) -> None:
+        raise NotImplementedError
+
+    def _close_buffers(self) -> None:
+        return
+
+    # -- machinery -------------------------------------------------------------------------------
+    def _order_event(self, order_after: Any) -> int | None:
+        if order_after is None:
+            return None
+        import torch
+
+        if order_after == "current":
+            handle = int(torch.cuda.current_stream(self.device).cuda_stream)
+        elif isinstance(order_after, int):
+            handle = order_after
+        elif hasattr(order_after, "cuda_stream"):
+            handle = int(order_after.cuda_stream)
+        else:
+            raise ValueError(
+                "expected order_after to be 'current', None, a torch.cuda.Stream or a stream "
+                f"handle, got {order_after!r}"
+            )
+        event = self._take_order_event()
+        cu.event_record(event, handle)
+        return event
+
+    def _take_order_event(self) -> int:
+        try:
+            return self._order_events.pop()
+        except IndexError:
+            return cu.event_create()
+
+    def _serve(self) -> None:
+        import torch
+
+        torch.cuda.set_device(self.device)  # this thread's current context
+        assert self._queue is not None
+        while (job := self._queue.get()) is not None:
+            self._run(*job)
+
+    def _run(self, specs: list[TransferSpec], order: int | None, pending: CudaPending) -> None:
+        t0 = pending.started_at = time.perf_counter()
+        error: BaseException | None = None
+        used: list[Lane] = []
+        try:
+            for spec in specs:
+                lane = self.lanes[spec.direction]
+                if lane not in used:
+                    if order is not None:
+                        for handle in lane.handles:
+                            cu.stream_wait_event(handle, order)
+                    used.append(lane)
+                self._enqueue(spec, lane)
+        except Exception as err:  # noqa: BLE001 (reported through the Pending, not swallowed)
+            error = err
+        finally:
+            self._record_done(pending.event, used)
+            if order is not None:
+                self._order_events.append(order)
+            pending.mark_enqueued(error, time.perf_counter() - t0)
+
+    def _record_done(self, event: int, used: list[Lane]) -> None:
+        if not used:  # nothing enqueued: the event passes at once on any of our streams
+            cu.event_record(event, self.lanes["store"].tail)
+            return
+        for earlier in used[:-1]:  # a mixed submit: the last lane waits for the others
+            cu.event_record(event, earlier.tail)
+            cu.stream_wait_event(used[-1].tail, event)
+        cu.event_record(event, used[-1].tail)

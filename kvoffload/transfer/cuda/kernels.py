@@ -1,0 +1,122 @@
+"""The Triton copy kernel both GPU-side paths use, and a launcher with little host overhead.
+
+``copy_blocks`` moves whole blocks between an engine layout and slot images: for block i of the
+launch and region r (one "job"), the engine piece at ``base[r] + blocks[first + i] * stride[r]``
+and the slot piece at ``host_base + s * slot_stride + offset[r]`` (``s = slots[first + i]``, or
+``i`` itself when ``IDENTITY``), ``page[r]`` bytes each, in 8-byte words (tails masked).
+``host_base`` may be device memory (the staged path's staging ring) or page-locked host memory
+seen through UVA (the ``sm`` path). Addresses are computed on the GPU from the block ids, so a
+transfer uploads one int64 per block (two for ``sm``) instead of three per piece.
+
+Programs stride over the jobs ``JOBS`` at a time; each loop step moves ``WORDS`` 8-byte words of
+each of those jobs (a ``JOBS x WORDS`` tile: several small pieces in flight per program, which is
+what keeps a few programs fast on 4 KiB pieces). ``JOBS=1, WORDS=1024`` is vLLM's kernel shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import triton
+import triton.language as tl
+
+_INT_ARGS = ["first", "n_blocks", "n_regions", "host_base", "slot_stride"]
+
+
+@triton.jit(do_not_specialize=_INT_ARGS)  # type: ignore[untyped-decorator]
+def copy_blocks(  # type: ignore[no-untyped-def]
+    blocks,  # int64 engine block ids
+    slots,  # int64 slot ids (unused when IDENTITY)
+    regions,  # int64 [4, n_regions]: base, block stride, page bytes, offset in slot
+    first,
+    n_blocks,
+    n_regions,
+    host_base,
+    slot_stride,
+    TO_HOST: tl.constexpr,
+    IDENTITY: tl.constexpr,
+    JOBS: tl.constexpr,
+    WORDS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    jo = tl.arange(0, JOBS)
+    wo = tl.arange(0, WORDS).to(tl.int64)
+    n_jobs = n_blocks * n_regions
+    for job0 in range(pid * JOBS, n_jobs, nprog * JOBS):
+        job = job0 + jo
+        live = job < n_jobs
+        i = job // n_regions
+        r = job - i * n_regions
+        b = tl.load(blocks + first + i, mask=live, other=0)
+        if IDENTITY:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
+            s = i.to(tl.int64)
+        else:
+            s = tl.load(slots + first + i, mask=live, other=0)
+        base = tl.load(regions + r, mask=live, other=0)
+        stride = tl.load(regions + n_regions + r, mask=live, other=0)
+        words = tl.load(regions + 2 * n_regions + r, mask=live, other=0) // 8
+        off = tl.load(regions + 3 * n_regions + r, mask=live, other=0)
+        eng = base + b * stride
+        slot = host_base.to(tl.int64) + s * slot_stride.to(tl.int64) + off
+        longest = tl.max(words, axis=0)
+        for start in range(0, longest, WORDS):
+            idx = start + wo
+            m = idx[None, :] < words[:, None]
+            eng_ptr = (eng[:, None] + idx[None, :] * 8).to(tl.pointer_type(tl.int64))
+            slot_ptr = (slot[:, None] + idx[None, :] * 8).to(tl.pointer_type(tl.int64))
+            if TO_HOST:
+                tl.store(slot_ptr, tl.load(eng_ptr, mask=m), mask=m)
+            else:
+                tl.store(eng_ptr, tl.load(slot_ptr, mask=m), mask=m)
+
+
+class CopyLauncher:
+    """Launches ``copy_blocks``: the first launch of each variant through Triton's JIT (which
+    compiles it), later ones straight through the compiled kernel's launcher, skipping the JIT's
+    argument binding (a few microseconds of host time per launch)."""
+
+    def __init__(self) -> None:
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+
+    def launch(
+        self,
+        stream: Any,  # torch.cuda.Stream
+        programs: int,
+        blocks: Any,
+        slots: Any,
+        regions: Any,
+        first: int,
+        n_blocks: int,
+        n_regions: int,
+        host_base: int,
+        slot_stride: int,
+        to_host: bool,
+        identity: bool,
+        jobs: int,
+        words: int,
+        num_warps: int = 4,
+    ) -> None:
+        ints = (first, n_blocks, n_regions, host_base, slot_stride)
+        # Triton types an int argument i32 or i64 by its value: a compiled variant fits only
+        # values of the same widths.
+        key = (to_host, identity, jobs, words, num_warps, *(_wide(v) for v in ints))
+        args = (blocks, slots, regions, *ints, to_host, identity, jobs, words)
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            import torch
+
+            with torch.cuda.stream(stream):
+                self._compiled[key] = copy_blocks[(programs,)](*args, num_warps=num_warps)
+            return
+        kernel[(programs, 1, 1)](*args, stream=stream.cuda_stream)
+
+
+def _wide(v: int) -> bool:
+    return not -(2**31) <= v < 2**31
+
+
+@functools.cache
+def triton_version() -> str:
+    return str(triton.__version__)

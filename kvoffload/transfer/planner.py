@@ -1,0 +1,135 @@
+"""The planner: which copy backend moves a given transfer, from this machine's calibration table.
+
+A transfer is characterised by its direction, its piece size (bytes of one block of one region)
+and its piece count (blocks x regions). The planner takes the measured point nearest to it (in
+log2 of piece size and of count) and picks the candidate method with the highest GB/s there.
+Candidates are ``staged`` and ``dma`` by default: ``sm`` is fast but occupies SMs for the whole
+transfer and slows the model beside it, so it is chosen only when asked for.
+
+Without a table (``kvoffload calibrate`` not run for this GPU and driver) it answers ``staged``,
+near the link on every layout measured with little SM time, except for pieces of at least
+``DMA_PIECE_BYTES`` (a cross-layer layout's whole-block pieces), which the copy engines move at the
+link directly, so a gather would only add work (see docs/transfer.md for the measurements).
+
+``PlannedBackend`` is the ``auto`` backend on a CUDA layout: it routes each ``submit`` to the
+backend the planner picks, building each backend on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvoffload.store.arena import HostArena
+from kvoffload.transfer.backend import CopyBackend, Pending
+from kvoffload.transfer.calibration import CalibrationTable
+from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.spec import TransferSpec
+
+DEFAULT_METHOD = "staged"
+# Without a table, pieces this large go to ``dma``: on an H100 (driver 580) one descriptor per
+# 640 KiB-2 MiB piece moved 97-100% of the link (benchmarks/results/transfer_*.json).
+DMA_PIECE_BYTES = 512 << 10
+DEFAULT_CANDIDATES = ("staged", "dma")
+
+
+class Planner:
+    def __init__(
+        self, table: CalibrationTable | None, candidates: Sequence[str] = DEFAULT_CANDIDATES
+    ) -> None:
+        if not candidates:
+            raise ValueError("expected at least one candidate method, got none")
+        self.table = table
+        self.candidates = tuple(candidates)
+        self._cache: dict[tuple[str, int, int], str] = {}
+
+    def choose(self, direction: str, piece_bytes: int, pieces: int) -> str:
+        if piece_bytes <= 0 or pieces <= 0:
+            raise ValueError(
+                f"expected piece_bytes > 0 and pieces > 0, got {piece_bytes}, {pieces}"
+            )
+        key = (direction, piece_bytes, pieces)
+        if key not in self._cache:
+            self._cache[key] = self._choose(*key)
+        return self._cache[key]
+
+    def _choose(self, direction: str, piece_bytes: int, pieces: int) -> str:
+        if self.table is None:
+            return self._default(piece_bytes)
+        rows = [
+            e
+            for e in self.table.entries
+            if e.direction == direction and e.method in self.candidates
+        ]
+        if not rows:
+            return self._default(piece_bytes)
+
+        def distance(point: tuple[int, int]) -> float:
+            return abs(math.log2(point[0] / piece_bytes)) + abs(math.log2(point[1] / pieces))
+
+        nearest = min({(e.piece_bytes, e.pieces) for e in rows}, key=distance)
+        at = [e for e in rows if (e.piece_bytes, e.pieces) == nearest]
+        return max(at, key=lambda e: e.gbps).method
+
+    def _default(self, piece_bytes: int) -> str:
+        if piece_bytes >= DMA_PIECE_BYTES and "dma" in self.candidates:
+            return "dma"
+        return DEFAULT_METHOD if DEFAULT_METHOD in self.candidates else self.candidates[0]
+
+
+def transfer_shape(layout: KVLayout, specs: Sequence[TransferSpec]) -> tuple[int, int]:
+    """(piece bytes, pieces) of a transfer: its smallest region page and its piece count."""
+    pieces = sum(len(s) * len(layout.groups[s.group].regions) for s in specs)
+    piece = min(r.page_bytes for s in specs for r in layout.groups[s.group].regions)
+    return piece, max(pieces, 1)
+
+
+class PlannedBackend(CopyBackend):
+    """``auto`` on a GPU: each transfer goes to the backend the planner picks for it."""
+
+    name = "auto"
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        arena: HostArena,
+        planner: Planner,
+        make: Callable[[str, KVLayout, HostArena], CopyBackend],
+    ) -> None:
+        super().__init__(layout, arena)
+        self.planner = planner
+        self._make = make
+        self.backends: dict[str, CopyBackend] = {}
+
+    def choose(self, specs: Sequence[TransferSpec]) -> str:
+        if not specs:
+            return self.planner.choose("store", 1, 1)
+        piece, pieces = transfer_shape(self.layout, specs)
+        return self.planner.choose(specs[0].direction, piece, pieces)
+
+    def submit(self, specs: Sequence[TransferSpec], **options: Any) -> Pending:
+        specs = list(specs)
+        self.validate(specs)
+        name = self.choose(specs)
+        if name not in self.backends:
+            self.backends[name] = self._make(name, self.layout, self.arena)
+        return self.backends[name].submit(specs, **options)
+
+    def close(self) -> None:
+        for backend in self.backends.values():
+            backend.close()
+        self.backends.clear()
+
+
+def make_planned(layout: KVLayout, arena: HostArena) -> PlannedBackend:
+    """The ``auto`` backend for a CUDA layout, with this GPU's cached table (if any)."""
+    import torch
+
+    from kvoffload.transfer import backend as registry
+    from kvoffload.transfer.calibration import load_cached
+    from kvoffload.transfer.cuda.driver import driver_version
+
+    device = torch.device(layout.device)
+    table = load_cached(torch.cuda.get_device_name(device), driver_version())
+    return PlannedBackend(layout, arena, Planner(table), registry.make_backend)

@@ -1,0 +1,99 @@
+"""The planner's choice from a given calibration table, and the ``auto`` backend's routing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvoffload.store.arena import HostArena
+from kvoffload.transfer.calibration import CalibrationTable, Measurement
+from kvoffload.transfer.host import HostBackend
+from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.planner import DMA_PIECE_BYTES, PlannedBackend, Planner, transfer_shape
+from kvoffload.transfer.spec import TransferSpec
+
+
+def table(*rows: tuple[str, str, int, int, float]) -> CalibrationTable:
+    return CalibrationTable("GPU", 1, tuple(Measurement(*r) for r in rows))
+
+
+TABLE = table(
+    ("staged", "store", 4096, 10240, 51.0),
+    ("dma", "store", 4096, 10240, 4.7),
+    ("sm", "store", 4096, 10240, 53.0),
+    ("staged", "store", 2 << 20, 64, 50.0),
+    ("dma", "store", 2 << 20, 64, 54.5),
+    ("staged", "load", 4096, 10240, 48.0),
+    ("dma", "load", 4096, 10240, 49.0),
+)
+
+
+def test_without_a_table_small_pieces_go_staged_and_whole_blocks_dma():
+    planner = Planner(None)
+    assert planner.choose("store", 32768, 2048) == "staged"
+    assert planner.choose("load", DMA_PIECE_BYTES, 64) == "dma"
+    assert Planner(None, candidates=("staged",)).choose("load", 4 << 20, 8) == "staged"
+
+
+def test_the_fastest_candidate_at_the_nearest_point_wins():
+    planner = Planner(TABLE)
+    assert planner.choose("store", 4096, 8000) == "staged"  # sm is faster but not a candidate
+    assert planner.choose("store", 1 << 20, 100) == "dma"  # nearest: the 2 MiB point
+    assert planner.choose("load", 8192, 20000) == "dma"
+    assert Planner(TABLE, candidates=("staged", "dma", "sm")).choose("store", 4096, 9000) == "sm"
+
+
+def test_a_direction_the_table_lacks_falls_back_to_the_default():
+    only_loads = table(("dma", "load", 4096, 64, 9.0))
+    assert Planner(only_loads).choose("store", 4096, 64) == "staged"
+
+
+def test_bad_shapes_raise_value_error():
+    with pytest.raises(ValueError, match="piece_bytes > 0"):
+        Planner(None).choose("store", 0, 5)
+    with pytest.raises(ValueError, match="candidate"):
+        Planner(None, candidates=())
+
+
+def cpu_engine(pool: int = 10):
+    rng = np.random.default_rng(0)
+    tensors = [rng.integers(0, 256, (pool, 4096), dtype=np.uint8) for _ in range(3)]
+    kv = KVLayout.from_tensors(tensors, block_size=16)
+    arena = HostArena(pool, kv.slot_bytes)
+    return tensors, kv, arena
+
+
+def test_transfer_shape_counts_pieces_and_the_smallest_page():
+    _, kv, arena = cpu_engine()
+    specs = [TransferSpec.of("store", [1, 2, 3], [0, 1, 2])]
+    assert transfer_shape(kv, specs) == (4096, 9)
+    arena.close()
+
+
+def test_planned_backend_routes_to_the_chosen_backend_and_moves_bytes():
+    tensors, kv, arena = cpu_engine()
+    made: list[str] = []
+
+    def make(name, layout, a):
+        made.append(name)
+        return HostBackend(layout, a)
+
+    planned = PlannedBackend(
+        kv,
+        arena,
+        Planner(table(("dma", "store", 4096, 6, 9.0), ("staged", "store", 4096, 6, 8.0))),
+        make,
+    )
+    try:
+        assert planned.submit([TransferSpec.of("store", [4, 7], [1, 3])]).wait(10)
+        assert made == ["dma"]
+        for t, off in zip(tensors, (0, 4096, 8192), strict=True):
+            assert np.array_equal(arena.slots[1, off : off + 4096], t[4])
+            assert np.array_equal(arena.slots[3, off : off + 4096], t[7])
+        planned.submit([TransferSpec.of("store", [5], [2])]).wait(10)
+        assert made == ["dma"]  # built once, reused
+        with pytest.raises(ValueError, match="host slot"):
+            planned.submit([TransferSpec.of("store", [1], [99])])
+    finally:
+        planned.close()
+        arena.close()
