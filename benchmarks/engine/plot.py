@@ -41,19 +41,20 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         fontsize=10,
     )
     names = list(modes)
-    x = np.arange(len(names))
-    for i, q in enumerate(("p50", "p90", "p99")):
-        vals = [modes[m]["ttft_ms_returning"].get(q, 0.0) for m in names]
-        bars.bar(x + (i - 1) * 0.27, vals, 0.27, label=q, alpha=0.4 + 0.3 * i, color="#34495e")
-    bars.set_xticks(x, names)
+    x = np.arange(3)
+    width = 0.8 / len(names)
+    for i, mode in enumerate(names):
+        tail = modes[mode]["ttft_ms_returning"]
+        vals = [tail.get(q, 0.0) for q in ("p50", "p90", "p99")]
+        bars.bar(x + (i - (len(names) - 1) / 2) * width, vals, width, color=COLORS.get(mode))
+        bars.bar_label(bars.containers[-1], fmt="%.0f", fontsize=7)
+    bars.set_xticks(x, ["p50", "p90", "p99"])
     bars.set_ylabel("TTFT (ms), turns >= 2")
-    bars.legend()
+    title = "TTFT of returning turns"
     zero = result["results"].get("zero_reuse")
     if zero:
-        bars.set_title(
-            f"zero-reuse overhead of kvoffload: {100 * zero['overhead_turns_per_s']:+.1f}% turns/s",
-            fontsize=10,
-        )
+        title += f"; zero-reuse overhead {100 * zero['overhead_turns_per_s']:+.1f}% turns/s"
+    bars.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

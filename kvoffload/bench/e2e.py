@@ -11,6 +11,7 @@ package: run this from a clone installed with ``pip install -e '.[torch]'``. See
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from kvoffload.bench.common import console, default_out, machine_info, progress,
 PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
     "llama3-8b": (16, 8, 2048, 512, 256, 2048),
     "qwen2.5-7b": (16, 8, 2048, 512, 256, 2048),
-    "tiny": (8, 6, 256, 128, 64, 512),
+    "tiny": (8, 8, 256, 64, 64, 512),
     "micro": (4, 3, 32, 32, 16, 64),
 }
 MODES = ("recompute", "gpu", "kvoffload")
@@ -35,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model shapes (auto: llama3-8b on a GPU, tiny on a CPU)",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU: torch threads (default: cores - 1, leaving one to kvoffload's copy thread)",
+    )
     w = p.add_argument_group("workload (defaults depend on --model)")
     w.add_argument("--conversations", type=int, default=None, help="clients, interleaved")
     w.add_argument("--turns", type=int, default=None, help="turns per conversation")
@@ -65,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--zero-reuse-rounds", type=int, default=2, help="gpu/kvoffload rounds on unique prompts"
     )
     r.add_argument(
-        "--zero-reuse-turns", type=int, default=None, help="requests per round (default 2x C)"
+        "--zero-reuse-turns", type=int, default=None, help="requests per round (default: C)"
     )
     r.add_argument("--verify", type=int, default=2, help="sampled turns checked bit for bit")
     r.add_argument("--seed", type=int, default=0)
@@ -122,7 +129,7 @@ def build_config(args: argparse.Namespace, cuda: bool) -> Any:
             chunk_tokens=pick(args.chunk_tokens, chunk),
             modes=tuple(m for m in args.modes.split(",") if m),
             zero_reuse_rounds=args.zero_reuse_rounds,
-            zero_reuse_turns=pick(args.zero_reuse_turns, 2 * chat.conversations),
+            zero_reuse_turns=pick(args.zero_reuse_turns, chat.conversations),
             verify=args.verify,
             backend=args.backend,
             seed=args.seed,
@@ -143,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not cuda:
         raise SystemExit(f"--device {args.device}: expected a CUDA GPU, found none")
     cfg = build_config(args, cuda and args.device != "cpu")
+    if not cfg.device.startswith("cuda"):
+        threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 2) - 1)
+        if threads <= 0:
+            raise SystemExit(f"--threads: expected a positive count, got {threads}")
+        torch.set_num_threads(threads)
     device = _device(cfg.device)
     console.print(_describe(cfg))
     total = _steps(cfg)
