@@ -62,7 +62,8 @@ def parse_options(extra_config: Mapping[str, Any]) -> VllmOptions:
     if not_here:
         raise ValueError(
             f"kvoffload option(s) {not_here} are not supported with vLLM (the host tier is sized "
-            f"by {CAPACITY_KEY}); expected some of {accepted}"
+            f"by {CAPACITY_KEY}; the lower tiers are not wired into the vLLM adapter yet); "
+            f"expected some of {accepted}"
         )
     unknown = sorted(set(ours) - set(ADAPTER_KEYS))
     if unknown:
