@@ -82,6 +82,19 @@ def test_paged_attention_equals_dense_causal_attention_on_scattered_blocks():
     assert sdpa(q[:1], k[:1], v[:1], 0).shape == (1, heads, hd)
 
 
+def test_rope_rotates_halves():
+    from benchmarks.engine.model import rope
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 3, 8, generator=gen)
+    angles = torch.randn(5, 1, 4, generator=gen)
+    c, s = angles.cos(), angles.sin()
+    x1, x2 = x[..., :4], x[..., 4:]
+    want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    got = rope(x, torch.cat([c, c], -1), torch.cat([-s, s], -1))
+    torch.testing.assert_close(got, want)
+
+
 def test_chunked_prefill_matches_one_pass(model):
     cache = PagedKVCache(MICRO, 32, 16, torch.device("cpu"))
     prompt = np.random.default_rng(3).integers(0, MICRO.vocab, 150)

@@ -36,7 +36,10 @@ def test_restored_prefix_gives_bit_equal_logits_and_tokens(name, chat, turn, chu
     assert check["reference_gpu_hit_tokens"] == history // 16 * 16
     assert check["restored_host_hit_tokens"] == check["reference_gpu_hit_tokens"]
     assert check["restored_gpu_hit_tokens"] == 0
+    assert check["restored_kv_bit_equal"] and check["suffix_kv_bit_equal"]
+    assert check["decode_kv_bit_equal"] and check["gpu_reference_repeats_bit_equal"]
     assert check["logits_bit_equal"] and check["greedy_tokens_equal"] and check["ok"]
+    assert check["first_token_mismatch"] is None
     # the logits are those of this prompt: a full recompute lands close (chunking aside)
     assert check["max_abs_diff_vs_full_recompute"] <= 0.05 * check["logits_abs_max"]
 
@@ -60,7 +63,8 @@ def test_a_wrong_restore_is_caught(monkeypatch):
     finally:
         host.close()
     assert check["restored_host_hit_tokens"] > 0
-    assert not check["logits_bit_equal"] and not check["ok"]
+    assert not check["restored_kv_bit_equal"] and not check["logits_bit_equal"]
+    assert not check["ok"]
 
 
 def test_check_turn_rejects_turn_one():

@@ -43,6 +43,7 @@ class TurnResult:
     computed_tokens: int  # prompt tokens prefilled
     load_seconds: float  # wall time waiting for the host-tier load (inside TTFT)
     sections: dict[str, float] = field(default_factory=dict)  # device time inside TTFT
+    blocks: list[int] = field(default_factory=list)  # the request's block table, in order
 
 
 class Engine:
@@ -111,17 +112,15 @@ class Engine:
         first = int(logits.argmax())
         ttft = time.perf_counter() - t0
         sections = self.timer.collect()
-        if cache:
-            self._publish(req, blocks, keys, done, len(keys))
         seq, out = tokens, []
-        if len(answer):
+        if len(answer):  # launched before the stores, so their host-side work overlaps it
             seq = np.concatenate([tokens, np.asarray(answer, dtype=np.int64)])
             blocks += self._allocate(-(-len(seq) // bs) - len(blocks))
             self._prefill(seq, len(tokens), blocks)
-            if cache and self.mode != "recompute":
-                parent = keys[-1] if keys else None
-                more = prefix_block_keys(seq[len(keys) * bs :], bs, parent=parent)
-                self._publish(req, blocks, [*keys, *more], len(keys), len(keys) + len(more))
+        if cache and self.mode != "recompute":
+            parent = keys[-1] if keys else None
+            keys = [*keys, *prefix_block_keys(seq[len(keys) * bs :], bs, parent=parent)]
+            self._publish(req, blocks, keys, done, len(keys))
         token = first
         for _ in range(decode):
             if len(seq) % bs == 0:
@@ -143,6 +142,7 @@ class Engine:
             len(tokens) - done * bs,
             load_seconds,
             sections,
+            blocks,
         )
 
     def drop_gpu_cache(self) -> int:

@@ -74,33 +74,28 @@ class Model:
         n = tokens.shape[0]
         cos, sin = self._rope(positions)
         x = self.embed[tokens]
-        q_size, kv_size = c.heads * c.head_size, c.kv_heads * c.head_size
+        rotated = c.heads + c.kv_heads  # q and k heads, rotated together
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], -1)
-            q = rope(q.view(n, c.heads, c.head_size), cos, sin)
-            k = rope(k.view(n, c.kv_heads, c.head_size), cos, sin)
-            o = attend(i, q, k, v.reshape(n, c.kv_heads, c.head_size))
-            x = x + F.linear(o.reshape(n, q_size), layer.out)
-            h = rms_norm(x, layer.mlp_norm, c.rms_eps)
+            h = F.rms_norm(x, (c.hidden,), layer.attn_norm, c.rms_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(n, -1, c.head_size)
+            qk = rope(qkv[:, :rotated], cos, sin)
+            o = attend(i, qk[:, : c.heads], qk[:, c.heads :], qkv[:, rotated:])
+            x = x + F.linear(o.reshape(n, -1), layer.out)
+            h = F.rms_norm(x, (c.hidden,), layer.mlp_norm, c.rms_eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
-        last = rms_norm(x[-1:], self.norm, c.rms_eps)
+        last = F.rms_norm(x[-1:], (c.hidden,), self.norm, c.rms_eps)
         return F.linear(last, self.lm_head).float().view(-1)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, [n, 1, head]: rope(x) = x * cos + roll(x, head / 2) * sin."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return angles.cos()[:, None, :], angles.sin()[:, None, :]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return x32.to(x.dtype) * weight
+        cos, sin = angles.cos(), angles.sin()
+        return torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :]
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (as in HF Llama), computed in float32."""
-    x1, x2 = x.float().chunk(2, -1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+    """Rotate-half RoPE (as in HF Llama) in float32: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]."""
+    x32 = x.float()
+    rolled = torch.roll(x32, x.shape[-1] // 2, -1)
+    return torch.addcmul(x32 * cos, rolled, sin).to(x.dtype)

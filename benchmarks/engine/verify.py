@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from benchmarks.engine.config import ModelConfig
-from benchmarks.engine.engine import Engine
+from benchmarks.engine.engine import Engine, TurnResult
 from benchmarks.engine.host_tier import HostTier
 from benchmarks.engine.kv_cache import PagedKVCache
 from benchmarks.engine.model import Model
@@ -39,7 +39,12 @@ def check_turn(
     seed: int,
     chunk_tokens: int,
 ) -> dict[str, Any]:
-    """Restore-vs-GPU check of ``turn`` (>= 2) of a fresh conversation shaped like ``chat``."""
+    """Restore-vs-GPU check of ``turn`` (>= 2) of a fresh conversation shaped like ``chat``.
+
+    Besides logits and tokens it compares the KV itself, position by position: the restored
+    prefix, the suffix prefilled on top of it and the KV written by the decode steps; and it runs
+    the GPU reference twice, to tell a restore error from a device that does not repeat itself.
+    """
     if not 2 <= turn <= chat.turns:
         raise ValueError(f"expected a turn in [2, {chat.turns}], got {turn}")
     one = ChatShape(1, turn, chat.system_tokens, chat.user_tokens, chat.answer_tokens)
@@ -49,28 +54,70 @@ def check_turn(
         engine.run(t.prompt, t.answer)
     engine.idle()
     prompt = turns[-1].prompt
+    length = len(prompt) + DECODE_STEPS  # positions holding KV after the decode steps
     on_gpu = engine.run(prompt, decode=DECODE_STEPS, cache=False)
+    reference = request_kv(cache, on_gpu.blocks, length)
+    again = engine.run(prompt, decode=DECODE_STEPS, cache=False)
+    repeat = _same(on_gpu, again) and _kv_equal(reference, request_kv(cache, again.blocks, length))
     engine.drop_gpu_cache()
     restored = engine.run(prompt, decode=DECODE_STEPS, cache=False)
+    kv = request_kv(cache, restored.blocks, length)
     engine.idle()
+    hit = on_gpu.gpu_hit_tokens
+    spans = {"prefix": (0, hit), "suffix": (hit, len(prompt)), "decode": (len(prompt), length)}
+    kv_equal = {name: _kv_equal(reference, kv, lo, hi) for name, (lo, hi) in spans.items()}
+    del reference, kv
     computed = Engine(model, cache, "recompute", None, chunk_tokens).run(prompt)
-    same_hit = restored.host_hit_tokens == on_gpu.gpu_hit_tokens and restored.gpu_hit_tokens == 0
+    same_hit = restored.host_hit_tokens == hit and restored.gpu_hit_tokens == 0
     logits_equal = torch.equal(on_gpu.logits, restored.logits)
-    tokens_equal = [on_gpu.first_token, *on_gpu.tokens] == [restored.first_token, *restored.tokens]
+    ids = [on_gpu.first_token, *on_gpu.tokens], [restored.first_token, *restored.tokens]
+    mismatch = next((i for i, (a, b) in enumerate(zip(*ids, strict=True)) if a != b), None)
     return {
         "turn": turn,
         "seed": seed,
         "prompt_tokens": len(prompt),
-        "reference_gpu_hit_tokens": on_gpu.gpu_hit_tokens,
+        "reference_gpu_hit_tokens": hit,
         "restored_host_hit_tokens": restored.host_hit_tokens,
         "restored_gpu_hit_tokens": restored.gpu_hit_tokens,
+        "restored_kv_bit_equal": kv_equal["prefix"],
+        "suffix_kv_bit_equal": kv_equal["suffix"],
+        "decode_kv_bit_equal": kv_equal["decode"],
         "logits_bit_equal": logits_equal,
-        "greedy_tokens_equal": tokens_equal,
+        "greedy_tokens_equal": mismatch is None,
+        "first_token_mismatch": mismatch,
         "decode_steps": DECODE_STEPS,
+        "gpu_reference_repeats_bit_equal": repeat,
         "max_abs_diff_vs_full_recompute": float((computed.logits - on_gpu.logits).abs().max()),
         "logits_abs_max": float(on_gpu.logits.abs().max()),
-        "ok": bool(same_hit and restored.host_hit_tokens > 0 and logits_equal and tokens_equal),
+        "ok": bool(
+            same_hit
+            and hit > 0
+            and kv_equal["prefix"]
+            and kv_equal["suffix"]
+            and logits_equal
+            and mismatch is None
+        ),
     }
+
+
+def request_kv(cache: PagedKVCache, blocks: list[int], length: int) -> list[torch.Tensor]:
+    """A copy of a request's K and V, per layer ``[2, length, kv_heads, head]``."""
+    device = cache.tensors[0].device
+    table = torch.tensor(blocks, dtype=torch.int64, device=device)
+    return [torch.stack(cache.gather(layer, table, length)) for layer in range(len(cache.tensors))]
+
+
+def _kv_equal(
+    a: list[torch.Tensor], b: list[torch.Tensor], lo: int = 0, hi: int | None = None
+) -> bool:
+    return all(torch.equal(x[:, lo:hi], y[:, lo:hi]) for x, y in zip(a, b, strict=True))
+
+
+def _same(a: TurnResult, b: TurnResult) -> bool:
+    return torch.equal(a.logits, b.logits) and [a.first_token, *a.tokens] == [
+        b.first_token,
+        *b.tokens,
+    ]
 
 
 def verify_samples(
