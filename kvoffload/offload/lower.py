@@ -12,13 +12,17 @@ Going down, write-behind (not demote-on-evict):
     whose bytes are already below (or, when the tiers fell behind, never will be: counted
     ``lost``, a later miss).
     Why not demote-on-evict (write the victim when the host evicts it, holding the slot until the
-    write finishes)? Then every store into a full host waits for a disk write per block before its
-    copy may start: on this machine a 2 MiB block write takes milliseconds, against ~40 us for the
-    engine -> host copy of the same block at 50 GB/s, and the request cannot free its GPU blocks
-    until its store settles. ``kvoffload bench tiers`` measures both policies side by side (store
-    settle time with a full host); ``docs/tiers.md`` has the numbers. Write-behind costs disk
-    bandwidth for blocks that would never have been evicted; the backlog bound and the oldest-first
-    order keep that cost off the engine's path.
+    write finishes)? Then every store into a full host waits for a disk write per evicted block,
+    and the request cannot free its GPU blocks until its store settles. ``kvoffload bench tiers``
+    ran both side by side (``benchmarks/results/tiers_cpu_2026-11-22.json``; 2-core VM, ext4 on
+    a virtio disk, stores back to back through a host tier a quarter of the stream): a 16-block
+    store of 2 MiB blocks settled in 33 ms (p50) with write-behind against 129 ms with
+    demote-on-evict (p99 115 vs 344 ms); with 64 KiB blocks 0.6 vs 3.8 ms. The price: when stores
+    outrun the disk, blocks evicted before their turn never reach it (back to back, 128 of 256
+    2 MiB blocks reached disk against 192 with demote-on-evict); with stores paced at 200 MB/s
+    (under the disk's sustained write rate, as an engine's prefill would produce them) 224 of 256
+    2 MiB and all 8,192 64 KiB blocks did. We keep the engine's path fast and let the disk take
+    what it can; ``lost`` in ``tier_stats`` shows when it could not.
 
 Coming up, promotion:
     ``lookup`` counts the leading keys READABLE on host (``ready``), then walks on: a key being
