@@ -29,6 +29,9 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
     assert modes["kvoffload"]["host"]["stored_bytes"] > 0
     zero = result["results"]["zero_reuse"]
     assert zero["runs"]["kvoffload"][0]["hit_ratio"]["host"] == 0.0
+    assert zero["runs"]["kvoffload"][0]["host"]["stored_blocks"] == 0  # nothing admitted
+    assert zero["runs"]["kvoffload_store_all"][0]["host"]["stored_blocks"] > 0
+    assert set(zero["overhead_turns_per_s"]) == {"kvoffload", "kvoffload_store_all"}
     assert [c["ok"] for c in result["results"]["verify"]] == [True, True]
     text = capsys.readouterr().out
     assert "TTFT per mode" in text and "zero reuse" in text

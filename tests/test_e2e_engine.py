@@ -151,7 +151,7 @@ def test_blocks_being_stored_are_not_reused_until_the_store_settles(model, monke
     cache = PagedKVCache(MICRO, 8, 16, torch.device("cpu"))
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=16))
     try:
-        engine = Engine(model, cache, "kvoffload", host, 64)
+        engine = Engine(model, cache, "kvoffload", host, 64, admission="all")
         prompt = np.arange(80) % MICRO.vocab
         engine.run(prompt)  # 5 blocks, 5 full ones being stored
         assert engine.pool.num_free == 3  # held while their store is in flight
@@ -167,12 +167,48 @@ def test_blocks_being_stored_are_not_reused_until_the_store_settles(model, monke
         host.close()
 
 
+def test_reuse_admission_stores_only_what_recurs(model):
+    cache = PagedKVCache(MICRO, 16, 16, torch.device("cpu"))
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=16))
+    try:
+        engine = Engine(model, cache, "kvoffload", host, 64)  # admission="reuse"
+        rng = np.random.default_rng(5)
+        first, answer = rng.integers(0, MICRO.vocab, 40), rng.integers(0, MICRO.vocab, 8)
+        engine.run(first, answer)  # shares nothing: not stored
+        engine.run(rng.integers(0, MICRO.vocab, 40))
+        engine.idle()
+        assert host.stats.stores == 0
+        # a continuation of the first request is admitted, even with its prefix gone from the GPU
+        engine.drop_gpu_cache()
+        follow = engine.run(np.concatenate([first, answer, rng.integers(0, MICRO.vocab, 30)]))
+        engine.idle()
+        assert follow.gpu_hit_tokens == 0 and host.stats.stores == 4  # 78 tokens: 4 full blocks
+    finally:
+        host.close()
+
+
+def test_decode_attention_equals_sdpa():
+    from benchmarks.engine.attention import decode_attention
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 8, 16, generator=gen).bfloat16()
+    k = torch.randn(37, 2, 16, generator=gen).bfloat16()
+    v = torch.randn(37, 2, 16, generator=gen).bfloat16()
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0).float() for x in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+    got = decode_attention(q, k, v)
+    torch.testing.assert_close(got.float(), want.squeeze(0).transpose(0, 1), atol=1e-2, rtol=1e-2)
+    assert torch.equal(got, decode_attention(q, k, v))
+
+
 def test_engine_rejects_bad_input(model):
     cache = PagedKVCache(MICRO, 4, 16, torch.device("cpu"))
     with pytest.raises(ValueError, match="mode"):
         Engine(model, cache, "disk")
     with pytest.raises(ValueError, match="host tier exactly"):
         Engine(model, cache, "kvoffload")
+    with pytest.raises(ValueError, match="admission"):
+        Engine(model, cache, "gpu", admission="some")
     engine = Engine(model, cache, "gpu")
     with pytest.raises(ValueError, match="non-empty 1-D prompt"):
         engine.run([])

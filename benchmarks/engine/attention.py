@@ -46,12 +46,27 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch
     """Causal attention of queries at positions start.. over keys at 0..start+n-1 (the queries sit
     at the bottom right of the score matrix). q: [n, heads, hd], k/v: [start + n, kv_heads, hd]."""
     n, length = q.shape[0], k.shape[0]
+    if n == 1:
+        return decode_attention(q, k, v)
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    if n == 1:  # one query sees every key
-        out = F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-    elif start == 0:
+    if start == 0:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
     else:
         mask = causal_lower_right(n, length)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query over every key, in float32 with two batched matmuls: the same bits on every run.
+
+    Decode steps only serve the correctness check, which compares greedy tokens bit for bit: on an
+    H100, decode steps through SDPA did not repeat themselves bit for bit (prefill did; see
+    docs/e2e.md), so a step's attention is this plain float32 form instead.
+    q: [1, heads, hd], k/v: [length, kv_heads, hd].
+    """
+    heads, kv_heads, hd = q.shape[1], k.shape[1], q.shape[2]
+    qg = q[0].float().reshape(kv_heads, heads // kv_heads, hd)  # query heads grouped by kv head
+    scores = torch.bmm(qg, k.float().permute(1, 2, 0)) * hd**-0.5  # [kv_heads, group, length]
+    out = torch.bmm(scores.softmax(-1), v.float().transpose(0, 1))  # [kv_heads, group, hd]
+    return out.reshape(1, heads, hd).to(q.dtype)

@@ -20,7 +20,7 @@ import torch
 
 import kvoffload as kvo
 from benchmarks.engine.config import ModelConfig, model_config
-from benchmarks.engine.engine import MODES, Engine
+from benchmarks.engine.engine import ADMISSIONS, MODES, Engine
 from benchmarks.engine.host_tier import HostTier, TierStats
 from benchmarks.engine.kv_cache import PagedKVCache
 from benchmarks.engine.model import Model
@@ -45,9 +45,12 @@ class BenchConfig:
     zero_reuse_turns: int = 16  # requests per zero-reuse round
     verify: int = 2  # sampled turns checked bit for bit; 0 skips
     backend: str = "auto"  # kvoffload copy backend
+    admission: str = "reuse"  # which requests' blocks kvoffload stores (engine.ADMISSIONS)
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"expected admission in {ADMISSIONS}, got {self.admission!r}")
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ValueError(f"expected modes from {MODES}, got {list(self.modes)}")
@@ -80,9 +83,9 @@ def run_bench(cfg: BenchConfig, advance: Advance) -> dict[str, Any]:
     sync(device)
     setup_s = time.perf_counter() - t0
 
-    def engine(mode: str) -> Engine:
+    def engine(mode: str, admission: str = cfg.admission) -> Engine:
         tier = host if mode == "kvoffload" else None
-        return Engine(model, cache, mode, tier, cfg.chunk_tokens)
+        return Engine(model, cache, mode, tier, cfg.chunk_tokens, admission)
 
     used = sorted({*cfg.modes, *(("gpu", "kvoffload") if cfg.zero_reuse_rounds else ())})
     for mode in used:
@@ -189,39 +192,43 @@ def summarize(
 
 
 def zero_reuse(
-    engine: Callable[[str], Engine],
+    engine: Callable[[str, str], Engine],
     host: HostTier,
     mc: ModelConfig,
     cfg: BenchConfig,
     block_bytes: int,
     advance: Advance,
 ) -> dict[str, Any] | None:
-    """Unique prompts, gpu and kvoffload alternating (ABBA), as long as the chat's mean prompt."""
+    """Unique prompts as long as the chat's mean prompt: ``gpu``, ``kvoffload`` with the chosen
+    admission and, if that is not ``all``, ``kvoffload`` storing everything, in rotating order."""
     if not cfg.zero_reuse_rounds:
         return None
     chat = cfg.chat
     length = round(statistics.mean(chat.prompt_tokens(t) for t in range(1, chat.turns + 1)))
-    runs: dict[str, list[dict[str, Any]]] = {"gpu": [], "kvoffload": []}
+    variants = {"gpu": ("gpu", cfg.admission), "kvoffload": ("kvoffload", cfg.admission)}
+    if cfg.admission != "all":
+        variants["kvoffload_store_all"] = ("kvoffload", "all")
+    names = list(variants)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for i in range(cfg.zero_reuse_rounds):
-        order = ("gpu", "kvoffload") if i % 2 == 0 else ("kvoffload", "gpu")
-        for j, mode in enumerate(order):
-            seed = cfg.seed + 1000 + 2 * i + j
+        order = names if i % 2 == 0 else names[::-1]
+        for j, name in enumerate(order):
+            seed = cfg.seed + 1000 + len(names) * i + j
             turns = unique_turns(cfg.zero_reuse_turns, length, chat.answer_tokens, mc.vocab, seed)
-            run = run_turns(engine(mode), host, turns, block_bytes, advance)
+            run = run_turns(engine(*variants[name]), host, turns, block_bytes, advance)
             run.pop("records")
-            runs[mode].append(run)
-    gpu_tps = statistics.median(r["turns_per_s"] for r in runs["gpu"])
-    kvo_tps = statistics.median(r["turns_per_s"] for r in runs["kvoffload"])
-    gpu_p50 = statistics.median(r["ttft_ms"]["p50"] for r in runs["gpu"])
-    kvo_p50 = statistics.median(r["ttft_ms"]["p50"] for r in runs["kvoffload"])
+            runs[name].append(run)
+    tps = {n: statistics.median(r["turns_per_s"] for r in runs[n]) for n in names}
+    p50 = {n: statistics.median(r["ttft_ms"]["p50"] for r in runs[n]) for n in names}
     return {
         "prompt_tokens": length,
         "turns_per_round": cfg.zero_reuse_turns,
         "rounds": cfg.zero_reuse_rounds,
-        "turns_per_s": {"gpu": gpu_tps, "kvoffload": kvo_tps},
-        "ttft_ms_p50": {"gpu": gpu_p50, "kvoffload": kvo_p50},
-        "overhead_turns_per_s": 1.0 - kvo_tps / gpu_tps,
-        "overhead_ttft_p50": kvo_p50 / gpu_p50 - 1.0,
+        "admission": cfg.admission,
+        "turns_per_s": tps,
+        "ttft_ms_p50": p50,
+        "overhead_turns_per_s": {n: 1.0 - tps[n] / tps["gpu"] for n in names[1:]},
+        "overhead_ttft_p50": {n: p50[n] / p50["gpu"] - 1.0 for n in names[1:]},
         "runs": runs,
     }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,11 @@ from benchmarks.engine.timing import SectionTimer
 from kvoffload import prefix_block_keys
 
 MODES = ("recompute", "gpu", "kvoffload")
+# Which requests' new blocks go to the host tier: "all", or "reuse": only a request that reused
+# something (a GPU or host hit, or a first block it shares with an earlier request that was not
+# stored), so a stream of unrelated prompts copies nothing.
+ADMISSIONS = ("all", "reuse")
+GHOSTS = 1 << 16  # first-block keys remembered of requests not stored
 
 
 @dataclass
@@ -54,9 +60,12 @@ class Engine:
         mode: str,
         host: HostTier | None = None,
         chunk_tokens: int = 2048,
+        admission: str = "reuse",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"expected admission in {ADMISSIONS}, got {admission!r}")
         if (mode == "kvoffload") != (host is not None):
             raise ValueError(f"expected a host tier exactly in mode 'kvoffload', got mode {mode!r}")
         if chunk_tokens <= 0:
@@ -66,7 +75,9 @@ class Engine:
         self.mode = mode
         self.host = host
         self.chunk_tokens = chunk_tokens
+        self.admission = admission
         self.pool = BlockPool(cache.num_blocks)
+        self._ghosts: OrderedDict[BlockKey, None] = OrderedDict()
         self.timer = SectionTimer(model.device)
         self._held: dict[str, list[int]] = {}  # finished requests' blocks, until their stores end
         self._ids = itertools.count()
@@ -120,7 +131,7 @@ class Engine:
         if cache and self.mode != "recompute":
             parent = keys[-1] if keys else None
             keys = [*keys, *prefix_block_keys(seq[len(keys) * bs :], bs, parent=parent)]
-            self._publish(req, blocks, keys, done, len(keys))
+            self._publish(req, blocks, keys, done, len(keys), self._admit(keys, done))
         token = first
         for _ in range(decode):
             if len(seq) % bs == 0:
@@ -157,14 +168,26 @@ class Engine:
                 self.host.wait_settled(req)
         self._settle()
 
+    def _admit(self, keys: Sequence[BlockKey], reused: int) -> bool:
+        """Whether this request's new blocks go to host (see ``ADMISSIONS``). Keys chain from the
+        first block, so a request sharing any prefix with an earlier one shares its first key."""
+        if self.host is None or self.admission == "all" or reused or not keys:
+            return True
+        if keys[0] in self._ghosts:
+            return True
+        self._ghosts[keys[0]] = None
+        if len(self._ghosts) > GHOSTS:
+            self._ghosts.popitem(last=False)
+        return False
+
     def _publish(
-        self, req: str, blocks: list[int], keys: Sequence[BlockKey], lo: int, hi: int
+        self, req: str, blocks: list[int], keys: Sequence[BlockKey], lo: int, hi: int, store: bool
     ) -> None:
         """New full blocks ``lo:hi`` were computed: cache them on the GPU, store them to host."""
         if self.mode == "recompute" or hi <= lo:
             return
         self.pool.cache(blocks[lo:hi], keys[lo:hi])
-        if self.host is not None:
+        if self.host is not None and store:
             self.host.store(req, keys[lo:hi], blocks[lo:hi])
 
     def _prefill(self, tokens: np.ndarray, start: int, blocks: list[int]) -> torch.Tensor:

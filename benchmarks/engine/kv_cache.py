@@ -43,5 +43,7 @@ class PagedKVCache:
         """K and V of the first ``length`` tokens of a block table, contiguous: [length, kv, hd]."""
         blocks = -(-length // self.block_size)
         kv = self.tensors[layer][:, table[:blocks]]  # [2, blocks, block_size, kv, hd], a copy
-        kv = kv.view(2, blocks * self.block_size, self.kv_heads, self.head_size)[:, :length]
-        return kv[0], kv[1]
+        kv = kv.view(2, blocks * self.block_size, self.kv_heads, self.head_size)
+        if blocks * self.block_size > length:  # the last block's unwritten tail: zeros, so a
+            kv[:, length:] = 0  # kernel that reads past the end sees the same bits every run
+        return kv[0, :length], kv[1, :length]

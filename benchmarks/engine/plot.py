@@ -53,7 +53,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     title = "TTFT of returning turns"
     zero = result["results"].get("zero_reuse")
     if zero:
-        title += f"; zero-reuse overhead {100 * zero['overhead_turns_per_s']:+.1f}% turns/s"
+        over = zero["overhead_turns_per_s"]["kvoffload"]
+        title += f"; zero-reuse overhead {100 * over:+.1f}% turns/s"
     bars.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -49,7 +49,7 @@ def check_turn(
         raise ValueError(f"expected a turn in [2, {chat.turns}], got {turn}")
     one = ChatShape(1, turn, chat.system_tokens, chat.user_tokens, chat.answer_tokens)
     turns = chat_turns(one, model.config.vocab, seed)
-    engine = Engine(model, cache, "kvoffload", host, chunk_tokens)
+    engine = Engine(model, cache, "kvoffload", host, chunk_tokens, admission="all")
     for t in turns[:-1]:
         engine.run(t.prompt, t.answer)
     engine.idle()

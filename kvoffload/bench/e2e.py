@@ -64,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="kvoffload host capacity (default: 1.25x all conversations' final histories)",
     )
     e.add_argument("--backend", default="auto", help="kvoffload copy backend")
+    e.add_argument(
+        "--admission",
+        default="reuse",
+        choices=("reuse", "all"),
+        help="which requests kvoffload stores: those that reused a prefix (reuse), or all",
+    )
     r = p.add_argument_group("run")
     r.add_argument(
         "--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)}"
@@ -132,6 +138,7 @@ def build_config(args: argparse.Namespace, cuda: bool) -> Any:
             zero_reuse_turns=pick(args.zero_reuse_turns, chat.conversations),
             verify=args.verify,
             backend=args.backend,
+            admission=args.admission,
             seed=args.seed,
         )
     except ValueError as err:
@@ -188,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
 def _steps(cfg: Any) -> int:
     turns = cfg.chat.conversations * cfg.chat.turns
     warm = len({*cfg.modes, *(("gpu", "kvoffload") if cfg.zero_reuse_rounds else ())})
-    zero = 2 * cfg.zero_reuse_rounds * cfg.zero_reuse_turns
+    variants = 2 if cfg.admission == "all" else 3
+    zero = variants * cfg.zero_reuse_rounds * cfg.zero_reuse_turns
     return int(warm + len(cfg.modes) * turns + zero + cfg.verify)
 
 
@@ -279,12 +287,15 @@ def _print(result: dict[str, Any]) -> None:
         )
     zero = res["zero_reuse"]
     if zero:
-        tps = zero["turns_per_s"]
+        tps, over = zero["turns_per_s"], zero["overhead_turns_per_s"]
         console.print(
             f"zero reuse ({zero['rounds']} rounds x {zero['turns_per_round']} unique prompts of "
-            f"{zero['prompt_tokens']} tokens): turns/s gpu {tps['gpu']:.2f}, kvoffload "
-            f"{tps['kvoffload']:.2f} -> overhead {100 * zero['overhead_turns_per_s']:+.1f}% "
-            f"(TTFT p50 {100 * zero['overhead_ttft_p50']:+.1f}%)"
+            f"{zero['prompt_tokens']} tokens), turns/s: gpu {tps['gpu']:.2f}, "
+            + ", ".join(
+                f"{name} {tps[name]:.2f} (overhead {100 * over[name]:+.1f}%, TTFT p50 "
+                f"{100 * zero['overhead_ttft_p50'][name]:+.1f}%)"
+                for name in over
+            )
         )
     for c in res["verify"]:
         console.print(

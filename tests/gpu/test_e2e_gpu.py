@@ -35,6 +35,7 @@ def test_restore_from_host_is_bit_exact_at_real_shapes(name):
     assert check["restored_host_hit_tokens"] == check["reference_gpu_hit_tokens"] > 3000
     assert check["restored_gpu_hit_tokens"] == 0
     assert check["restored_kv_bit_equal"], "the KV restored from host differs from the original"
+    assert check["gpu_reference_repeats_bit_equal"], "the device does not repeat its own result"
     assert check["suffix_kv_bit_equal"] and check["decode_kv_bit_equal"]
     assert check["logits_bit_equal"] and check["greedy_tokens_equal"] and check["ok"]
     assert check["max_abs_diff_vs_full_recompute"] <= 0.1 * check["logits_abs_max"]
