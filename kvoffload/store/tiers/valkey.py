@@ -165,10 +165,8 @@ class ValkeyTier(Tier):
 
     def probe(self, keys: Sequence[BlockKey]) -> list[bool]:
         replies = self._pipeline([("exists", (self._name(k),), {}) for k in keys], "probe")
-        if replies is None:
-            held = [False] * len(keys)  # not asked again for KNOWN_ABSENT_S
-        else:
-            held = [r == 1 for r in replies]
+        # No answer counts as "not held": not asked again for KNOWN_ABSENT_S.
+        held = [False] * len(keys) if replies is None else [r == 1 for r in replies]
         for key, h in zip(keys, held, strict=True):
             self._remember(key, h)
         return held
