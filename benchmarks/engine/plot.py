@@ -46,10 +46,13 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     for i, mode in enumerate(names):
         tail = modes[mode]["ttft_ms_returning"]
         vals = [tail.get(q, 0.0) for q in ("p50", "p90", "p99")]
-        bars.bar(x + (i - (len(names) - 1) / 2) * width, vals, width, color=COLORS.get(mode))
+        bars.bar(
+            x + (i - (len(names) - 1) / 2) * width, vals, width, color=COLORS.get(mode), label=mode
+        )
         bars.bar_label(bars.containers[-1], fmt="%.0f", fontsize=7)
     bars.set_xticks(x, ["p50", "p90", "p99"])
     bars.set_ylabel("TTFT (ms), turns >= 2")
+    bars.legend(fontsize=8)
     title = "TTFT of returning turns"
     zero = result["results"].get("zero_reuse")
     if zero:
