@@ -19,8 +19,9 @@ step() {
   "$@" 2>&1 | tee -a "$LOG" || { status=1; echo "=== FAILED: $*" | tee -a "$LOG"; }
 }
 step nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
-step python3 -m pytest tests/gpu -q -p no:cacheprovider -m gpu -rs
+step timeout 360 python3 -m pytest tests/gpu -q -p no:cacheprovider -m gpu -rs
 step python3 -m kvoffload.cli doctor
-step python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
+step timeout 120 python3 -m kvoffload.cli calibrate --pieces 4096,32768,262144,2097152 --blocks 16,128
+step timeout 420 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
 echo "=== done, status $status" | tee -a "$LOG"
 exit $status

@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--link-bytes", type=int, default=1 << 30, help="GPU: bytes per link copy")
     g.add_argument("--link-reps", type=int, default=5, help="GPU: timed link copies")
     g.add_argument(
-        "--gemm-reps", type=int, default=8, help="GPU: interleaved GEMM windows (0: skip)"
+        "--gemm-reps", type=int, default=12, help="GPU: interleaved GEMM windows (0: skip)"
     )
     g.add_argument("--gemms", type=int, default=8, help="GPU: GEMMs per window")
     g.add_argument(
@@ -181,6 +181,7 @@ def run_gpu(args: argparse.Namespace) -> int:
     from kvoffload.bench.transfer_gpu import METHODS
     from kvoffload.bench.transfer_gpu import run_gpu as measure
     from kvoffload.bench.transfer_plot import plot
+    from kvoffload.bench.transfer_targets import summarize
 
     for m in args.methods:
         if m not in METHODS:
@@ -194,6 +195,7 @@ def run_gpu(args: argparse.Namespace) -> int:
         args.reps = min(args.reps, 3)
         args.gemm_reps = min(args.gemm_reps, 4)
     result = {**measure(args), **machine_info()}
+    result["targets"] = summarize(result)
     device = result["device"]
     out = args.out or default_out("transfer", device)
     console.print(f"wrote {write_json(out, result)}")
@@ -205,6 +207,8 @@ def run_gpu(args: argparse.Namespace) -> int:
 def _print_gpu(result: dict[str, Any]) -> None:
     from rich.table import Table
 
+    from kvoffload.bench.transfer_targets import link_limit
+
     link = result["link"]["GBps"]
     console.print(
         "link (1 GiB, median [min-max]): "
@@ -212,10 +216,13 @@ def _print_gpu(result: dict[str, Any]) -> None:
             f"{k} {v['median']:.1f} [{v['min']:.1f}-{v['max']:.1f}]" for k, v in link.items()
         )
     )
-    table = Table(title=f"GPU transfers on {result['device']}: GB/s and share of the link")
+    table = Table(
+        title=f"GPU transfers on {result['device']}: share of the link, copies alone / end to end"
+    )
     for col in ("model", "layout", "bs", "blocks", "piece", "method", "store", "load", "submit us"):
         table.add_column(col, justify="left" if col in ("model", "layout", "method") else "right")
-    d2h, h2d = link["d2h"]["median"], link["h2d"]["median"]
+    limit = link_limit(result)
+    d2h, h2d = limit["d2h"], limit["h2d"]
     for r in result["rows"]:
         table.add_row(
             r["model"],
@@ -224,8 +231,8 @@ def _print_gpu(result: dict[str, Any]) -> None:
             str(r["blocks"]),
             f"{r['piece_bytes'] // 1024} KiB",
             r["method"],
-            f"{r['store_GBps']:.1f} ({r['store_GBps'] / d2h:.0%})",
-            f"{r['load_GBps']:.1f} ({r['load_GBps'] / h2d:.0%})",
+            f"{r['store_gpu_GBps'] / d2h:.0%} / {r['store_GBps'] / d2h:.0%}",
+            f"{r['load_gpu_GBps'] / h2d:.0%} / {r['load_GBps'] / h2d:.0%}",
             f"{r['store_submit_us']:.0f}/{r['store_enqueue_us']:.0f}",
         )
     console.print(table)
@@ -238,3 +245,7 @@ def _print_gpu(result: dict[str, Any]) -> None:
             + ", ".join(f"{m} {v:+.1%}" for m, v in g["slowdown"].items())
         )
     console.print(f"binding host us: {result['binding_host_us']}")
+    for t in result["targets"]:
+        mark = "reached" if t["reached_all"] else "NOT reached"
+        extra = f" (min {t['min']:.3f}, worst {t['worst_config']})" if "min" in t else ""
+        console.print(f"{t['target']}: {t['median']:.3f}{extra} -> {mark}")

@@ -333,6 +333,73 @@ def measure_binding(counts: tuple[int, ...], reps: int = 15) -> dict[str, Any]:
     return out
 
 
+def measure_submit_parts(
+    engine: Engine, arena: HostArena, blocks: tuple[int, ...] = (64, 512), reps: int = 100
+) -> dict[str, Any]:
+    """Where the caller's ``submit`` time goes (staged backend, submitter thread on): the whole
+    call; the call with the hand-off to the thread replaced by a no-op (no thread wake-up); and its
+    parts (spec validation, the ordering event, the Pending)."""
+    import queue
+    import time
+
+    from kvoffload.transfer.cuda.pending import CudaPending
+    from kvoffload.transfer.cuda.staged import StagedBackend
+
+    def med(fn: Callable[[], object]) -> float:
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e6
+
+    class Sink:
+        def put(self, job: object) -> None:
+            return
+
+    out: dict[str, Any] = {}
+    rng = np.random.default_rng(1)
+    backend = StagedBackend(engine.kv, arena)
+    try:
+        for n in blocks:
+            spec = [TransferSpec.of("store", rng.permutation(engine.pool)[:n], np.arange(n))]
+            full = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                p = backend.submit(spec)
+                full.append(time.perf_counter() - t0)
+                p.wait(30)
+            after_idle = []
+            for _ in range(10):
+                time.sleep(0.08)  # longer than the submitter's polling window: it sleeps
+                t0 = time.perf_counter()
+                p = backend.submit(spec)
+                after_idle.append(time.perf_counter() - t0)
+                p.wait(30)
+            real = backend._submitters
+            backend._submitters = {"store": Sink(), "load": Sink()}  # type: ignore[dict-item]
+            no_wake = med(partial(backend.submit, spec))
+            waiterless: queue.SimpleQueue[object] = queue.SimpleQueue()  # nobody blocked on it
+            backend._submitters = {"store": waiterless, "load": waiterless}  # type: ignore[dict-item]
+            no_waiter = med(partial(backend.submit, spec))
+            backend._submitters = real
+            out[str(n)] = {
+                "pieces": n * len(engine.kv.groups[0].regions),
+                "submit_us": statistics.median(full) * 1e6,
+                "submit_after_idle_us": statistics.median(after_idle) * 1e6,
+                "submit_without_thread_wake_us": no_wake,
+                "submit_into_queue_without_waiter_us": no_waiter,
+                "validate_us": med(partial(backend.validate, spec)),
+                "order_event_us": med(
+                    lambda: backend._order_events.append(backend._order_event("current") or 0)
+                ),
+                "pending_us": med(CudaPending),
+            }
+    finally:
+        backend.close()
+    return out
+
+
 def measure_host_costs(reps: int = 200) -> dict[str, float]:
     """Median host microseconds of the calls a transfer's enqueue is made of."""
     import time
@@ -435,7 +502,10 @@ def run_gpu(args: Any) -> dict[str, Any]:
                     bar.advance(task)
                 if layout == args.both_layout and bs == args.block_sizes[0]:
                     for m, bk in backends.items():
-                        gbps = measure_both(sleeper, engine, arena, bk, max_blocks, args.reps, rng)
+                        runs = [
+                            measure_both(sleeper, engine, arena, bk, max_blocks, args.reps, rng)
+                            for _ in range(5)
+                        ]
                         both.append(
                             {
                                 "model": model,
@@ -443,9 +513,12 @@ def run_gpu(args: Any) -> dict[str, Any]:
                                 "block_size": bs,
                                 "blocks": max_blocks,
                                 "method": m,
-                                "GBps": gbps,
+                                "GBps": statistics.median(runs),
+                                "runs_GBps": runs,
                             }
                         )
+                if (model, layout, bs) == (args.models[0], args.both_layout, args.block_sizes[0]):
+                    result["submit_parts"] = measure_submit_parts(engine, arena)
                 if (
                     args.gemm_reps > 0
                     and gemm_done is None
@@ -465,6 +538,7 @@ def run_gpu(args: Any) -> dict[str, Any]:
     result["rows"] = rows
     result["store_and_load"] = both
     result["gemm"] = gemm_done
+    result["link_after"] = measure_link(sleeper, args.link_bytes, args.link_reps)
     result["binding_host_us"] = measure_binding(tuple(args.binding_counts))
     result["host_call_us"] = measure_host_costs()
     return result

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvoffload.bench.transfer_targets import link_limit
+
 STYLE = {"staged": ("tab:green", "o"), "dma": ("tab:blue", "s"), "sm": ("tab:red", "^")}
 
 
@@ -18,25 +20,31 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     for ax, direction, link_key in zip(axes, ("store", "load"), ("d2h", "h2d"), strict=True):
         for method, (color, marker) in STYLE.items():
-            pts = sorted(
-                (r["piece_bytes"], r[f"{direction}_GBps"])
-                for r in result["rows"]
-                if r["method"] == method and r["blocks"] == blocks
-            )
-            if pts:
-                ax.scatter(
-                    [p[0] / 1024 for p in pts],
-                    [p[1] for p in pts],
-                    color=color,
-                    marker=marker,
-                    label=method,
-                    alpha=0.8,
+            for col, filled in ((f"{direction}_gpu_GBps", True), (f"{direction}_GBps", False)):
+                pts = sorted(
+                    (r["piece_bytes"], r[col])
+                    for r in result["rows"]
+                    if r["method"] == method and r["blocks"] == blocks
                 )
-        link = result["link"]["GBps"][link_key]["median"]
+                if pts:
+                    ax.scatter(
+                        [p[0] / 1024 for p in pts],
+                        [p[1] for p in pts],
+                        marker=marker,
+                        label=f"{method} ({'copies' if filled else 'end to end'})",
+                        alpha=0.8,
+                        **(
+                            {"color": color}
+                            if filled
+                            else {"facecolors": "none", "edgecolors": color}
+                        ),
+                    )
+        link = link_limit(result)[link_key]
         ax.axhline(link, color="black", linestyle="--", label=f"link {link:.1f} GB/s")
         ax.axhline(0.95 * link, color="gray", linestyle=":", label="95% of link")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("piece bytes (KiB): one block of one region")
+        ax.set_ylim(0, link * 1.1)
         ax.set_title(
             f"{direction} ({'GPU->host' if direction == 'store' else 'host->GPU'}), "
             f"{blocks} blocks per transfer"

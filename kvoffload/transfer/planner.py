@@ -28,8 +28,10 @@ from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
 
 DEFAULT_METHOD = "staged"
-# Without a table, pieces this large go to ``dma``: on an H100 (driver 580) one descriptor per
-# 640 KiB-2 MiB piece moved 97-100% of the link (benchmarks/results/transfer_*.json).
+# Without a table, pieces this large go to ``dma``: on the lent H100 (driver 580, 2026-11-22,
+# benchmarks/results/transfer_nvidia-h100-80gb-hbm3_2026-11-22.json) one descriptor per
+# 640 KiB-6 MiB cross-layer piece reached 0.75-1.01 of the link (median 0.98) and was ahead of
+# ``staged`` end to end in 16 of 24 (configuration, direction) pairs: a gather only adds work.
 DMA_PIECE_BYTES = 512 << 10
 DEFAULT_CANDIDATES = ("staged", "dma")
 

@@ -143,3 +143,45 @@ def test_bad_input_raises_value_error_before_any_copy(engine):
             backend.submit([TransferSpec.of("store", [0], [0])], order_after="soon")
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_empty_transfers_complete_and_touch_nothing(engine, name):
+    _tensors, kv, arena = engine
+    backend = FACTORIES[name](kv, arena)
+    try:
+        before = arena.slots.copy()
+        for specs in ([], [TransferSpec.of("store", [], [])], [TransferSpec.of("load", [], [])]):
+            pending = backend.submit(specs)
+            assert pending.wait(30) and pending.error() is None
+        assert np.array_equal(arena.slots, before)
+    finally:
+        backend.close()
+
+
+def test_calibrate_writes_a_table_the_auto_backend_uses(engine, tmp_path, monkeypatch):
+    import argparse
+
+    from kvoffload.calibrate import measure
+    from kvoffload.transfer.backend import make_backend
+    from kvoffload.transfer.calibration import load_cached, save
+
+    monkeypatch.setenv("KVOFFLOAD_CACHE_DIR", str(tmp_path))
+    args = argparse.Namespace(
+        pieces=[4096, 1 << 20], blocks=[4], methods=["staged", "dma"], reps=1, out=None
+    )
+    table = measure(args)
+    assert len(table.entries) == 2 * 2 * 2  # pieces x methods x directions
+    assert all(e.gbps > 0 for e in table.entries)
+    save(table)
+    cached = load_cached(table.device, table.driver)
+    assert cached is not None and cached.entries == table.entries
+    tensors, kv, arena = engine
+    auto = make_backend("auto", kv, arena)
+    try:
+        assert auto.planner.table.entries == table.entries  # type: ignore[attr-defined]
+        assert auto.submit([TransferSpec.of("store", [2], [3])]).wait(30)
+        assert np.array_equal(arena.slots[3, : kv.slot_bytes], slot_of(tensors, 2))
+        assert set(auto.backends) <= {"staged", "dma"}  # type: ignore[attr-defined]
+    finally:
+        auto.close()

@@ -6,17 +6,18 @@ blocks only after the compute enqueued before it wrote them, and a load overwrit
 after the work enqueued before it stopped reading them. Completion: each transfer's ``CudaPending``
 carries an event recorded after its last copy (``wait_on(stream)`` makes an engine stream wait).
 
-Submission: by default a submitter thread (one per backend, FIFO) enqueues the copies, so
-``submit`` costs the caller only validation, one event record and a queue put; the thread's host
-time per transfer is in ``CudaPending.enqueue_seconds``. ``submit_thread=False`` enqueues in the
-caller's thread. Stores and loads run on separate streams, so they overlap; transfers of one
-direction run in submission order.
+Submission: by default one submitter thread per direction (``submitter.Submitter``, FIFO)
+enqueues the copies, so ``submit`` costs the caller only validation, one event record and a queue
+put, and a load is never queued behind the enqueuing of a large store. The thread's host time per
+transfer is in ``CudaPending.enqueue_seconds``. ``submit_thread=False`` enqueues in the caller's
+thread. Stores and loads run on separate streams, so they overlap; transfers of one direction run
+in submission order. A submit mixing both directions goes to the store thread, which takes the
+load lane's lock for its loads.
 """
 
 from __future__ import annotations
 
 import collections
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import CopyBackend
 from kvoffload.transfer.cuda import driver as cu
 from kvoffload.transfer.cuda.pending import CudaPending
+from kvoffload.transfer.cuda.submitter import Submitter
 from kvoffload.transfer.descriptors import region_arrays
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
@@ -45,6 +47,7 @@ class Lane:
         ]
         self.handles = [int(s.cuda_stream) for s in self.streams]
         self.tail = self.handles[tail]
+        self.lock = threading.Lock()  # one enqueuer at a time on these streams
 
 
 class CudaBackend(CopyBackend):
@@ -88,14 +91,12 @@ class CudaBackend(CopyBackend):
             }
         self._order_events: collections.deque[int] = collections.deque()
         self._closed = False
-        self._queue: queue.SimpleQueue[Any] | None = None
-        self._thread: threading.Thread | None = None
-        if submit_thread:
-            self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(
-                target=self._serve, name=f"kvoffload-{self.name}", daemon=True
-            )
-            self._thread.start()
+        self._submitters: dict[str, Submitter] | None = None
+        if submit_thread:  # jobs arrive only after __init__ returns, so subclasses are ready
+            self._submitters = {
+                d: Submitter(self._run, device, f"kvoffload-{self.name}-{d}")
+                for d in ("store", "load")
+            }
 
     # -- the contract ----------------------------------------------------------------------------
     def submit(self, specs: Sequence[TransferSpec], *, order_after: Any = "current") -> CudaPending:
@@ -111,11 +112,17 @@ class CudaBackend(CopyBackend):
         self.validate(specs)
         import torch
 
-        with torch.cuda.device(self.device):
+        if torch.cuda.current_device() == self.device.index:  # the usual case: skip the switch
             order = self._order_event(order_after)
             pending = CudaPending()
-        if self._queue is not None:
-            self._queue.put((specs, order, pending))
+        else:
+            with torch.cuda.device(self.device):
+                order = self._order_event(order_after)
+                pending = CudaPending()
+        if self._submitters is not None:
+            first = specs[0].direction if specs else "store"
+            mixed = any(s.direction != first for s in specs)
+            self._submitters["store" if mixed else first].put((specs, order, pending))
         else:
             with torch.cuda.device(self.device):
                 self._run(specs, order, pending)
@@ -125,9 +132,8 @@ class CudaBackend(CopyBackend):
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None and self._queue is not None:
-            self._queue.put(None)
-            self._thread.join()
+        for submitter in (self._submitters or {}).values():
+            submitter.close()
         for lane in self.lanes.values():
             for s in lane.streams:
                 s.synchronize()
@@ -146,10 +152,9 @@ class CudaBackend(CopyBackend):
     def _order_event(self, order_after: Any) -> int | None:
         if order_after is None:
             return None
-        import torch
 
         if order_after == "current":
-            handle = int(torch.cuda.current_stream(self.device).cuda_stream)
+            handle = _current_stream(self.device.index)
         elif isinstance(order_after, int):
             handle = order_after
         elif hasattr(order_after, "cuda_stream"):
@@ -169,14 +174,6 @@ class CudaBackend(CopyBackend):
         except IndexError:
             return cu.event_create()
 
-    def _serve(self) -> None:
-        import torch
-
-        torch.cuda.set_device(self.device)  # this thread's current context
-        assert self._queue is not None
-        while (job := self._queue.get()) is not None:
-            self._run(*job)
-
     def _run(self, specs: list[TransferSpec], order: int | None, pending: CudaPending) -> None:
         t0 = pending.started_at = time.perf_counter()
         error: BaseException | None = None
@@ -184,12 +181,13 @@ class CudaBackend(CopyBackend):
         try:
             for spec in specs:
                 lane = self.lanes[spec.direction]
-                if lane not in used:
-                    if order is not None:
-                        for handle in lane.handles:
-                            cu.stream_wait_event(handle, order)
-                    used.append(lane)
-                self._enqueue(spec, lane)
+                with lane.lock:
+                    if lane not in used:
+                        if order is not None:
+                            for handle in lane.handles:
+                                cu.stream_wait_event(handle, order)
+                        used.append(lane)
+                    self._enqueue(spec, lane)
         except Exception as err:  # noqa: BLE001 (reported through the Pending, not swallowed)
             error = err
         finally:
@@ -206,3 +204,14 @@ class CudaBackend(CopyBackend):
             cu.event_record(event, earlier.tail)
             cu.stream_wait_event(used[-1].tail, event)
         cu.event_record(event, used[-1].tail)
+
+
+def _current_stream(device: int) -> int:
+    """The caller's current stream handle on ``device`` (torch's raw accessor: ~0.5 us, against
+    ~4 us for ``torch.cuda.current_stream().cuda_stream``)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)

@@ -8,6 +8,7 @@ buffer is still in use a new one is made, so taking one never waits.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +41,14 @@ class BufferRing:
         self._with_device = with_device
         self._buffers: list[Buffer] = []
         self._held: set[int] = set()  # taken and not yet released
+        self._lock = threading.Lock()  # the store and load submitter threads share a ring
 
     def take(self, n: int) -> Buffer:
         """A buffer of at least ``n`` int64 entries that no enqueued work still uses."""
+        with self._lock:
+            return self._take(n)
+
+    def _take(self, n: int) -> Buffer:
         for i, buf in enumerate(self._buffers):
             if i in self._held or not cu.event_done(buf.event):
                 continue
@@ -56,8 +62,9 @@ class BufferRing:
 
     def release(self, buf: Buffer, stream: int) -> None:
         """Give ``buf`` back; it is reused once ``stream`` has passed this point."""
-        cu.event_record(buf.event, stream)
-        self._held.discard(next(i for i, b in enumerate(self._buffers) if b is buf))
+        with self._lock:
+            cu.event_record(buf.event, stream)
+            self._held.discard(next(i for i, b in enumerate(self._buffers) if b is buf))
 
     def close(self) -> None:
         for buf in self._buffers:

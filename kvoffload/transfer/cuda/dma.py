@@ -38,6 +38,8 @@ class DmaBackend(CudaBackend):
     def _enqueue(self, spec: TransferSpec, lane: Lane) -> None:
         group = self.layout.groups[spec.group]
         n = len(spec) * len(group.regions)
+        if n == 0:
+            return
         buf = self._tables.take(3 * n)
         try:
             table = build_descriptors(

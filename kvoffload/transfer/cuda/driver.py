@@ -149,7 +149,7 @@ class CudaDriver:
             return
         if table.strides[1] != 8:
             table = np.ascontiguousarray(table)
-        if self.batch is None:
+        if self.batch is None or n == 1:  # one copy: cuMemcpyAsync costs a third of a batch call
             self._loop(table, stream)
             return
         fail = ctypes.c_size_t(_NO_INDEX)

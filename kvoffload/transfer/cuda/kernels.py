@@ -16,6 +16,7 @@ what keeps a few programs fast on 4 KiB pieces). ``JOBS=1, WORDS=1024`` is vLLM'
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import triton
@@ -79,6 +80,7 @@ class CopyLauncher:
 
     def __init__(self) -> None:
         self._compiled: dict[tuple[Any, ...], Any] = {}
+        self._lock = threading.Lock()  # the store and load submitter threads share a launcher
 
     def launch(
         self,
@@ -107,7 +109,7 @@ class CopyLauncher:
         if kernel is None:
             import torch
 
-            with torch.cuda.stream(stream):
+            with self._lock, torch.cuda.stream(stream):
                 self._compiled[key] = copy_blocks[(programs,)](*args, num_warps=num_warps)
             return
         kernel[(programs, 1, 1)](*args, stream=stream.cuda_stream)

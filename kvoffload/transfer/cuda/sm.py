@@ -78,6 +78,8 @@ class SmBackend(CudaBackend):
 
     def _enqueue(self, spec: TransferSpec, lane: Lane) -> None:
         n = len(spec)
+        if n == 0:
+            return
         half = (n + 1) // 2 * 2  # slots start 16-byte aligned, as the compiled kernel assumes
         buf = self._index.take(2 * half)
         try:

@@ -38,7 +38,7 @@ GATHER, DMA = 0, 1  # a lane's two streams
 class StagedConfig:
     # Device staging memory per direction, in bytes (cut into ``depth`` areas, each at least one
     # block).
-    staging_bytes: int = 64 << 20
+    staging_bytes: int = 128 << 20
     # Staging areas per direction: how many chunks can be in flight (gathered, not yet sent).
     depth: int = 4
     # Bytes of the first chunk of a store (the last of a load); chunks double from there.
@@ -103,7 +103,7 @@ class StagedBackend(CudaBackend):
         self._tiles = [
             tile(max(r.page_bytes for r in g.regions), config.chunk_bytes) for g in layout.groups
         ]
-        super().__init__(layout, arena, driver=driver, submit_thread=False)
+        super().__init__(layout, arena, driver=driver, submit_thread=submit_thread)
         import torch
 
         with torch.cuda.device(self.device):
@@ -111,21 +111,11 @@ class StagedBackend(CudaBackend):
                 d: _Ring(self.device, config.depth, self.area_bytes) for d in ("store", "load")
             }
         self._index = BufferRing(self.device, with_device=True)
-        if submit_thread:
-            self._start_thread()
 
     @property
     def staging_bytes(self) -> int:
         """Device memory this backend holds for staging (both directions)."""
         return 2 * self.config.depth * self.area_bytes
-
-    def _start_thread(self) -> None:
-        import queue
-        import threading
-
-        self._queue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="kvoffload-staged", daemon=True)
-        self._thread.start()
 
     def _enqueue(self, spec: TransferSpec, lane: Lane) -> None:
         store = spec.direction == "store"
@@ -133,6 +123,8 @@ class StagedBackend(CudaBackend):
         slot = group.slot_bytes
         ring = self._rings[spec.direction]
         n = len(spec)
+        if n == 0:
+            return
         first = max(1, self.config.first_chunk_bytes // slot)
         sizes = chunk_sizes(n, first, self.area_blocks[spec.group], "up" if store else "down")
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
@@ -145,8 +137,14 @@ class StagedBackend(CudaBackend):
         try:
             index.host[:n] = spec.blocks
             index.upload(self.driver, n, gather)
-            if store:  # start the first gather before the host builds the descriptors
-                self._gather(lane, spec, index, 0, ring, int(areas[0]), int(sizes[0]), slot)
+            chunks = list(zip(areas.tolist(), starts.tolist(), sizes.tolist(), strict=True))
+            # The host runs ``ahead`` chunks in front: a store enqueues the first gathers before it
+            # builds the descriptors, a load the first DMAs before the first scatter, so the GPU
+            # has queued work while the host enqueues the rest. The area events keep the order.
+            ahead = min(self.config.depth, len(chunks))
+            if store:
+                for k in range(ahead):
+                    self._gather(lane, spec, index, ring, slot, *chunks[k])
             # One descriptor per block: its staged slot image <-> its host slot.
             table = tables.host[: 3 * n].reshape(3, n)
             within = np.arange(n, dtype=np.int64) - np.repeat(starts, sizes)
@@ -155,23 +153,24 @@ class StagedBackend(CudaBackend):
             table[0], table[1] = (staged, host) if store else (host, staged)
             table[2] = slot
             table, at = coalesce(table, starts)
-            ends = np.append(at[1:], table.shape[1])
-            chunks = zip(areas.tolist(), starts.tolist(), sizes.tolist(), strict=True)
-            for k, (area, start, count) in enumerate(chunks):
-                part = table[:, at[k] : ends[k]]
-                if store:
-                    if k:
-                        self._gather(lane, spec, index, start, ring, area, count, slot)
+            ends = np.append(at[1:], table.shape[1]).tolist()
+            parts = [table[:, a:e] for a, e in zip(at.tolist(), ends, strict=True)]
+            if store:
+                for k, (area, _, _) in enumerate(chunks):
                     cu.stream_wait_event(dma, ring.filled[area])
-                    self.driver.memcpy_batch(part, dma)
+                    self.driver.memcpy_batch(parts[k], dma)
                     cu.event_record(ring.free[area], dma)
-                else:
-                    cu.stream_wait_event(dma, ring.free[area])
-                    self.driver.memcpy_batch(part, dma)
-                    cu.event_record(ring.filled[area], dma)
+                    if k + ahead < len(chunks):
+                        self._gather(lane, spec, index, ring, slot, *chunks[k + ahead])
+            else:
+                for k in range(ahead):
+                    self._send(dma, ring, chunks[k][0], parts[k])
+                for k, (area, start, count) in enumerate(chunks):
                     cu.stream_wait_event(gather, ring.filled[area])
                     self._move(lane, spec, index, start, count, int(ring.bases[area]), slot)
                     cu.event_record(ring.free[area], gather)
+                    if k + ahead < len(chunks):
+                        self._send(dma, ring, chunks[k + ahead][0], parts[k + ahead])
         finally:
             self._index.release(index, lane.tail)
             self._tables.release(tables, lane.tail)
@@ -181,17 +180,23 @@ class StagedBackend(CudaBackend):
         lane: Lane,
         spec: TransferSpec,
         index: Buffer,
-        start: int,
         ring: _Ring,
-        area: int,
-        count: int,
         slot: int,
+        area: int,
+        start: int,
+        count: int,
     ) -> None:
         """A store's chunk: wait for its staging area to be free, gather into it, mark it filled."""
         gather = lane.handles[GATHER]
         cu.stream_wait_event(gather, ring.free[area])
         self._move(lane, spec, index, start, count, int(ring.bases[area]), slot)
         cu.event_record(ring.filled[area], gather)
+
+    def _send(self, dma: int, ring: _Ring, area: int, part: np.ndarray) -> None:
+        """A load's chunk: once its staging area is free, DMA the slots into it, mark it filled."""
+        cu.stream_wait_event(dma, ring.free[area])
+        self.driver.memcpy_batch(part, dma)
+        cu.event_record(ring.filled[area], dma)
 
     def _move(
         self,
