@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The one GPU script: every GPU test under tests/gpu, `kvoffload doctor`, and the GPU transfer
-# benchmark (JSON + PNG), in one call on the GPU machine. Run from the repository root:
+# The one GPU script: every GPU test under tests/gpu, `kvoffload doctor` and `calibrate`, the GPU
+# transfer benchmark and the end-to-end TTFT benchmark (JSON + PNG), on the GPU machine. Run from
+# the repository root:
 #
-#   OUT=/some/dir bash benchmarks/gpu_run.sh            # full benchmark (a few minutes on an H100)
-#   OUT=/some/dir bash benchmarks/gpu_run.sh --quick    # one block size, fewer repetitions
+#   OUT=/some/dir bash benchmarks/gpu_run.sh            # everything (~9 min on an H100)
+#   OUT=/some/dir bash benchmarks/gpu_run.sh --quick    # transfer: one block size, fewer reps
+#   STEPS="tests e2e" OUT=... bash benchmarks/gpu_run.sh  # a subset (a device call is <= 10 min)
 #
-# Writes under $OUT: gpu_run.log (everything), transfer_gpu.json, transfer_gpu.png. Extra
-# arguments go to `kvoffload bench transfer`. Exit status: non-zero if any step failed.
+# STEPS (default "tests doctor transfer e2e"). Writes under $OUT: gpu_run.log (everything),
+# transfer_gpu.json/.png, e2e_gpu.json/.png. Extra arguments go to `kvoffload bench transfer`.
+# Exit status: non-zero if any step failed.
 set -o pipefail
 OUT=${OUT:-benchmarks/results/gpu_run}
 mkdir -p "$OUT"
@@ -18,10 +21,15 @@ step() {
   echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"
   "$@" 2>&1 | tee -a "$LOG" || { status=1; echo "=== FAILED: $*" | tee -a "$LOG"; }
 }
+STEPS=${STEPS:-tests doctor transfer e2e}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 step nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
-step timeout 360 python3 -m pytest tests/gpu -q -p no:cacheprovider -m gpu -rs
-step python3 -m kvoffload.cli doctor
-step timeout 120 python3 -m kvoffload.cli calibrate --pieces 4096,32768,262144,2097152 --blocks 16,128
-step timeout 420 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
+want tests && step timeout 360 python3 -m pytest tests/gpu -q -p no:cacheprovider -m gpu -rs
+want doctor && step python3 -m kvoffload.cli doctor
+if want transfer; then
+  step timeout 120 python3 -m kvoffload.cli calibrate --pieces 4096,32768,262144,2097152 --blocks 16,128
+  step timeout 420 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
+fi
+want e2e && step timeout 400 python3 -m kvoffload.cli bench e2e --zero-reuse-rounds 4 --verify 3 --out "$OUT/e2e_gpu.json"
 echo "=== done, status $status" | tee -a "$LOG"
 exit $status

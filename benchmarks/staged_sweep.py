@@ -9,6 +9,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +34,7 @@ VARIANTS = {
 }
 
 
-def us(fn, n=200):
+def us(fn: Callable[[], object], n: int = 200) -> float:
     ts = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -41,13 +43,40 @@ def us(fn, n=200):
     return round(statistics.median(ts) * 1e6, 1)
 
 
+def _submitter(
+    backend: StagedBackend, *transfers: list[TransferSpec]
+) -> Callable[[Any], list[CudaPending]]:
+    """A ``time_transfers`` body: submit each transfer, ordered after the timing stream."""
+
+    def submit(stream: Any) -> list[CudaPending]:
+        return [backend.submit(t, order_after=stream) for t in transfers]
+
+    return submit
+
+
+def _submit_parts(backend: StagedBackend, spec: list[TransferSpec]) -> dict[str, float]:
+    """Host time of the pieces of one submit, in µs (medians)."""
+
+    def order_event() -> None:
+        event = backend._order_event("current")
+        if event is not None:
+            backend._order_events.append(event)
+
+    return {
+        "validate": us(lambda: backend.validate(spec)),
+        "order_event": us(order_event),
+        "pending": us(lambda: CudaPending()),
+        "device_ctx": us(lambda: torch.cuda.device(backend.device).__enter__()),  # type: ignore[no-untyped-call]
+    }
+
+
 def main() -> None:
     sleeper = Sleeper()
     link = measure_link(sleeper, 1 << 30, 4)
     print("link", {k: round(v["median"], 1) for k, v in link["GBps"].items()}, flush=True)
     rng = np.random.default_rng(0)
     arena = HostArena(1100, 2 << 20, pin=cuda_pin)
-    out = {"link": link, "rows": [], "both": [], "submit_parts": {}}
+    out: dict[str, Any] = {"link": link, "rows": [], "both": [], "submit_parts": {}}
     for model in ("llama3-8b", "qwen2.5-7b", "llama3-70b-tp8"):
         for layout in ("page", "kv_split"):
             eng = Engine(model, layout, 16, 1090)
@@ -64,7 +93,7 @@ def main() -> None:
                         for lead in (False, True):
                             t = time_transfers(
                                 sleeper,
-                                lambda s, sp=spec: [bk.submit(sp, order_after=s)],
+                                _submitter(bk, spec),
                                 5,
                                 lead=lead,
                             )
@@ -97,10 +126,7 @@ def main() -> None:
                             ld = [TransferSpec.of("load", perm[512:1024], slots[512:1024])]
                             t = time_transfers(
                                 sleeper,
-                                lambda s: [
-                                    b2.submit(st, order_after=s),
-                                    b2.submit(ld, order_after=s),
-                                ],
+                                _submitter(b2, st, ld),
                                 3,
                             )
                             gbps = 2 * 512 * eng.kv.slot_bytes / statistics.median(t["gpu_s"]) / 1e9
@@ -114,19 +140,8 @@ def main() -> None:
                             "store", rng.permutation(1090)[:64], rng.permutation(1100)[:64]
                         )
                     ]
-                    parts = {
-                        "validate": us(lambda: bk.validate(spec)),
-                        "order_event": us(
-                            lambda: bk._order_events.append(bk._order_event("current"))
-                        ),
-                        "pending": us(lambda: CudaPending()),
-                        "device_ctx": us(lambda: torch.cuda.device(bk.device).__enter__()),
-                    }
+                    parts = _submit_parts(bk, spec)
                     sync = StagedBackend(eng.kv, arena, submit_thread=False)
-
-                    def full(b):
-                        p = b.submit(spec)
-                        p.wait(10)
 
                     ts = []
                     for b in (bk, sync):
@@ -146,7 +161,8 @@ def main() -> None:
             del eng
             torch.cuda.empty_cache()
     arena.close()
-    json.dump(out, open(sys.argv[1], "w"), indent=1)
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

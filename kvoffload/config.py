@@ -9,9 +9,9 @@ from typing import Any
 
 from kvoffload.store.arena import slots_for_capacity
 from kvoffload.store.policies import POLICIES
+from kvoffload.transfer.backend import BACKENDS
 
 DEFAULT_HOST_CAPACITY_BYTES = 4 << 30
-BACKEND_NAMES = ("auto", "host", "staged", "dma", "sm")
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,9 @@ class OffloadConfig:
             raise ValueError(
                 f"expected eviction_policy in {sorted(POLICIES)}, got {self.eviction_policy!r}"
             )
-        if self.backend not in BACKEND_NAMES:
-            raise ValueError(f"expected backend in {list(BACKEND_NAMES)}, got {self.backend!r}")
+        names = ["auto", *sorted(BACKENDS)]  # built-in and register_backend()-ed ones
+        if self.backend not in names:
+            raise ValueError(f"expected backend in {names}, got {self.backend!r}")
         if self.pin_memory not in (None, True, False):
             raise ValueError(
                 f"expected pin_memory to be None, True or False, got {self.pin_memory!r}"

@@ -37,3 +37,15 @@ def test_arena_rejects_bad_sizes():
         HostArena(0, 10)
     with pytest.raises(ValueError, match="slot_bytes > 0"):
         HostArena(1, 0)
+
+
+def test_registered_backends_are_accepted():
+    from kvoffload.transfer.backend import BACKENDS, register_backend
+
+    with pytest.raises(ValueError, match="backend in"):
+        OffloadConfig(backend="mine")
+    register_backend("mine", BACKENDS["host"])
+    try:
+        assert OffloadConfig(backend="mine").backend == "mine"
+    finally:
+        del BACKENDS["mine"]

@@ -160,3 +160,23 @@ def test_capacity_smaller_than_one_block_is_an_error():
     layout = KVLayout.from_tensors(kv, block_size=16, block_dim=1)
     with pytest.raises(ValueError, match="at least one block"):
         build_local(layout, OffloadConfig(host_capacity_bytes=1024))
+
+
+def test_wait_on_orders_after_a_host_copy_and_touch_refreshes_recency(engine):
+    kv, local = engine
+    off, worker = local.offloader, local.worker
+    keys = prefix_block_keys(np.arange(16 * 8), BS)  # 8 blocks: the host tier is full after this
+    run(local, off.schedule_store("a", keys, range(8)))
+    want = blocks_of(kv, [0])
+    job = off.schedule_load("b", keys[:1], [20])
+    worker.submit(job)
+    worker.wait_on(job.job_id)  # CPU backend: returns once the copy is done
+    assert all(torch.equal(a, b) for a, b in zip(blocks_of(kv, [20]), want, strict=True))
+    worker.wait_on(job.job_id)  # idempotent
+    off.complete(worker.get_finished())
+    worker.wait_on(job.job_id)  # already reported: nothing to wait for
+
+    off.touch(keys[1:2])  # block 1 is now the most recent of blocks 1..7
+    off.touch([b"unknown"])
+    run(local, off.schedule_store("c", prefix_block_keys(np.arange(1000, 1016), BS), [9]))
+    assert off.lookup(keys[1:2]) == 1 and off.lookup(keys[2:3]) == 0  # 2 went first, not 1

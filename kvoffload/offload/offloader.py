@@ -84,6 +84,11 @@ class Offloader:
             req_id, "store", plan.keys, TransferSpec("store", chosen, plan.slots, group)
         )
 
+    def touch(self, keys: Iterable[BlockKey]) -> None:
+        """Mark held ``keys`` as just used (e.g. blocks the engine's GPU cache keeps hitting, so
+        the host copy of a hot system prompt is not the first evicted). Unknown keys are ignored."""
+        self.index.touch(keys)
+
     def complete(self, results: Iterable[JobResult]) -> list[TransferJob]:
         """Apply finished jobs to the index: stores become readable (or roll back), loads unpin."""
         done = []

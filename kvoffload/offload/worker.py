@@ -71,6 +71,15 @@ class TransferWorker:
                 left.add(job_id)
         return left
 
+    def wait_on(self, job_id: int, stream: object = None) -> None:
+        """Make ``stream`` (None: the current one) wait for ``job_id``'s copy before its later work,
+        e.g. attention reading blocks a load wrote. On a GPU the host does not block; see
+        ``Pending.wait_on``. A job already reported finished needs no wait and returns at once.
+        """
+        run = self._running.get(job_id)
+        if run is not None:
+            run.pending.wait_on(stream)
+
     def pending_count(self) -> int:
         return len(self._running)
 

@@ -14,6 +14,10 @@ from kvoffload.store.arena import HostArena
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
 
+# wait_on() of a CPU copy blocks the host at most this long: far above any real copy (a 1 GiB
+# transfer takes ~0.3 s on a 2-core CI machine), so reaching it means something is stuck.
+HOST_WAIT_ON_TIMEOUT = 60.0
+
 
 class Pending(ABC):
     """One submitted transfer."""
@@ -33,6 +37,16 @@ class Pending(ABC):
     def cancel(self) -> bool:
         """Try to stop a copy that has not started; True if it will never touch memory."""
         return False
+
+    def wait_on(self, stream: object = None) -> None:
+        """Order ``stream``'s later work after this copy. GPU backends make the stream wait on the
+        device (the host does not block); CPU backends have no device stream, so this waits on the
+        host, up to ``HOST_WAIT_ON_TIMEOUT`` seconds (TimeoutError), and raises the copy's error."""
+        if not self.wait(HOST_WAIT_ON_TIMEOUT):
+            raise TimeoutError(f"the copy did not finish within {HOST_WAIT_ON_TIMEOUT} s")
+        error = self.error()
+        if error is not None:
+            raise error
 
 
 class CopyBackend(ABC):

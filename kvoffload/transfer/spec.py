@@ -52,10 +52,11 @@ class TransferSpec:
             if self.direction == "store"
             else (self.blocks, "engine block")
         )
-        if len(np.unique(dst)) != len(dst):
+        distinct = len(np.unique(dst))
+        if distinct != len(dst):
             raise ValueError(
                 f"expected distinct destination {what}s in one {self.direction}, got "
-                f"{len(dst) - len(np.unique(dst))} duplicates"
+                f"{len(dst) - distinct} duplicates"
             )
 
 
