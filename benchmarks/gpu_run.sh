@@ -27,7 +27,7 @@ step nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.me
 want tests && step timeout 360 python3 -m pytest tests/gpu -q -p no:cacheprovider -m gpu -rs
 want doctor && step python3 -m kvoffload.cli doctor
 if want transfer; then
-  step timeout 120 python3 -m kvoffload.cli calibrate --pieces 4096,32768,262144,2097152 --blocks 16,128
+  step timeout 120 python3 -m kvoffload.cli calibrate --pieces 4096,32768,262144,2097152 --blocks 16,128,512
   step timeout 420 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
 fi
 want e2e && step timeout 400 python3 -m kvoffload.cli bench e2e --zero-reuse-rounds 4 --verify 3 --out "$OUT/e2e_gpu.json"
