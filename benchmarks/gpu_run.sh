@@ -7,7 +7,7 @@
 #   OUT=/some/dir bash benchmarks/gpu_run.sh --quick    # transfer: one block size, fewer reps
 #   STEPS="tests e2e" OUT=... bash benchmarks/gpu_run.sh  # a subset (a device call is <= 10 min)
 #
-# STEPS (default "tests doctor transfer e2e"). Writes under $OUT: gpu_run.log (everything),
+# STEPS (default "tests doctor transfer e2e"; "calibrate" alone writes the table only). Writes under $OUT: gpu_run.log (everything),
 # transfer_gpu.json/.png, e2e_gpu.json/.png. Extra arguments go to `kvoffload bench transfer`.
 # Exit status: non-zero if any step failed.
 set -o pipefail
@@ -26,10 +26,10 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 step nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 want tests && step timeout 360 python3 -m pytest tests/gpu -q -p no:cacheprovider -m gpu -rs
 want doctor && step python3 -m kvoffload.cli doctor
-if want transfer; then
+if want calibrate || want transfer; then
   step timeout 120 python3 -m kvoffload.cli calibrate --pieces 4096,32768,262144,2097152 --blocks 16,128,512
-  step timeout 420 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
 fi
+want transfer && step timeout 420 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
 want e2e && step timeout 400 python3 -m kvoffload.cli bench e2e --zero-reuse-rounds 4 --verify 3 --out "$OUT/e2e_gpu.json"
 echo "=== done, status $status" | tee -a "$LOG"
 exit $status
