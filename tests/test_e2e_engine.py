@@ -187,6 +187,30 @@ def test_reuse_admission_stores_only_what_recurs(model):
         host.close()
 
 
+def test_an_admitted_request_stores_the_prefix_it_reused_from_the_gpu(model):
+    """A conversation's first turn is not admitted; its second reuses that turn's blocks from the
+    GPU cache and is admitted: the host must then get the reused prefix too, or later host hits
+    stop at its hole."""
+    cache = PagedKVCache(MICRO, 16, 32, torch.device("cpu"))  # 16 blocks of 32 tokens
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=32))
+    try:
+        engine = Engine(model, cache, "kvoffload", host, 64)  # admission="reuse"
+        rng = np.random.default_rng(6)
+        first, answer = rng.integers(0, MICRO.vocab, 48), rng.integers(0, MICRO.vocab, 16)
+        engine.run(first, answer)  # 2 full blocks on the GPU, none on host
+        engine.idle()
+        assert host.stats.stores == 0
+        second = np.concatenate([first, answer, rng.integers(0, MICRO.vocab, 32)])
+        turn = engine.run(second)
+        engine.idle()
+        assert turn.gpu_hit_tokens == 64 and host.stats.stores == 3  # 2 reused + 1 new
+        engine.drop_gpu_cache()
+        again = engine.run(np.concatenate([second, rng.integers(0, MICRO.vocab, 8)]))
+        assert again.gpu_hit_tokens == 0 and again.host_hit_tokens == 96
+    finally:
+        host.close()
+
+
 def test_decode_attention_equals_sdpa():
     from benchmarks.engine.attention import decode_attention
 

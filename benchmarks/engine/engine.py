@@ -188,7 +188,11 @@ class Engine:
             return
         self.pool.cache(blocks[lo:hi], keys[lo:hi])
         if self.host is not None and store:
-            self.host.store(req, keys[lo:hi], blocks[lo:hi])
+            # The whole prefix, not only the new blocks: blocks this request reused from the GPU
+            # cache may never have reached the host (their first request was not admitted, e.g. a
+            # conversation's first turn), and a hole there would cut every later host hit short.
+            # Keys the host holds already are skipped by the Offloader.
+            self.host.store(req, keys[:hi], blocks[:hi])
 
     def _prefill(self, tokens: np.ndarray, start: int, blocks: list[int]) -> torch.Tensor:
         logits = torch.empty(0)
