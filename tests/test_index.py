@@ -71,7 +71,7 @@ def test_load_protocol_errors():
     with pytest.raises(ValueError, match="expected READABLE keys"):
         ix.prepare_load(ks)  # still being written
     ix.complete_store(ks)
-    with pytest.raises(ValueError, match="not being read"):
+    with pytest.raises(ValueError, match="expected keys prepared for load"):
         ix.complete_load(ks)
     slots = ix.prepare_load(ks)
     assert slots.tolist() == [ix.slot_of(k) for k in ks]

@@ -157,18 +157,7 @@ class BlockIndex:
 
     def complete_load(self, keys: Iterable[BlockKey], success: bool = True) -> None:
         keys = list(keys)
-        unpinned = [k for k in keys if self._readers.get(k, 0) <= 0]
-        if unpinned:
-            raise ValueError(
-                f"complete_load: expected keys prepared for load, got {len(unpinned)} that are "
-                f"not being read (first: {unpinned[0].hex()})"
-            )
-        for key in keys:
-            left = self._readers[key] - 1
-            if left:
-                self._readers[key] = left
-            else:
-                del self._readers[key]
+        self._release(keys, "complete_load: expected keys prepared for load")
         if success:
             self.stats.loads += len(keys)
             self.stats.bytes_out += len(keys) * self.slot_bytes
@@ -190,13 +179,16 @@ class BlockIndex:
 
     def unpin(self, keys: Iterable[BlockKey]) -> None:
         """Release one ``pin`` of each key; counts nothing."""
-        keys = list(keys)
-        counts = Counter(keys)
-        unpinned = [k for k, n in counts.items() if self._readers.get(k, 0) < n]
-        if unpinned:
+        self._release(list(keys), "unpin: expected pinned keys")
+
+    def _release(self, keys: list[BlockKey], expected: str) -> None:
+        """Drop one reader of each key (a key may repeat); ValueError, changing nothing, if a key
+        has fewer readers than asked."""
+        short = [k for k, n in Counter(keys).items() if self._readers.get(k, 0) < n]
+        if short:
             raise ValueError(
-                f"unpin: expected pinned keys, got {len(unpinned)} pinned fewer times than asked "
-                f"(first: {unpinned[0].hex()})"
+                f"{expected}, got {len(short)} with fewer readers than released "
+                f"(first: {short[0].hex()})"
             )
         for key in keys:
             left = self._readers[key] - 1
