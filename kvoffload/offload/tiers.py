@@ -118,7 +118,7 @@ class TierMover:
             else:
                 views = [memoryview(self.arena.slots[s]) for s in op.slots]
                 ok = tier.put(op.keys, views) if op.kind == "write" else tier.get(op.keys, views)
-        except Exception:
+        except Exception:  # the thread boundary: any tier bug becomes a logged miss
             log.exception("tier %r failed on a %s of %d block(s)", op.tier, op.kind, len(op.keys))
             ok = [False] * len(op.keys)
         self._finished.append(TierResult(op.op_id, tuple(ok), time.perf_counter() - submitted))
