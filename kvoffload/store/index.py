@@ -143,15 +143,8 @@ class BlockIndex:
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> np.ndarray:
         """Pin READABLE ``keys`` against eviction and return their slots (int64)."""
-        absent = [k for k in keys if k not in self._readable]
-        if absent:
-            raise ValueError(
-                f"prepare_load: expected READABLE keys, got {len(absent)} that are not "
-                f"(first: {absent[0].hex()})"
-            )
-        readers = self._readers
+        self._acquire(keys, "prepare_load")
         for key in keys:
-            readers[key] = readers.get(key, 0) + 1
             self.policy.touch(key)
         return np.fromiter((self._readable[k] for k in keys), dtype=np.int64, count=len(keys))
 
@@ -166,11 +159,14 @@ class BlockIndex:
 
     def pin(self, keys: Iterable[BlockKey]) -> None:
         """Hold READABLE ``keys`` against eviction (a reader that is not a load); see ``unpin``."""
-        keys = list(keys)
+        self._acquire(list(keys), "pin")
+
+    def _acquire(self, keys: Sequence[BlockKey], where: str) -> None:
+        """Add one reader to each key; ValueError, changing nothing, if one is not READABLE."""
         absent = [k for k in keys if k not in self._readable]
         if absent:
             raise ValueError(
-                f"pin: expected READABLE keys, got {len(absent)} that are not "
+                f"{where}: expected READABLE keys, got {len(absent)} that are not "
                 f"(first: {absent[0].hex()})"
             )
         readers = self._readers
