@@ -3,7 +3,7 @@
 # transfer benchmark and the end-to-end TTFT benchmark (JSON + PNG), on the GPU machine. Run from
 # the repository root:
 #
-#   OUT=/some/dir bash benchmarks/gpu_run.sh            # everything (~9 min on an H100)
+#   OUT=/some/dir bash benchmarks/gpu_run.sh            # everything (parts took 181 s + 278 s on an H100)
 #   OUT=/some/dir bash benchmarks/gpu_run.sh --quick    # transfer: one block size, fewer reps
 #   STEPS="tests e2e" OUT=... bash benchmarks/gpu_run.sh  # a subset (a device call is <= 10 min)
 #
