@@ -71,14 +71,23 @@ class TransferWorker:
                 left.add(job_id)
         return left
 
-    def wait_on(self, job_id: int, stream: object = None) -> None:
+    def wait_on(self, job_id: int, stream: object = None, layer: int | None = None) -> None:
         """Make ``stream`` (None: the current one) wait for ``job_id``'s copy before its later work,
         e.g. attention reading blocks a load wrote. On a GPU the host does not block; see
         ``Pending.wait_on``. A job already reported finished needs no wait and returns at once.
+
+        ``layer``: wait only for that layer of the job's layer group (an index into
+        ``LayerGroup.layer_starts``: by default one per tensor given to ``KVLayout.from_tensors``),
+        so layer i's attention can start while later layers are still loading. ValueError for a
+        layer the group does not have.
         """
         run = self._running.get(job_id)
-        if run is not None:
-            run.pending.wait_on(stream)
+        if run is None:
+            return
+        if layer is not None:
+            for spec in run.job.specs:
+                self.backend.layout.groups[spec.group].layer_regions(layer)  # ValueError if absent
+        run.pending.wait_on(stream, layer)
 
     def pending_count(self) -> int:
         return len(self._running)

@@ -38,10 +38,18 @@ class Pending(ABC):
         """Try to stop a copy that has not started; True if it will never touch memory."""
         return False
 
-    def wait_on(self, stream: object = None) -> None:
-        """Order ``stream``'s later work after this copy. GPU backends make the stream wait on the
-        device (the host does not block); CPU backends have no device stream, so this waits on the
-        host, up to ``HOST_WAIT_ON_TIMEOUT`` seconds (TimeoutError), and raises the copy's error."""
+    def wait_on(self, stream: object = None, layer: int | None = None) -> None:
+        """Order ``stream``'s later work after this copy, or with ``layer`` after the part of it
+        that moves that layer (an index into the layer group's layers, ``LayerGroup.layer_starts``:
+        the engine's attention for layer i may then read the loaded blocks while later layers are
+        still arriving). GPU backends make the stream wait on the device (the host does not block);
+        CPU backends have no device stream, so this waits on the host, up to
+        ``HOST_WAIT_ON_TIMEOUT`` seconds (TimeoutError), and raises the copy's error.
+
+        This default waits for the whole copy whatever ``layer`` is (every layer has arrived by
+        then); backends that move a load layer by layer override it. The caller checks ``layer``
+        against the layout (``TransferWorker.wait_on`` does).
+        """
         if not self.wait(HOST_WAIT_ON_TIMEOUT):
             raise TimeoutError(f"the copy did not finish within {HOST_WAIT_ON_TIMEOUT} s")
         error = self.error()

@@ -26,6 +26,7 @@ and dtype are read, so this module never imports torch. The caller keeps the ten
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
@@ -55,10 +56,24 @@ class Region:
 class LayerGroup:
     regions: tuple[Region, ...]
     name: str = ""
+    # Index of the first region of each model layer, ascending from 0 (a layer's K and V, or its
+    # page); empty: every region is a layer of its own. Per-layer load completion
+    # (``Pending.wait_on(layer=...)``) counts layers this way.
+    layer_starts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.regions:
             raise ValueError("expected a layer group with at least one region, got none")
+        starts = self.layer_starts
+        if starts and (
+            starts[0] != 0
+            or any(b <= a for a, b in itertools.pairwise(starts))
+            or starts[-1] >= len(self.regions)
+        ):
+            raise ValueError(
+                f"expected layer_starts ascending from 0 below {len(self.regions)} (the region "
+                f"count), got {starts}"
+            )
         counts = {r.num_blocks for r in self.regions}
         if len(counts) != 1:
             raise ValueError(
@@ -73,6 +88,20 @@ class LayerGroup:
     @property
     def slot_bytes(self) -> int:
         return sum(r.page_bytes for r in self.regions)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_starts) if self.layer_starts else len(self.regions)
+
+    def layer_regions(self, layer: int) -> range:
+        """Indices of the regions holding ``layer`` (ValueError outside ``[0, num_layers)``)."""
+        n = self.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise ValueError(f"expected a layer in [0, {n}) of group {self.name!r}, got {layer!r}")
+        if not self.layer_starts:
+            return range(layer, layer + 1)
+        end = self.layer_starts[layer + 1] if layer + 1 < n else len(self.regions)
+        return range(self.layer_starts[layer], end)
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -125,7 +154,8 @@ class KVLayout:
         """Describe ``tensors`` (one entry per engine KV tensor, in layer order).
 
         ``block_dim`` is the dimension that indexes blocks: 0 for ``[num_blocks, ...]``, 1 for
-        ``[2, num_blocks, ...]`` (each index before it becomes its own region). ``groups`` lists,
+        ``[2, num_blocks, ...]`` (each index before it becomes its own region). Each tensor is one
+        layer for per-layer load completion (``LayerGroup.layer_starts``). ``groups`` lists,
         per layer group, the indices into ``tensors`` it holds (default: one group of all).
         Raises ValueError for mixed dtypes or devices, differing shapes inside a group, or a block
         whose bytes are not contiguous.
@@ -154,8 +184,12 @@ class KVLayout:
                     f"expected the tensors of group {name!r} to share one shape, got "
                     f"{sorted(shapes)}"
                 )
-            regions = [r for m in members for r in _regions(infos[m], block_dim, m)]
-            built.append(LayerGroup(tuple(regions), name))
+            per_tensor = [_regions(infos[m], block_dim, m) for m in members]
+            starts = [0]
+            for tensor_regions in per_tensor[:-1]:
+                starts.append(starts[-1] + len(tensor_regions))
+            regions = tuple(r for rs in per_tensor for r in rs)
+            built.append(LayerGroup(regions, name, tuple(starts)))
         return cls(tuple(built), infos[0].dtype, block_size, infos[0].device)
 
 

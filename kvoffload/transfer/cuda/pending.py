@@ -70,10 +70,12 @@ class CudaPending(Pending):
     def error(self) -> BaseException | None:
         return self._error
 
-    def wait_on(self, stream: Any = None) -> None:
+    def wait_on(self, stream: Any = None, layer: int | None = None) -> None:
         """Make ``stream`` (a torch.cuda.Stream, a raw handle, or None for the current stream) wait
         on the GPU for this transfer. Raises TimeoutError if the copy was not even enqueued within
-        ``ENQUEUE_TIMEOUT`` seconds, and the transfer's error if enqueuing it failed."""
+        ``ENQUEUE_TIMEOUT`` seconds, and the transfer's error if enqueuing it failed. ``layer`` is
+        accepted for the ``Pending`` contract; the wait is for the whole transfer (every layer has
+        arrived by then)."""
         if not self._enqueued.wait(ENQUEUE_TIMEOUT):
             raise TimeoutError(f"the copy was not enqueued within {ENQUEUE_TIMEOUT} s")
         if stream is None:
