@@ -9,7 +9,7 @@ from typing import Any
 
 from kvoffload.store.arena import slots_for_capacity
 from kvoffload.store.policies import POLICIES
-from kvoffload.transfer.backend import BACKENDS
+from kvoffload.transfer.registry import BACKENDS
 
 DEFAULT_HOST_CAPACITY_BYTES = 4 << 30
 

@@ -40,7 +40,7 @@ def test_arena_rejects_bad_sizes():
 
 
 def test_registered_backends_are_accepted():
-    from kvoffload.transfer.backend import BACKENDS, register_backend
+    from kvoffload.transfer.registry import BACKENDS, register_backend
 
     with pytest.raises(ValueError, match="backend in"):
         OffloadConfig(backend="mine")

@@ -9,8 +9,8 @@ from kvoffload.offload.offloader import Offloader
 from kvoffload.offload.tiers import TierMover, build_mover
 from kvoffload.offload.worker import TransferWorker
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.backend import make_backend
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.registry import make_backend
 
 
 @dataclass
