@@ -50,4 +50,4 @@ def test_registry_builds_by_name_and_old_import_path_still_works():
     assert interface.BACKENDS is registry.BACKENDS
     assert interface.register_backend is registry.register_backend
     with pytest.raises(AttributeError):
-        _ = interface.no_such_name  # type: ignore[attr-defined]
+        _ = interface.no_such_name
