@@ -100,3 +100,15 @@ def test_registered_backends_are_accepted():
         assert OffloadConfig(backend="mine").backend == "mine"
     finally:
         del BACKENDS["mine"]
+
+
+def test_an_arena_larger_than_the_machine_says_what_to_set():
+    import numpy as np
+
+    from kvoffload import KVLayout, build_local
+
+    layout = KVLayout.from_tensors([np.zeros((4, 16, 64), np.float32)], block_size=16)
+    slots = (1 << 50) // layout.slot_bytes  # 1 PiB: more than any address space maps
+    with pytest.raises(MemoryError, match=rf"{slots} slots of {layout.slot_bytes} bytes") as err:
+        build_local(layout, OffloadConfig(host_capacity_bytes=1 << 50))
+    assert "host_capacity_bytes or host_capacity_blocks" in str(err.value)
