@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 
 from kvoffload.config import DEFAULT_HOST_CAPACITY_BYTES, OffloadConfig
@@ -103,12 +106,20 @@ def test_registered_backends_are_accepted():
 
 
 def test_an_arena_larger_than_the_machine_says_what_to_set():
-    import numpy as np
-
-    from kvoffload import KVLayout, build_local
-
-    layout = KVLayout.from_tensors([np.zeros((4, 16, 64), np.float32)], block_size=16)
-    slots = (1 << 50) // layout.slot_bytes  # 1 PiB: more than any address space maps
-    with pytest.raises(MemoryError, match=rf"{slots} slots of {layout.slot_bytes} bytes") as err:
-        build_local(layout, OffloadConfig(host_capacity_bytes=1 << 50))
-    assert "host_capacity_bytes or host_capacity_blocks" in str(err.value)
+    """The README's 64 GiB example on a machine that cannot map it (address space capped here,
+    as 24 GiB of RAM without overcommit would): a clear error, not a raw OSError from mmap."""
+    code = """
+import resource, numpy as np
+from kvoffload import KVLayout, OffloadConfig, build_local
+layout = KVLayout.from_tensors([np.zeros((4, 16, 8, 2048), np.float32)], block_size=16)
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))
+try:
+    build_local(layout, OffloadConfig(host_capacity_bytes=64 << 30))
+except MemoryError as err:
+    print(err)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "68719476736 bytes (64.0 GiB) for 65536 slots of 1048576 bytes" in out.stdout
+    assert "host_capacity_bytes or host_capacity_blocks" in out.stdout
+    with pytest.raises(MemoryError, match="for 1048576 slots of 1073741824 bytes"):
+        HostArena(1 << 20, 1 << 30)  # 1 PiB: more than any address space maps
