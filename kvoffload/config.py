@@ -19,6 +19,9 @@ DEFAULT_HOST_CAPACITY_BYTES = 4 << 30
 # Longest accepted timeout: a day. Larger values (inf, 1e12) overflow the clients' timers and mean
 # "never", which a timeout must not.
 MAX_TIMEOUT_S = 86_400.0
+# A load this late is reported failed. Generous: a 1 GiB load takes ~0.3 s on a 2-core CPU and
+# ~20 ms over PCIe Gen5, so reaching it means a copy is stuck, not slow.
+DEFAULT_LOAD_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class OffloadConfig:
     pin_memory: bool | None = None
     # Seconds a load may take before it is reported failed (the engine recomputes those blocks);
     # its engine blocks stay in use until the copy really ends (docs/api.md, "Load deadline").
-    load_timeout_s: float = 30.0
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
 
     # -- lower tiers (docs/tiers.md): host blocks are also written to disk and/or Valkey -------
     # Model name and revision, mixed into the lower tiers' layout fingerprint so that two models
