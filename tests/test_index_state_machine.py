@@ -337,8 +337,8 @@ class ReplayMachine(RuleBasedStateMachine):
 
 
 ReplayMachine.TestCase.settings = settings(
-    max_examples=40,
-    stateful_step_count=200,
+    max_examples=100,
+    stateful_step_count=300,  # ~2 x 10^4 operations, ~10 s on a 2-core CI machine
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
