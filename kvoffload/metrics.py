@@ -88,6 +88,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
 def _prometheus() -> Any:
     try:
         import prometheus_client
+        import prometheus_client.core
     except ImportError as err:
         raise ImportError(
             "kvoffload metrics need prometheus-client: pip install 'kvoffload[metrics]' "

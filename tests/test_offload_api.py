@@ -295,9 +295,22 @@ def test_closed_objects_say_so_before_touching_state():
             call()
     with pytest.raises(RuntimeError, match="TransferWorker is closed"):
         worker.submit(job)
-    with pytest.raises(RuntimeError, match="TransferWorker is closed"):
-        worker.cancel([job.job_id])
+    assert worker.cancel([job.job_id]) == []  # its Offloader is closed too: nothing to settle
     with pytest.raises(RuntimeError, match="LocalOffload is closed"):
         local.serve_metrics(0)
     assert off.index.num_free == free and not off.is_settled("b") and off.is_settled("a")
     assert worker.get_finished() == []
+
+
+def test_a_worker_closed_alone_refuses_jobs_that_still_settle(engine):
+    _kv, local = engine
+    off, worker = local.offloader, local.worker
+    worker.close()
+    keys = prefix_block_keys(np.arange(16), BS)
+    job = off.schedule_store("a", keys, [0])
+    assert job is not None
+    with pytest.raises(RuntimeError, match="TransferWorker is closed"):
+        worker.submit(job)
+    assert worker.cancel(off.abort("a")) == [job.job_id]
+    off.complete(worker.get_finished())
+    assert off.is_settled("a") and off.index.num_free == off.num_slots

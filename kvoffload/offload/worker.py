@@ -15,8 +15,8 @@ request unsettled, until the copy really ends and its final result comes. The fi
 backend leaves a load past its deadline it is logged at ERROR, once per worker.
 
 Every call takes this worker's lock (never while blocking on a copy), so several threads may share
-one worker. After ``close``, ``submit`` and ``cancel`` raise RuntimeError; ``get_finished`` still
-hands out what finished.
+one worker. After ``close``, ``submit`` raises RuntimeError; ``cancel`` and ``get_finished`` still
+work, so that every request can settle.
 """
 
 from __future__ import annotations
@@ -164,11 +164,10 @@ class TransferWorker:
         """Cancel jobs that have not started; they finish as ``cancelled``. Returns those ids.
 
         With a paired Offloader, a job of it that was never submitted is cancelled too (it can
-        then never run), so ``worker.cancel(offloader.abort(req))`` always lets ``req`` settle.
+        then never run), so ``worker.cancel(offloader.abort(req))`` always lets ``req`` settle,
+        also after ``close`` (cancelling touches no memory).
         """
         with self._lock:
-            if self._closed:
-                raise RuntimeError("cancel: this TransferWorker is closed")
             cancelled = []
             for job_id in job_ids:
                 job = self._cancel_one(job_id)
