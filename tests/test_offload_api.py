@@ -149,6 +149,11 @@ def test_bad_calls(engine):
         off.schedule_load("a", keys, [0, 1])
     with pytest.raises(ValueError, match=r"unknown id\(s\) \[99\]"):
         off.complete([JobResult(99, True, 0, 0.0)])
+    with pytest.raises(ValueError, match=r"unknown id\(s\) \[\[1\]\]"):
+        off.complete([JobResult([1], True, 0, 0.0)])  # type: ignore[arg-type]
+    for call in (local.worker.cancel, local.worker.wait):
+        with pytest.raises(ValueError, match="expected int job ids, got"):
+            call([[1]])
     job = off.schedule_store("a", keys, [0, 0])  # the same source block twice is allowed
     local.worker.submit(job)
     with pytest.raises(ValueError, match="already running"):

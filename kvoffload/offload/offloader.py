@@ -152,7 +152,8 @@ class Offloader:
             done: list[TransferJob] = []
             unknown: list[object] = []
             for result in results:
-                job = self._jobs.get(result.job_id) if isinstance(result, JobResult) else None
+                known = isinstance(result, JobResult) and isinstance(result.job_id, int)
+                job = self._jobs.get(result.job_id) if known else None
                 if job is None or (not result.final and job.job_id in self._late):
                     unknown.append(getattr(result, "job_id", result))
                     continue

@@ -167,9 +167,10 @@ class TransferWorker:
         then never run), so ``worker.cancel(offloader.abort(req))`` always lets ``req`` settle,
         also after ``close`` (cancelling touches no memory).
         """
+        ids = _job_ids(job_ids, "cancel")
         with self._lock:
             cancelled = []
-            for job_id in job_ids:
+            for job_id in ids:
                 job = self._cancel_one(job_id)
                 if job is None:
                     continue
@@ -195,9 +196,10 @@ class TransferWorker:
 
         A load past its deadline counts as finished here: ``get_finished`` reports it failed.
         """
+        ids = _job_ids(job_ids, "wait")
         deadline = None if timeout is None else time.perf_counter() + timeout
         with self._lock:
-            runs = [(j, self._running.get(j)) for j in job_ids]
+            runs = [(j, self._running.get(j)) for j in ids]
         left = set()
         for job_id, run in runs:
             if run is None or run.late:
@@ -306,3 +308,11 @@ class TransferWorker:
                 run.job.job_id,
                 self.load_timeout_s,
             )
+
+
+def _job_ids(job_ids: Iterable[int], where: str) -> list[int]:
+    ids = list(job_ids)
+    bad = [j for j in ids if not isinstance(j, int) or isinstance(j, bool)]
+    if bad:
+        raise ValueError(f"{where}: expected int job ids, got {bad[0]!r}")
+    return ids
