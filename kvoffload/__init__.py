@@ -5,7 +5,14 @@ parts that move bytes on a GPU, when they are first used.
 """
 
 from kvoffload.config import OffloadConfig
-from kvoffload.offload import JobResult, Offloader, TransferJob, TransferWorker, build_local
+from kvoffload.offload import (
+    JobResult,
+    LocalOffload,
+    Offloader,
+    TransferJob,
+    TransferWorker,
+    build_local,
+)
 from kvoffload.store.keys import as_block_key, prefix_block_keys
 from kvoffload.transfer.layout import KVLayout
 
@@ -14,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "JobResult",
     "KVLayout",
+    "LocalOffload",
     "OffloadConfig",
     "Offloader",
     "TransferJob",

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvoffload.store.arena import slots_for_capacity
 from kvoffload.store.policies import POLICIES
-from kvoffload.transfer.backend import BACKENDS
+from kvoffload.transfer.registry import BACKENDS
 
 DEFAULT_HOST_CAPACITY_BYTES = 4 << 30
+# Longest accepted timeout: a day. Larger values (inf, 1e12) overflow the clients' timers and mean
+# "never", which a timeout must not.
+MAX_TIMEOUT_S = 86_400.0
+# A load this late is reported failed. Generous: a 1 GiB load takes ~0.3 s on a 2-core CPU and
+# ~20 ms over PCIe Gen5, so reaching it means a copy is stuck, not slow.
+DEFAULT_LOAD_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,9 @@ class OffloadConfig:
     backend: str = "auto"
     # Page-lock the host arena: None pins it when the engine's KV is on a CUDA device.
     pin_memory: bool | None = None
+    # Seconds a load may take before it is reported failed (the engine recomputes those blocks);
+    # its engine blocks stay in use until the copy really ends (docs/api.md, "Load deadline").
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
 
     # -- lower tiers (docs/tiers.md): host blocks are also written to disk and/or Valkey -------
     # Model name and revision, mixed into the lower tiers' layout fingerprint so that two models
@@ -61,20 +74,17 @@ class OffloadConfig:
                 f"({self.host_capacity_bytes}, {self.host_capacity_blocks})"
             )
         for name in ("host_capacity_bytes", "host_capacity_blocks"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"expected {name} to be a positive int, got {value!r}")
-        if self.eviction_policy not in POLICIES:
-            raise ValueError(
-                f"expected eviction_policy in {sorted(POLICIES)}, got {self.eviction_policy!r}"
-            )
-        names = ["auto", *sorted(BACKENDS)]  # built-in and register_backend()-ed ones
-        if self.backend not in names:
-            raise ValueError(f"expected backend in {names}, got {self.backend!r}")
-        if self.pin_memory not in (None, True, False):
+            if getattr(self, name) is not None:
+                _check_int(self, name, minimum=1)
+        _check_choice(self, "eviction_policy", sorted(POLICIES))
+        _check_choice(self, "backend", ["auto", *sorted(BACKENDS)])  # with register_backend()-ed
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise ValueError(
                 f"expected pin_memory to be None, True or False, got {self.pin_memory!r}"
             )
+        if self.pin_memory:
+            _check_cuda_for_pinning()
+        _check_seconds(self, "load_timeout_s")
         self._check_tiers()
 
     @property
@@ -82,10 +92,18 @@ class OffloadConfig:
         return self.disk_path is not None or self.valkey_url is not None
 
     def _check_tiers(self) -> None:
+        if not isinstance(self.model_id, str):
+            raise ValueError(f"expected model_id to be a string, got {self.model_id!r}")
         for name in ("disk_path", "valkey_url"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"expected {name} to be None or a non-empty string, got {value!r}")
+        path = self.disk_path
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(
+                f"expected disk_path to be a directory (or not to exist yet), got {path!r}, "
+                "which exists and is not a directory"
+            )
         if self.has_lower_tiers and not self.model_id:
             raise ValueError(
                 "expected model_id (the model name and revision, so that two models with the same "
@@ -100,22 +118,11 @@ class OffloadConfig:
             "tier_threads",
         )
         for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"expected {name} to be a positive int, got {value!r}")
-        if not isinstance(self.valkey_ttl_s, int) or self.valkey_ttl_s < 0:
-            raise ValueError(f"expected valkey_ttl_s to be an int >= 0, got {self.valkey_ttl_s!r}")
-        if not isinstance(self.valkey_timeout_s, (int, float)) or not self.valkey_timeout_s > 0:
-            raise ValueError(
-                f"expected valkey_timeout_s to be a number > 0, got {self.valkey_timeout_s!r}"
-            )
-        if self.valkey_url is not None and not self.valkey_url.startswith(
-            ("redis://", "rediss://", "unix://")
-        ):
-            raise ValueError(
-                "expected valkey_url like redis://host:port/db, rediss://... or unix:///path, "
-                f"got {self.valkey_url!r}"
-            )
+            _check_int(self, name, minimum=1)
+        _check_int(self, "valkey_ttl_s", minimum=0)
+        _check_seconds(self, "valkey_timeout_s")
+        if self.valkey_url is not None:
+            _check_valkey_url(self.valkey_url)
 
     def num_slots(self, slot_bytes: int) -> int:
         """Host slots for blocks of ``slot_bytes``; ValueError if not even one fits."""
@@ -134,3 +141,61 @@ class OffloadConfig:
                 f"unknown kvoffload option(s) {unknown}; expected some of {sorted(known)}"
             )
         return cls(**dict(options))
+
+
+# -- checks shared by the options above (each ValueError names the key) ------------------------
+
+
+def _check_int(config: OffloadConfig, name: str, minimum: int) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"expected {name} to be {what}, got {value!r}")
+
+
+def _check_seconds(config: OffloadConfig, name: str) -> None:
+    value = getattr(config, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"expected {name} to be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}"
+        )
+
+
+def _check_choice(config: OffloadConfig, name: str, choices: list[str]) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"expected {name} in {choices}, got {value!r}")
+
+
+def _check_valkey_url(url: str) -> None:
+    expected = "redis://host:port/db, rediss://host:port/db (TLS) or unix:///path/to.sock"
+    parts = urlsplit(url)
+    try:
+        _ = parts.port  # a port that is not a number raises here
+    except ValueError:
+        raise ValueError(f"expected valkey_url like {expected}, got {url!r} (bad port)") from None
+    if parts.scheme in ("redis", "rediss") and not parts.hostname:
+        raise ValueError(f"expected valkey_url like {expected}, got {url!r} (no host)")
+    if parts.scheme == "unix" and not parts.path:
+        raise ValueError(f"expected valkey_url like {expected}, got {url!r} (no socket path)")
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"expected valkey_url like {expected}, got {url!r}")
+
+
+def _check_cuda_for_pinning() -> None:
+    """pin_memory=True page-locks the arena through CUDA: refuse it where torch has no CUDA.
+    Imports torch only here, when pinning was asked for (importing kvoffload stays light)."""
+    if importlib.util.find_spec("torch") is None:
+        raise ValueError(
+            "expected pin_memory=True only where torch with CUDA is installed (pinning uses the "
+            "CUDA runtime), got pin_memory=True and no torch: leave pin_memory unset or False"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "expected pin_memory=True only where torch sees a CUDA device (pinning uses the CUDA "
+            f"runtime), got pin_memory=True and torch {torch.__version__} without CUDA: leave "
+            "pin_memory unset (it pins when the KV is on a GPU) or set it to False"
+        )

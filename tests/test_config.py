@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 
 from kvoffload.config import DEFAULT_HOST_CAPACITY_BYTES, OffloadConfig
@@ -25,11 +28,62 @@ def test_capacity_smaller_than_one_block():
         ({"host_capacity_bytes": 1, "host_capacity_blocks": 1}, "got both"),
         ({"pin_memory": "yes"}, "pin_memory"),
         ({"cpu_bytes": 1}, r"unknown kvoffload option\(s\) \['cpu_bytes'\]"),
+        # Values that used to pass here and fail later (or break a tier for good):
+        ({"model_id": 123}, "model_id to be a string, got 123"),
+        ({"host_capacity_blocks": True}, "host_capacity_blocks to be a positive int, got True"),
+        ({"host_capacity_bytes": False}, "host_capacity_bytes to be a positive int, got False"),
+        ({"tier_threads": True}, "tier_threads to be a positive int, got True"),
+        ({"valkey_ttl_s": True}, "valkey_ttl_s to be an int >= 0, got True"),
+        ({"valkey_timeout_s": True}, "valkey_timeout_s to be a number of seconds"),
+        ({"valkey_timeout_s": float("inf")}, r"valkey_timeout_s .* in \(0, 86400\], got inf"),
+        ({"valkey_timeout_s": 1e12}, r"valkey_timeout_s .* got 1000000000000.0"),
+        ({"valkey_timeout_s": float("nan")}, "valkey_timeout_s"),
+        ({"load_timeout_s": 0}, r"load_timeout_s to be a number of seconds in \(0, 86400\]"),
+        ({"load_timeout_s": -1.0}, "load_timeout_s"),
+        ({"load_timeout_s": 2e5}, "load_timeout_s"),
+        ({"pin_memory": 1}, "pin_memory to be None, True or False, got 1"),
+        ({"eviction_policy": ["lru"]}, "eviction_policy in"),
+        ({"backend": None}, "backend in"),
+        ({"valkey_url": "redis://", "model_id": "m"}, r"got 'redis://' \(no host\)"),
+        ({"valkey_url": "rediss://:6379/0", "model_id": "m"}, r"\(no host\)"),
+        ({"valkey_url": "unix://", "model_id": "m"}, r"got 'unix://' \(no socket path\)"),
+        ({"valkey_url": "redis://h:port", "model_id": "m"}, r"\(bad port\)"),
+        ({"valkey_url": "http://h:6379", "model_id": "m"}, "valkey_url like redis://"),
     ],
 )
 def test_bad_options(options, message):
     with pytest.raises(ValueError, match=message):
         OffloadConfig.from_dict(options)
+
+
+def test_good_tier_urls_and_timeouts_pass():
+    for url in ("redis://localhost:6379/0", "rediss://user:pw@cache.internal/1", "unix:///x.sock"):
+        assert OffloadConfig(valkey_url=url, model_id="m").valkey_url == url
+    assert OffloadConfig(valkey_timeout_s=86_400, load_timeout_s=0.001).load_timeout_s == 0.001
+
+
+def test_disk_path_that_is_a_file(tmp_path):
+    file = tmp_path / "slab"
+    file.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"disk_path to be a directory.*not a directory"):
+        OffloadConfig(disk_path=str(file), model_id="m")
+    assert OffloadConfig(disk_path=str(tmp_path / "new"), model_id="m").disk_path  # made later
+
+
+def test_pin_memory_true_needs_cuda(monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        assert OffloadConfig(pin_memory=True).pin_memory is True
+    else:
+        with pytest.raises(ValueError, match=r"pin_memory=True .* without CUDA"):
+            OffloadConfig(pin_memory=True)
+    monkeypatch.setattr(
+        "kvoffload.config.importlib.util.find_spec", lambda name: None if name == "torch" else 1
+    )
+    with pytest.raises(ValueError, match="pin_memory=True and no torch"):
+        OffloadConfig(pin_memory=True)
+    assert OffloadConfig(pin_memory=False).pin_memory is False
 
 
 def test_arena_rejects_bad_sizes():
@@ -40,7 +94,7 @@ def test_arena_rejects_bad_sizes():
 
 
 def test_registered_backends_are_accepted():
-    from kvoffload.transfer.backend import BACKENDS, register_backend
+    from kvoffload.transfer.registry import BACKENDS, register_backend
 
     with pytest.raises(ValueError, match="backend in"):
         OffloadConfig(backend="mine")
@@ -49,3 +103,23 @@ def test_registered_backends_are_accepted():
         assert OffloadConfig(backend="mine").backend == "mine"
     finally:
         del BACKENDS["mine"]
+
+
+def test_an_arena_larger_than_the_machine_says_what_to_set():
+    """The README's 64 GiB example on a machine that cannot map it (address space capped here,
+    as 24 GiB of RAM without overcommit would): a clear error, not a raw OSError from mmap."""
+    code = """
+import resource, numpy as np
+from kvoffload import KVLayout, OffloadConfig, build_local
+layout = KVLayout.from_tensors([np.zeros((4, 16, 8, 2048), np.float32)], block_size=16)
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))
+try:
+    build_local(layout, OffloadConfig(host_capacity_bytes=64 << 30))
+except MemoryError as err:
+    print(err)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "68719476736 bytes (64.0 GiB) for 65536 slots of 1048576 bytes" in out.stdout
+    assert "host_capacity_bytes or host_capacity_blocks" in out.stdout
+    with pytest.raises(MemoryError, match="for 1048576 slots of 1073741824 bytes"):
+        HostArena(1 << 20, 1 << 30)  # 1 PiB: more than any address space maps

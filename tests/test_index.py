@@ -113,3 +113,32 @@ def test_both_policies_evict_under_pressure(policy):
 def test_zero_slots_is_an_error():
     with pytest.raises(ValueError, match="num_slots > 0"):
         BlockIndex(0, 1)
+
+
+def test_refused_calls_change_nothing():
+    """Each refusal used to leave state behind: a str key stored as WRITING, a repeated key in
+    complete_store popping one slot before failing, a negative evict count."""
+    ix = BlockIndex(4, 1)
+    ix.complete_store(ix.prepare_store(keys(2)).keys)
+    writing = ix.prepare_store(keys(1, 10)).keys
+
+    def state():
+        return (ix.num_free, ix.num_writing, ix.num_readable, ix.num_pinned, ix.stats.snapshot())
+
+    before = state()
+    with pytest.raises(ValueError, match="expected keys as non-empty bytes"):
+        ix.prepare_store(["abc"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="distinct keys"):
+        ix.complete_store([*writing, *writing])
+    with pytest.raises(ValueError, match="block count >= 0"):
+        ix.evict(-1)
+    with pytest.raises(ValueError, match=r"expected READABLE keys, got 1 .*'abc'"):
+        ix.pin([keys(1)[0], "abc"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="fewer readers"):
+        ix.unpin(keys(1))
+    assert state() == before
+    ix.check_invariants()
+    ix.pin(keys(2))
+    assert ix.num_pinned == 2
+    ix.unpin(keys(2))
+    assert ix.num_pinned == 0

@@ -65,3 +65,25 @@ def test_engine_hashes_as_keys():
 def test_bad_block_size():
     with pytest.raises(ValueError, match="block_size > 0"):
         prefix_block_keys([1, 2], 0)
+
+
+def test_checked_keys():
+    from kvoffload.store.keys import checked_keys
+
+    ks = [b"a", b"b"]
+    assert checked_keys(ks, "x") is ks  # the common case: no copy
+    assert checked_keys((b"a", 5), "x") == [b"a", as_block_key(5)]
+
+    class Hash(bytes):
+        pass
+
+    (plain,) = checked_keys([Hash(b"h")], "x")
+    assert type(plain) is bytes and plain == b"h"
+    for bad, shown in [
+        ("abc", "str 'abc'"),
+        (b"", "bytes b''"),
+        (True, "bool True"),
+        (1.0, "float"),
+    ]:
+        with pytest.raises(ValueError, match=f"x: expected keys as non-empty bytes.*{shown}"):
+            checked_keys([b"ok", bad], "x")  # type: ignore[list-item]

@@ -39,7 +39,7 @@ def test_each_tensor_is_a_layer():
 
 
 def test_layer_starts_are_checked():
-    region = Region(0, 64, 64, 4)
+    region = Region(4096, 64, 64, 4)
     assert LayerGroup((region,) * 3).num_layers == 3  # default: a region per layer
     for bad in ((1,), (0, 0), (0, 3), (0, 2, 1)):
         with pytest.raises(ValueError, match="expected layer_starts ascending from 0"):

@@ -73,7 +73,7 @@ def test_mismatched_tensors_are_clear_errors():
     with pytest.raises(ValueError, match="share one shape"):
         KVLayout.from_tensors([a, torch.empty(8, 16, 4, 64, dtype=torch.bfloat16)], block_size=16)
     with pytest.raises(ValueError, match="same number of blocks"):
-        LayerGroup((Region(0, 64, 64, 8), Region(4096, 64, 64, 9)))
+        LayerGroup((Region(4096, 64, 64, 8), Region(8192, 64, 64, 9)))
     with pytest.raises(ValueError, match="contiguous"):
         KVLayout.from_tensors([a.transpose(2, 3)], block_size=16)
     with pytest.raises(ValueError, match="block_dim"):
@@ -87,10 +87,51 @@ def test_mismatched_tensors_are_clear_errors():
     with pytest.raises(ValueError, match="at least one KV tensor"):
         KVLayout.from_tensors([], block_size=16)
     with pytest.raises(ValueError, match="block_stride >= page_bytes"):
-        Region(base=0, block_stride=10, page_bytes=20, num_blocks=2)
+        Region(base=4096, block_stride=10, page_bytes=20, num_blocks=2)
 
 
 def test_numpy_layout():
     arrays = [np.zeros((5, 2, 16, 4, 8), dtype=np.uint16) for _ in range(3)]
     kv = KVLayout.from_tensors(arrays, block_size=16)
     assert kv.dtype == "uint16" and kv.slot_bytes == 3 * 2 * 16 * 4 * 8 * 2
+
+
+def test_tensors_without_memory_are_refused_at_layout_time():
+    """Each of these used to be accepted; the first copy then read or wrote address 0 (or past
+    the storage) and crashed the process."""
+    meta = torch.empty(8, 16, 2, 64, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="tensor 1 on the meta device"):
+        KVLayout.from_tensors([alloc((8, 16, 2, 64)), meta], block_size=16)
+    emptied = alloc((8, 16, 2, 64))
+    emptied.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match=r"tensor 0 .* with none"):
+        KVLayout.from_tensors([emptied], block_size=16)
+    shrunk = alloc((8, 16, 2, 64))
+    shrunk.untyped_storage().resize_(shrunk.untyped_storage().nbytes() // 2)
+    with pytest.raises(ValueError, match="inside its storage"):
+        KVLayout.from_tensors([shrunk], block_size=16)
+    with pytest.raises(ValueError, match="with none"):
+        KVLayout.from_tensors([np.zeros((0, 16, 4), np.float32)], block_size=16)
+    with pytest.raises(ValueError, match="base > 0"):
+        Region(base=0, block_stride=64, page_bytes=64, num_blocks=8)
+
+
+def test_read_only_numpy_arrays_are_refused():
+    frozen = np.zeros((8, 16, 4), np.float32)
+    frozen.setflags(write=False)
+    with pytest.raises(ValueError, match="tensor 0 read-only"):
+        KVLayout.from_tensors([frozen], block_size=16)
+    from_bytes = np.frombuffer(bytes(8 * 64 * 4), np.float32).reshape(8, 16, 4)
+    with pytest.raises(ValueError, match="writable"):
+        KVLayout.from_tensors([from_bytes], block_size=16)
+
+
+def test_kv_first_tensors_need_block_dim():
+    kv_first = alloc((2, 10, 16, 8, 128))  # vLLM <= 0.26 / FlashAttention, K and V first
+    with pytest.raises(ValueError, match=r"pass block_dim=1"):
+        KVLayout.from_tensors([kv_first], block_size=16)
+    right = KVLayout.from_tensors([kv_first], block_size=16, block_dim=1)
+    assert right.slot_bytes == 2 * 16 * 8 * 128 * 2 and right.groups[0].num_blocks == 10
+    two_blocks = KVLayout.from_tensors([kv_first], block_size=16, block_dim=0)  # said explicitly
+    assert two_blocks.groups[0].num_blocks == 2
+    assert KVLayout.from_tensors([alloc((3, 16, 8, 128))], block_size=16).slot_bytes == 32768

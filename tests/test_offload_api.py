@@ -147,8 +147,13 @@ def test_bad_calls(engine):
         off.schedule_store("a", keys, [0])
     with pytest.raises(ValueError, match="expected READABLE keys"):
         off.schedule_load("a", keys, [0, 1])
-    with pytest.raises(ValueError, match="unknown id 99"):
+    with pytest.raises(ValueError, match=r"unknown id\(s\) \[99\]"):
         off.complete([JobResult(99, True, 0, 0.0)])
+    with pytest.raises(ValueError, match=r"unknown id\(s\) \[\[1\]\]"):
+        off.complete([JobResult([1], True, 0, 0.0)])  # type: ignore[arg-type]
+    for call in (local.worker.cancel, local.worker.wait):
+        with pytest.raises(ValueError, match="expected int job ids, got"):
+            call([[1]])
     job = off.schedule_store("a", keys, [0, 0])  # the same source block twice is allowed
     local.worker.submit(job)
     with pytest.raises(ValueError, match="already running"):
@@ -180,3 +185,137 @@ def test_wait_on_orders_after_a_host_copy_and_touch_refreshes_recency(engine):
     off.touch([b"unknown"])
     run(local, off.schedule_store("c", prefix_block_keys(np.arange(1000, 1016), BS), [9]))
     assert off.lookup(keys[1:2]) == 1 and off.lookup(keys[2:3]) == 0  # 2 went first, not 1
+
+
+def _state(off):
+    ix = off.index
+    return (ix.num_free, ix.num_writing, ix.num_readable, ix.num_pinned, off.in_flight())
+
+
+def test_a_refused_schedule_leaves_nothing_behind(engine):
+    """schedule_load(req, keys, [5, 5]) used to pin the slots and only fail at submit: the request
+    never settled and the slots stayed pinned for good."""
+    _kv, local = engine
+    off = local.offloader
+    keys = prefix_block_keys(np.arange(32), BS)
+    run(local, off.schedule_store("s", keys, [0, 1]))
+    before = _state(off)
+    bad_loads = [
+        (keys, [5, 5], 0, "distinct destination engine blocks"),
+        (keys, [5, NUM_BLOCKS], 0, r"engine block id in \[0, 32\), got 32"),
+        (keys, [-1, 5], 0, "got -1"),
+        (keys, [5, 6], 1, r"group in \[0, 1\), got 1"),
+        (keys, [5, 6], True, "int layer group"),
+        (keys, [5.0, 6.0], 0, "int engine block ids"),
+        (keys, [[5, 6]], 0, "one engine block per key"),
+        (keys, [5], 0, "one engine block per key"),
+        ([*keys, b"absent"], [5, 6, 7], 0, "expected READABLE keys"),
+    ]
+    for ks, blocks, group, message in bad_loads:
+        with pytest.raises(ValueError, match=message):
+            off.schedule_load("r", ks, blocks, group)
+        assert _state(off) == before and off.is_settled("r")
+    with pytest.raises(ValueError, match="str req_id"):
+        off.schedule_load(7, keys, [5, 6])
+    new = prefix_block_keys(np.arange(100, 132), BS)
+    for ks, blocks, message in [
+        (new, [0, NUM_BLOCKS], "engine block id"),
+        ([new[0], new[0]], [0, 1], "distinct keys"),
+        (new, [0], "one engine block per key"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            off.schedule_store("r", ks, blocks)
+        assert _state(off) == before and off.is_settled("r")
+    # Capacity is all there: a good load and a store that fills the host still work.
+    run(local, off.schedule_load("r", keys, [5, 6]))
+    job = off.schedule_store("t", prefix_block_keys(np.arange(200, 200 + 8 * BS), BS), range(8))
+    assert job is not None and len(job.keys) == 8
+
+
+def test_keys_must_be_bytes_or_ints(engine):
+    _kv, local = engine
+    off = local.offloader
+    before = _state(off)
+    for bad in (["abc"], [b""], [bytearray(b"k")], [1.5], [None], [True]):
+        for call in (
+            lambda ks: off.lookup(ks),
+            lambda ks: off.lookup_tiers(ks),
+            lambda ks: off.touch(ks),
+            lambda ks: off.schedule_store("r", ks, [0]),
+            lambda ks: off.schedule_load("r", ks, [0]),
+        ):
+            with pytest.raises(ValueError, match="expected keys as non-empty bytes"):
+                call(bad)
+            assert _state(off) == before and off.is_settled("r")
+    with pytest.raises(ValueError, match="at position 1"):
+        off.lookup([b"ok", "abc"])
+    run(local, off.schedule_store("r", [123, 2**100], [0, 1]))  # the documented int form
+    from kvoffload import as_block_key
+
+    assert off.lookup([as_block_key(123), as_block_key(2**100)]) == 2 and off.lookup([123]) == 1
+
+
+def test_complete_applies_every_known_result_then_names_the_unknown(engine):
+    """complete([ok1, unknown, ok2]) used to stop at the unknown id: ok2's request never settled."""
+    _kv, local = engine
+    off, worker = local.offloader, local.worker
+    k1, k2 = prefix_block_keys(np.arange(32), BS)
+    j1, j2 = off.schedule_store("a", [k1], [0]), off.schedule_store("b", [k2], [1])
+    for job in (j1, j2):
+        worker.submit(job)
+    assert worker.wait([j1.job_id, j2.job_id], 30) == set()
+    r1, r2 = sorted(worker.get_finished(), key=lambda r: r.job_id)
+    with pytest.raises(ValueError, match=r"unknown id\(s\) \[77, 'junk'\].*2 known"):
+        off.complete([r1, JobResult(77, True, 0, 0.0), "junk", r2])
+    assert off.is_settled("a") and off.is_settled("b") and off.lookup([k1, k2]) == 2
+    with pytest.raises(ValueError, match=r"unknown id\(s\) \[" + str(j1.job_id)):
+        off.complete([r1])  # twice is unknown the second time, and changes nothing
+    assert off.lookup([k1, k2]) == 2 and off.index.num_readable == 2
+
+
+def test_closed_objects_say_so_before_touching_state():
+    kv = [torch.zeros(2, NUM_BLOCKS, BS, 2, 32, dtype=torch.int16)]
+    local = build_local(
+        KVLayout.from_tensors(kv, BS, block_dim=1), OffloadConfig(host_capacity_blocks=4)
+    )
+    off, worker = local.offloader, local.worker
+    keys = prefix_block_keys(np.arange(32), BS)
+    run(local, off.schedule_store("a", keys, [0, 1]))
+    job = off.schedule_store("b", prefix_block_keys(np.arange(100, 116), BS), [2])
+    assert job is not None
+    local.close()
+    local.close()  # idempotent
+    assert local.closed
+    free = off.index.num_free
+    for call in (
+        lambda: off.lookup(keys),
+        lambda: off.schedule_store("c", prefix_block_keys(np.arange(200, 216), BS), [3]),
+        lambda: off.schedule_load("c", keys, [4, 5]),
+        lambda: off.touch(keys),
+        lambda: off.complete([]),
+        lambda: off.abort("b"),
+        lambda: off.lookup_tiers(keys),
+    ):
+        with pytest.raises(RuntimeError, match="Offloader is closed"):
+            call()
+    with pytest.raises(RuntimeError, match="TransferWorker is closed"):
+        worker.submit(job)
+    assert worker.cancel([job.job_id]) == []  # its Offloader is closed too: nothing to settle
+    with pytest.raises(RuntimeError, match="LocalOffload is closed"):
+        local.serve_metrics(0)
+    assert off.index.num_free == free and not off.is_settled("b") and off.is_settled("a")
+    assert worker.get_finished() == []
+
+
+def test_a_worker_closed_alone_refuses_jobs_that_still_settle(engine):
+    _kv, local = engine
+    off, worker = local.offloader, local.worker
+    worker.close()
+    keys = prefix_block_keys(np.arange(16), BS)
+    job = off.schedule_store("a", keys, [0])
+    assert job is not None
+    with pytest.raises(RuntimeError, match="TransferWorker is closed"):
+        worker.submit(job)
+    assert worker.cancel(off.abort("a")) == [job.job_id]
+    off.complete(worker.get_finished())
+    assert off.is_settled("a") and off.index.num_free == off.num_slots

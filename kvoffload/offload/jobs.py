@@ -10,12 +10,13 @@ from kvoffload.transfer.spec import Direction, TransferSpec
 
 @dataclass(frozen=True, eq=False)
 class TransferJob:
-    job_id: int
+    job_id: int  # increasing per Offloader
     req_id: str
     direction: Direction
     keys: tuple[BlockKey, ...]  # one per block, in spec order
     specs: tuple[TransferSpec, ...]
     nbytes: int
+    owner: str = ""  # the token of the Offloader that made it (``Offloader.token``)
 
 
 @dataclass(frozen=True)
@@ -26,3 +27,8 @@ class JobResult:
     seconds: float  # submit to completion, as seen by the worker
     error: str | None = None
     cancelled: bool = False  # stopped before it touched memory
+    # A load past its deadline (``OffloadConfig.load_timeout_s``) is reported twice: first with
+    # ``timed_out=True, final=False`` while its copy may still be writing (recompute its blocks;
+    # the request stays unsettled), then with ``final=True`` once the copy really ended.
+    timed_out: bool = False
+    final: bool = True

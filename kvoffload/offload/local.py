@@ -2,41 +2,85 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvoffload.config import OffloadConfig
 from kvoffload.offload.offloader import Offloader
 from kvoffload.offload.tiers import TierMover, build_mover
 from kvoffload.offload.worker import TransferWorker
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.backend import make_backend
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.registry import make_backend
+
+if TYPE_CHECKING:
+    from kvoffload.metrics import MetricsServer
 
 
 @dataclass
 class LocalOffload:
+    """The Offloader, the TransferWorker (paired with it) and the host arena they share.
+
+    Safe to share between threads (each part has its own lock). After ``close`` the Offloader and
+    the worker refuse new work with RuntimeError.
+    """
+
     offloader: Offloader
     worker: TransferWorker
     arena: HostArena
     mover: TierMover | None = None  # the lower tiers' worker side, when the config names any
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _closed: bool = field(default=False, init=False)
+    _metrics: list[MetricsServer] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.worker.pair(self.offloader)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def serve_metrics(self, port: int, addr: str = "0.0.0.0") -> MetricsServer:
+        """Expose this offload's Prometheus metrics over HTTP on ``addr:port`` (0: any free
+        port; the server's ``port`` says which). Needs ``pip install 'kvoffload[metrics]'``;
+        ``docs/api.md`` lists the metrics. Stopped by ``close``."""
+        from kvoffload.metrics import serve
+
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("serve_metrics: this LocalOffload is closed")
+            server = serve(self, port, addr)
+            self._metrics.append(server)
+            return server
 
     def close(self, tier_drain_s: float = 30.0) -> None:
         """Finish transfers, write host blocks still queued for the lower tiers (up to
-        ``tier_drain_s`` seconds: the disk tier keeps them across a restart), then release."""
+        ``tier_drain_s`` seconds: the disk tier keeps them across a restart), then release.
+        Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self.worker.close()
         if self.mover is not None:
             self.offloader.drain_tiers(tier_drain_s)
             self.mover.close()
+        self.offloader.close()
+        for server in self._metrics:
+            server.close()
         self.arena.close()
 
 
 def build_local(layout: KVLayout, config: OffloadConfig | None = None) -> LocalOffload:
-    """An Offloader, a TransferWorker and the host arena they share, sized by ``config``.
+    """An Offloader, a TransferWorker paired with it and the host arena they share, sized by
+    ``config``.
 
     >>> off = build_local(KVLayout.from_tensors(kv_tensors, block_size=16))   # doctest: +SKIP
     """
     config = config or OffloadConfig()
-    offloader = Offloader(config, layout.slot_bytes)
+    engine_blocks = [g.num_blocks for g in layout.groups]
+    offloader = Offloader(config, layout.slot_bytes, engine_blocks, layout.block_size)
     pin = config.pin_memory if config.pin_memory is not None else layout.is_cuda
     pin_fn = None
     if pin:
@@ -44,8 +88,16 @@ def build_local(layout: KVLayout, config: OffloadConfig | None = None) -> LocalO
 
         pin_fn = cuda_pin
     arena = HostArena(offloader.num_slots, layout.slot_bytes, pin=pin_fn)
-    backend = make_backend(config.backend, layout, arena)
-    mover = build_mover(layout, config, arena) if config.has_lower_tiers else None
+    backend = None
+    try:
+        backend = make_backend(config.backend, layout, arena)
+        mover = build_mover(layout, config, arena) if config.has_lower_tiers else None
+    except BaseException:
+        if backend is not None:
+            backend.close()
+        arena.close()
+        raise
     if mover is not None:
         offloader.attach_tiers(mover)
-    return LocalOffload(offloader, TransferWorker(backend), arena, mover)
+    worker = TransferWorker(backend, offloader, config.load_timeout_s)
+    return LocalOffload(offloader, worker, arena, mover)

@@ -40,7 +40,15 @@ class HostArena:
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.nbytes = num_slots * slot_bytes
-        self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes)
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes)
+        except (OSError, OverflowError) as err:
+            raise MemoryError(
+                f"could not reserve the host arena: {self.nbytes} bytes "
+                f"({self.nbytes / 2**30:.1f} GiB) for {num_slots} slots of {slot_bytes} bytes "
+                f"({err}); set OffloadConfig host_capacity_bytes or host_capacity_blocks to what "
+                "this machine can spare"
+            ) from err
         self.slots: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8).reshape(
             num_slots, slot_bytes
         )

@@ -21,7 +21,8 @@ Lifecycle of a block (the one place it is written down)::
 - A failed store (``complete_store(success=False)``) leaves nothing readable and frees its slots.
 
 The index deals in keys and integer slot ids only: no bytes, no torch. It is single-threaded: the
-scheduler that owns it calls it from one thread.
+scheduler that owns it calls it from one thread (the ``Offloader`` holds its lock around every
+call). Every call that refuses its input raises ValueError before it changes anything.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvoffload.store.keys import BlockKey
+from kvoffload.store.keys import BlockKey, checked_keys
 from kvoffload.store.policies import EvictionPolicy, make_policy
 from kvoffload.store.stats import StoreStats
 
@@ -105,10 +106,16 @@ class BlockIndex:
     def num_writing(self) -> int:
         return len(self._writing)
 
+    @property
+    def num_pinned(self) -> int:
+        """READABLE blocks with readers (being loaded or copied down): not evictable now."""
+        return len(self._readers)
+
     # -- stores -------------------------------------------------------------------------------
 
     def prepare_store(self, keys: Sequence[BlockKey]) -> StorePlan:
         """Reserve slots for the keys not yet present (see the module docstring)."""
+        keys = checked_keys(keys, "prepare_store")
         _check_unique(keys, "prepare_store")
         new = [k for k in keys if k not in self._readable and k not in self._writing]
         evicted: list[BlockKey] = []
@@ -122,11 +129,12 @@ class BlockIndex:
 
     def complete_store(self, keys: Iterable[BlockKey], success: bool = True) -> None:
         keys = list(keys)
+        _check_unique(keys, "complete_store")
         missing = [k for k in keys if k not in self._writing]
         if missing:
             raise ValueError(
                 f"complete_store: expected keys prepared for store, got {len(missing)} that are "
-                f"not being written (first: {missing[0].hex()})"
+                f"not being written (first: {_show(missing[0])})"
             )
         slots = [self._writing.pop(k) for k in keys]
         if success:
@@ -167,7 +175,7 @@ class BlockIndex:
         if absent:
             raise ValueError(
                 f"{where}: expected READABLE keys, got {len(absent)} that are not "
-                f"(first: {absent[0].hex()})"
+                f"(first: {_show(absent[0])})"
             )
         readers = self._readers
         for key in keys:
@@ -184,7 +192,7 @@ class BlockIndex:
         if short:
             raise ValueError(
                 f"{expected}, got {len(short)} with fewer readers than released "
-                f"(first: {short[0].hex()})"
+                f"(first: {_show(short[0])})"
             )
         for key in keys:
             left = self._readers[key] - 1
@@ -202,6 +210,8 @@ class BlockIndex:
 
     def evict(self, n: int) -> list[BlockKey]:
         """Evict up to ``n`` unpinned READABLE blocks in policy order; returns their keys."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"evict: expected a block count >= 0, got {n!r}")
         return self._evict(n, protect=())
 
     def remove(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
@@ -268,3 +278,7 @@ def _check_unique(keys: Sequence[BlockKey], where: str) -> None:
         raise ValueError(
             f"{where}: expected distinct keys, got {len(keys) - len(set(keys))} repeats"
         )
+
+
+def _show(key: object) -> str:
+    return key.hex() if isinstance(key, bytes) else repr(key)

@@ -10,6 +10,7 @@ process, so two engine instances (or a restart) would disagree on every key.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -40,6 +41,30 @@ def as_block_key(h: bytes | int) -> BlockKey:
 
 def as_block_keys(hashes: Iterable[bytes | int]) -> list[BlockKey]:
     return [as_block_key(h) for h in hashes]
+
+
+def checked_keys(keys: Iterable[bytes | int], where: str) -> list[BlockKey]:
+    """``keys`` as a list of keys: bytes kept, ints converted as by ``as_block_key``.
+
+    Raises ValueError, naming ``where`` and the first bad position, for anything else (a str, a
+    bytearray, a float, empty bytes). Keys that are all non-empty ``bytes`` (the usual case) are
+    checked at C speed and returned as given when already a list.
+    """
+    out: list[Any] = keys if isinstance(keys, list) else list(keys)
+    if set(map(type, out)) <= {bytes} and b"" not in out:
+        return out
+    fixed = list(out)
+    for i, key in enumerate(fixed):
+        if type(key) is bytes and key:
+            continue
+        if isinstance(key, (bytes, int)) and not isinstance(key, bool) and key != b"":
+            fixed[i] = as_block_key(bytes(key) if isinstance(key, bytes) else key)
+            continue
+        raise ValueError(
+            f"{where}: expected keys as non-empty bytes (or int block hashes), got "
+            f"{type(key).__name__} {key!r:.60} at position {i}"
+        )
+    return fixed
 
 
 def prefix_block_keys(

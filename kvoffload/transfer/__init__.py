@@ -1,13 +1,8 @@
 """Moving bytes: layouts, transfer specs, copy backends. CUDA parts are imported lazily."""
 
-from kvoffload.transfer.backend import (
-    BACKENDS,
-    CopyBackend,
-    Pending,
-    make_backend,
-    register_backend,
-)
+from kvoffload.transfer.backend import CopyBackend, Pending
 from kvoffload.transfer.layout import KVLayout, LayerGroup, Region
+from kvoffload.transfer.registry import BACKENDS, make_backend, register_backend
 from kvoffload.transfer.spec import TransferSpec
 
 __all__ = [

@@ -1,18 +1,25 @@
-"""The copy-backend contract, and the registry that builds one by name.
+"""The copy-backend contract: ``CopyBackend`` and the ``Pending`` it returns. No backend here.
 
 A backend moves the bytes of ``TransferSpec`` lists between an engine's KV tensors (described by a
 ``KVLayout``) and a ``HostArena``. ``submit`` must not block on the copy; it returns a ``Pending``
 the caller polls or waits on. Adding a backend never touches the store.
+The registry that builds one by name is ``kvoffload.transfer.registry``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
+
+if TYPE_CHECKING:
+    from kvoffload.transfer.registry import BACKENDS as BACKENDS
+    from kvoffload.transfer.registry import make_backend as make_backend
+    from kvoffload.transfer.registry import register_backend as register_backend
 
 # wait_on() of a CPU copy blocks the host at most this long: far above any real copy (a 1 GiB
 # transfer takes ~0.3 s on a 2-core CI machine), so reaching it means something is stuck.
@@ -83,51 +90,15 @@ class CopyBackend(ABC):
 
 BackendFactory = Callable[[KVLayout, HostArena], CopyBackend]
 
-
-def _host(layout: KVLayout, arena: HostArena) -> CopyBackend:
-    from kvoffload.transfer.host import HostBackend
-
-    return HostBackend(layout, arena)
-
-
-def _dma(layout: KVLayout, arena: HostArena) -> CopyBackend:
-    from kvoffload.transfer.cuda.dma import DmaBackend
-
-    return DmaBackend(layout, arena)
+# The registry's names, still importable from here for callers outside kvoffload/offload and
+# kvoffload/transfer that predate kvoffload.transfer.registry; resolved on first use, so this
+# module never imports a backend. New code imports them from kvoffload.transfer.registry.
+_MOVED = ("BACKENDS", "make_backend", "register_backend")
 
 
-def _sm(layout: KVLayout, arena: HostArena) -> CopyBackend:
-    from kvoffload.transfer.cuda.sm import SmBackend
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from kvoffload.transfer import registry
 
-    return SmBackend(layout, arena)
-
-
-def _staged(layout: KVLayout, arena: HostArena) -> CopyBackend:
-    from kvoffload.transfer.cuda.staged import StagedBackend
-
-    return StagedBackend(layout, arena)
-
-
-BACKENDS: dict[str, BackendFactory] = {"host": _host, "dma": _dma, "sm": _sm, "staged": _staged}
-
-
-def register_backend(name: str, factory: BackendFactory) -> None:
-    BACKENDS[name] = factory
-
-
-def make_backend(name: str, layout: KVLayout, arena: HostArena) -> CopyBackend:
-    """Build a backend by name; ``auto`` picks ``host`` for CPU layouts and, for CUDA layouts, a
-    planner that routes each transfer by this GPU's calibration table (``staged`` without one)."""
-    if name == "auto":
-        if layout.is_cuda:
-            from kvoffload.transfer.planner import make_planned
-
-            return make_planned(layout, arena)
-        name = "host"
-    try:
-        factory = BACKENDS[name]
-    except KeyError:
-        raise ValueError(
-            f"expected a copy backend in {sorted([*BACKENDS, 'auto'])}, got {name!r}"
-        ) from None
-    return factory(layout, arena)
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,6 +41,8 @@ class Region:
     num_blocks: int
 
     def __post_init__(self) -> None:
+        if self.base <= 0:
+            raise ValueError(f"expected a region at a real address (base > 0), got {self.base}")
         if self.page_bytes <= 0 or self.num_blocks <= 0:
             raise ValueError(
                 f"expected page_bytes > 0 and num_blocks > 0, got {self.page_bytes}, "
@@ -147,22 +149,31 @@ class KVLayout:
         cls,
         tensors: Sequence[Any],
         block_size: int,
-        block_dim: int = 0,
+        block_dim: int | None = None,
         groups: Sequence[Sequence[int]] | None = None,
         group_names: Sequence[str] | None = None,
     ) -> KVLayout:
         """Describe ``tensors`` (one entry per engine KV tensor, in layer order).
 
         ``block_dim`` is the dimension that indexes blocks: 0 for ``[num_blocks, ...]``, 1 for
-        ``[2, num_blocks, ...]`` (each index before it becomes its own region). Each tensor is one
-        layer for per-layer load completion (``LayerGroup.layer_starts``). ``groups`` lists,
-        per layer group, the indices into ``tensors`` it holds (default: one group of all).
-        Raises ValueError for mixed dtypes or devices, differing shapes inside a group, or a block
-        whose bytes are not contiguous.
+        ``[2, num_blocks, ...]`` (each index before it becomes its own region); each tensor is one
+        layer for per-layer load completion (``LayerGroup.layer_starts``). Omitted, it is 0,
+        except that a tensor whose dim 0 has size 2 is refused: that is almost always
+        ``[2, num_blocks, ...]`` (K and V first) missing ``block_dim=1``, which would make every
+        host slot hold all blocks' K (or V); a real 2-block cache passes ``block_dim=0``.
+        ``groups`` lists, per layer group, the indices into ``tensors`` it holds (default: one
+        group of all).
+        Raises ValueError for mixed dtypes or devices, differing shapes inside a group, a block
+        whose bytes are not contiguous, and tensors that cannot hold KV: on the meta device,
+        without storage (address 0, or less storage than the shape spans), or read-only numpy
+        arrays (loads write into them).
         """
         if not tensors:
             raise ValueError("expected at least one KV tensor, got none")
-        infos = [_describe(t) for t in tensors]
+        infos = [_describe(t, i) for i, t in enumerate(tensors)]
+        if block_dim is None:
+            _refuse_likely_kv_first(infos)
+            block_dim = 0
         for name in ("dtype", "device"):
             values = {getattr(i, name) for i in infos}
             if len(values) != 1:
@@ -203,10 +214,14 @@ class _TensorInfo:
     device: str
 
 
-def _describe(t: Any) -> _TensorInfo:
+def _describe(t: Any, index: int) -> _TensorInfo:
     if hasattr(t, "data_ptr"):  # torch.Tensor
+        if t.device.type == "meta":
+            raise ValueError(
+                f"expected KV tensors with memory, got tensor {index} on the meta device"
+            )
         item = t.element_size()
-        return _TensorInfo(
+        info = _TensorInfo(
             t.data_ptr(),
             tuple(t.shape),
             tuple(s * item for s in t.stride()),
@@ -214,11 +229,56 @@ def _describe(t: Any) -> _TensorInfo:
             str(t.dtype).removeprefix("torch."),
             str(t.device),
         )
+        storage = t.untyped_storage()
+        _check_memory(info, index, storage.data_ptr(), storage.nbytes())
+        return info
     if hasattr(t, "__array_interface__"):  # numpy.ndarray
-        return _TensorInfo(
+        if not t.flags.writeable:
+            raise ValueError(
+                f"expected writable KV arrays (loads write into them), got tensor {index} "
+                "read-only: pass a writable array (e.g. a copy)"
+            )
+        info = _TensorInfo(
             t.ctypes.data, tuple(t.shape), tuple(t.strides), t.itemsize, str(t.dtype), "cpu"
         )
+        _check_memory(info, index, info.address, _span(info))
+        return info
     raise ValueError(f"expected a torch.Tensor or numpy.ndarray, got {type(t).__name__}")
+
+
+def _span(info: _TensorInfo) -> int:
+    """Bytes from the tensor's first element to one past its last (0 when it has none)."""
+    if 0 in info.shape:
+        return 0
+    return info.itemsize + sum((n - 1) * s for n, s in zip(info.shape, info.strides, strict=True))
+
+
+def _check_memory(info: _TensorInfo, index: int, storage_base: int, storage_bytes: int) -> None:
+    """Refuse a tensor whose elements are not all inside live storage (copies would crash)."""
+    if info.address == 0 or storage_bytes == 0:
+        raise ValueError(
+            f"expected KV tensors with storage, got tensor {index} of shape {info.shape} with "
+            f"none (address {info.address:#x}, {storage_bytes} bytes of storage)"
+        )
+    if any(s < 0 for s in info.strides):
+        raise ValueError(f"expected non-negative strides, got tensor {index}: {info.strides}")
+    end = info.address + _span(info)
+    if info.address < storage_base or end > storage_base + storage_bytes:
+        raise ValueError(
+            f"expected tensor {index} (shape {info.shape}) to lie inside its storage, got "
+            f"{end - info.address} bytes from offset {info.address - storage_base} in a storage "
+            f"of {storage_bytes} bytes"
+        )
+
+
+def _refuse_likely_kv_first(infos: Sequence[_TensorInfo]) -> None:
+    for i, info in enumerate(infos):
+        if len(info.shape) >= 2 and info.shape[0] == 2:
+            raise ValueError(
+                f"expected block_dim for tensor {i} of shape {info.shape}: dim 0 has size 2, "
+                "which looks like [2, num_blocks, ...] (K and V first); pass block_dim=1 "
+                "(or block_dim=0 if dim 0 really indexes 2 blocks)"
+            )
 
 
 def _regions(info: _TensorInfo, block_dim: int, index: int) -> list[Region]:

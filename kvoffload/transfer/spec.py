@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,26 +39,47 @@ class TransferSpec:
         """Raise ValueError unless this transfer is well-formed for ``layout`` and the arena."""
         if self.direction not in DIRECTIONS:
             raise ValueError(f"expected direction in {DIRECTIONS}, got {self.direction!r}")
-        if not 0 <= self.group < len(layout.groups):
-            raise ValueError(f"expected group in [0, {len(layout.groups)}), got {self.group}")
         if self.blocks.shape != self.slots.shape:
             raise ValueError(
                 f"expected as many host slots as engine blocks, got {len(self.slots)} slots for "
                 f"{len(self.blocks)} blocks"
             )
-        _check_range(self.blocks, layout.groups[self.group].num_blocks, "engine block id")
-        _check_range(self.slots, num_slots, "host slot")
-        dst, what = (
-            (self.slots, "host slot")
-            if self.direction == "store"
-            else (self.blocks, "engine block")
+        check_engine_blocks(
+            self.direction, self.blocks, self.group, [g.num_blocks for g in layout.groups]
         )
-        distinct = len(np.unique(dst))
-        if distinct != len(dst):
-            raise ValueError(
-                f"expected distinct destination {what}s in one {self.direction}, got "
-                f"{len(dst) - distinct} duplicates"
-            )
+        _check_range(self.slots, num_slots, "host slot")
+        if self.direction == "store":
+            _check_distinct(self.slots, "host slot", self.direction)
+
+
+def check_engine_blocks(
+    direction: Direction, blocks: np.ndarray, group: int, group_blocks: Sequence[int] | None
+) -> None:
+    """Raise ValueError unless ``group`` names a layer group and ``blocks`` are engine block ids
+    of it (``group_blocks``: blocks per group; None when unknown, then only ``>= 0`` is checked),
+    distinct where they are a load's destinations."""
+    if not isinstance(group, (int, np.integer)) or isinstance(group, bool):
+        raise ValueError(f"expected an int layer group, got {group!r}")
+    if group_blocks is None:
+        if group < 0:
+            raise ValueError(f"expected group >= 0, got {group}")
+        if len(blocks) and blocks.min() < 0:
+            raise ValueError(f"expected every engine block id >= 0, got {blocks.min()}")
+    else:
+        if not 0 <= group < len(group_blocks):
+            raise ValueError(f"expected group in [0, {len(group_blocks)}), got {group}")
+        _check_range(blocks, group_blocks[group], "engine block id")
+    if direction == "load":
+        _check_distinct(blocks, "engine block", direction)
+
+
+def _check_distinct(dst: np.ndarray, what: str, direction: str) -> None:
+    distinct = len(np.unique(dst))
+    if distinct != len(dst):
+        raise ValueError(
+            f"expected distinct destination {what}s in one {direction}, got "
+            f"{len(dst) - distinct} duplicates"
+        )
 
 
 def _check_range(ids: np.ndarray, upper: int, what: str) -> None:
