@@ -59,7 +59,7 @@ def test_put_get_probe_and_ttl(server):
     assert tier.probe([ks[0], b"never-stored"]) == [True, False]
     assert tier.contains([ks[0], b"never-stored", b"unknown"]) == [True, False, None]
     client = redis_client(server)
-    name = b"kvoffload:" + bytes.fromhex(FP) + ks[3]
+    name = tier.key_name(ks[3])
     assert 0 < client.pttl(name) <= 100_000
     client.expire(name, 5)
     read(tier, ks[3:4])  # a hit refreshes the TTL (GETEX)
@@ -95,7 +95,7 @@ def test_corrupt_value_is_a_miss_and_deleted(server, caplog):
     tier = ValkeyTier(server.url, FP, B)
     tier.put(ks, views(data))
     client = redis_client(server)
-    name = b"kvoffload:" + bytes.fromhex(FP) + ks[1]
+    name = tier.key_name(ks[1])
     value = client.get(name)
     client.setrange(name, len(value) - 7, bytes([value[-7] ^ 0x01]))  # one payload bit
     with caplog.at_level(logging.WARNING):
