@@ -183,3 +183,37 @@ def test_bad_arguments(server):
     with pytest.raises(ValueError, match="one buffer per key"):
         tier.get(keys(2), [memoryview(bytearray(B))])
     tier.close()
+
+
+@pytest.mark.parametrize("bad", ["hash", "list", "short string", "garbage of the right size"])
+def test_value_that_cannot_be_a_block_is_a_miss_deleted_and_not_fetched_again(server, bad):
+    """Issue 13.4: a hash, a list or a bad string under a tier key was reported pending on every
+    lookup, each sending another GET. Now: one look, a miss, deleted, forgotten."""
+    from kvoffload import prefix_block_keys
+    from tests.tiers_support import BS, build, engine_kv, tier_of
+
+    local = build(engine_kv(0), host_blocks=8, valkey_url=server.url)
+    keys = prefix_block_keys(np.arange(2 * BS), BS, salt=b"wrong-type")
+    tier = tier_of(local, "valkey")
+    name = tier.key_name(keys[0])
+    client = redis_client(server)
+    size = tier._value_bytes(keys[0])
+    {
+        "hash": lambda: client.hset(name, "field", "value"),
+        "list": lambda: client.rpush(name, b"x", b"y"),
+        "short string": lambda: client.set(name, b"not a block"),
+        "garbage of the right size": lambda: client.set(name, b"\x07" * size),
+    }[bad]()
+    client.config_resetstat()
+    found = [local.offloader.lookup_tiers(keys) for _ in range(40)]
+    deadline = time.monotonic() + 2.5  # past KNOWN_ABSENT_S: the key may be asked about again
+    while time.monotonic() < deadline:
+        found.append(local.offloader.lookup_tiers(keys))
+        time.sleep(0.01)
+    stats = client.info("commandstats")
+    reads = sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("get", "getex"))
+    probes = stats.get("cmdstat_strlen", {}).get("calls", 0)
+    assert found[-1].hit == 0 and not found[-1].probing  # a miss, not pending
+    assert reads <= 1 and probes <= 3, (reads, probes, len(found))
+    assert client.exists(name) == 0 and tier.stats.corrupt == 1
+    local.close()

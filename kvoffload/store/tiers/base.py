@@ -104,7 +104,7 @@ class RateLimitedLog:
                 return
             self._last[kind] = (now, 0)
         suffix = f" ({quiet} more like it not logged)" if quiet else ""
-        self.log.log(level, msg + suffix, *args, exc_info=traceback and first)
+        self.log.log(level, msg + suffix, *args, exc_info=traceback and first, stacklevel=3)
 
 
 class Tier(ABC):
