@@ -39,7 +39,7 @@ def one_line_failure(done: subprocess.CompletedProcess[str], *words: str) -> Non
 def test_bench_tiers_without_the_redis_client():
     # The client absent, as on a machine without the 'tiers' extra.
     done = bench(prelude="sys.modules['redis'] = None; ")
-    one_line_failure(done, "needs the redis client", "pip install 'kvoffload[tiers]'")
+    one_line_failure(done, "needs the redis client", "pip install -e '.[tiers]'")
 
 
 def test_bench_tiers_without_a_server_binary(tmp_path):

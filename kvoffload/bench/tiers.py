@@ -383,8 +383,8 @@ def run(args: argparse.Namespace) -> int:
     shared = {"valkey", "sharing"} & set(sections)
     if shared and importlib.util.find_spec("redis") is None:
         raise Fatal(
-            f"the {'/'.join(sorted(shared))} section needs the redis client: "
-            "pip install 'kvoffload[tiers]' (or leave it out: --sections format,disk,policy)"
+            f"the {'/'.join(sorted(shared))} section needs the redis client: pip install -e "
+            "'.[tiers]' in a checkout (or leave it out: --sections format,disk,policy)"
         )
     base = Path(tempfile.mkdtemp(prefix="kvoffload-bench-tiers-", dir=args.dir))
     result: dict[str, Any] = {"benchmark": "tiers", **machine_info(), "dir_fs": _fs_of(base)}

@@ -449,8 +449,8 @@ def _import_redis() -> Any:
         import redis
     except ImportError:
         raise ImportError(
-            "the Valkey tier needs the redis client: pip install 'kvoffload[tiers]' "
-            "(or bash .ci/tiers.sh in a checkout)"
+            "the Valkey tier needs the redis client: pip install -e '.[tiers]' in a checkout "
+            "(bash .ci/tiers.sh installs it with a server)"
         ) from None
     return redis
 
