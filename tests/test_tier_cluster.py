@@ -13,7 +13,14 @@ import pytest
 
 from kvoffload.store.tiers.valkey import ValkeyTier
 from tests.test_tier_processes import N, role
-from tests.tiers_support import cluster, running_cluster
+from tests.tiers_support import (
+    block_keys,
+    cluster,
+    random_blocks,
+    running_cluster,
+    views,
+    wait_for,
+)
 
 __all__ = ["cluster"]  # the session fixture, imported for pytest
 
@@ -22,15 +29,10 @@ B = 16 << 10
 
 
 def blocks(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, B), dtype=np.uint8)
+    return random_blocks(n, B, seed)
 
 
-def keys(n: int, tag: int = 0) -> list[bytes]:
-    return [bytes([tag]) + i.to_bytes(4, "little") * 4 for i in range(n)]
-
-
-def views(arr: np.ndarray) -> list[memoryview]:
-    return [memoryview(row) for row in arr]
+keys = block_keys
 
 
 def owner(tier: ValkeyTier, key: bytes) -> int:
@@ -38,15 +40,6 @@ def owner(tier: ValkeyTier, key: bytes) -> int:
     client = tier._client
     node = client.nodes_manager.get_node_from_slot(client.keyslot(tier.key_name(key)))
     return int(node.port)
-
-
-def wait_for(cond, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_batch_costs_one_round_trip_per_primary(cluster, monkeypatch):
@@ -115,17 +108,17 @@ def test_primary_killed_mid_run_misses_then_hits_after_failover():
         thread = threading.Thread(target=traffic)
         thread.start()
         try:
-            assert wait_for(lambda: sum(ok for _, _, ok in log) >= 96)
+            assert wait_for(lambda: sum(ok for _, _, ok in log) >= 96, 30)
             killed_at = time.monotonic()
             cl.node(victim).kill()  # SIGKILL mid-traffic
-            assert wait_for(lambda: any(not ok for t, _, ok in log if t > killed_at))
+            assert wait_for(lambda: any(not ok for t, _, ok in log if t > killed_at), 30)
             assert wait_for(
-                lambda: victim not in cl.primary_ports() and len(cl.primary_ports()) == 3
+                lambda: victim not in cl.primary_ports() and len(cl.primary_ports()) == 3, 30
             )
             promoted_at = time.monotonic()
             victim_set = set(on_victim)
             assert wait_for(
-                lambda: sum(ok and j in victim_set for t, j, ok in log if t > promoted_at) >= 5
+                lambda: sum(ok and j in victim_set for t, j, ok in log if t > promoted_at) >= 5, 30
             ), "no hits on the failed primary's slots after its replica took over"
         finally:
             stop.set()
@@ -158,3 +151,53 @@ def test_value_of_the_wrong_type_is_deleted_and_forgotten_on_a_cluster(cluster, 
     assert tier.contains(ks[:1]) == [False]  # remembered: not probed again for a while
     admin.close()
     tier.close()
+
+
+def test_slots_moved_mid_run_are_followed():
+    """Resharding under traffic: the client follows ASK (a slot being migrated) and MOVED (a
+    slot moved) by itself; every read is bit-exact or a miss, and afterwards every block hits
+    on its new primary."""
+    with running_cluster() as cl:
+        tier = ValkeyTier(cl.url, FP, B, timeout_s=2.0)
+        data, ks = blocks(256, seed=6), keys(256, tag=6)
+        assert tier.put(ks, views(data)) == [True] * 256
+        before = {k: owner(tier, k) for k in ks}
+        source, target = cl.primary_ports()[:2]
+        ids = {p: cl.cli_call(cl.node(p), "CLUSTER", "MYID").strip() for p in (source, target)}
+        problems: list[str] = []
+        reads: list[int] = []
+        stop = threading.Event()
+
+        def traffic() -> None:
+            out = np.zeros_like(data)
+            while not stop.is_set():
+                try:
+                    got = tier.get(ks, views(out))
+                except BaseException as e:  # noqa: BLE001 (the point: nothing escapes a tier call)
+                    problems.append(repr(e))
+                    return
+                reads.append(sum(got))
+                problems.extend(f"wrong bytes, block {i}" for i in range(256)
+                                if got[i] and not np.array_equal(out[i], data[i]))  # fmt: skip
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        try:
+            moved = cl.cli_call(
+                cl.node(source),
+                "--cluster", "reshard", f"127.0.0.1:{source}",
+                "--cluster-from", ids[source], "--cluster-to", ids[target],
+                "--cluster-slots", "2000", "--cluster-yes",
+                timeout_s=120,
+            )  # fmt: skip
+        finally:
+            stop.set()
+            thread.join(30)
+        assert "Moving slot" in moved, moved[-2000:]
+        assert problems == [] and len(reads) > 0
+        out = np.zeros_like(data)
+        assert tier.get(ks, views(out)) == [True] * 256 and np.array_equal(out, data)
+        after = {k: owner(tier, k) for k in ks}
+        assert any(before[k] == source and after[k] == target for k in ks)  # the map followed
+        assert tier.up
+        tier.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,17 @@ from kvoffload import OffloadConfig
 from kvoffload.store.tiers.base import TierStartupError
 from kvoffload.store.tiers.local_server import free_port
 from kvoffload.store.tiers.valkey import ValkeyTier
-from tests.tiers_support import cluster, make_certs, redis_client, running_cluster, running_server
+from tests.tiers_support import (
+    block_keys,
+    cluster,
+    make_certs,
+    random_blocks,
+    redis_client,
+    running_cluster,
+    running_server,
+    views,
+    wait_for,
+)
 
 __all__ = ["cluster"]  # the session fixture, imported for pytest
 
@@ -30,15 +39,10 @@ TENANT_ACL = (
 
 
 def blocks(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, B), dtype=np.uint8)
+    return random_blocks(n, B, seed)
 
 
-def keys(n: int, tag: int = 0) -> list[bytes]:
-    return [bytes([tag]) + i.to_bytes(4, "little") * 4 for i in range(n)]
-
-
-def views(arr: np.ndarray) -> list[memoryview]:
-    return [memoryview(row) for row in arr]
+keys = block_keys
 
 
 def round_trip(tier: ValkeyTier, n: int = 8, seed: int = 0) -> bool:
@@ -80,7 +84,7 @@ def test_password_from_the_environment_or_a_file_and_rotation(password, tmp_path
         client.config_set("requirepass", rotated)
         client.client_kill_filter(_type="normal", skipme=True)  # drop the tier's connections
         client.close()
-        assert _eventually(lambda: tier.up and round_trip(tier, seed=2))
+        assert wait_for(lambda: tier.up and round_trip(tier, seed=2))
         assert redis_client(server, rotated).dbsize() == 24  # 3 round trips of 8 blocks
         tier.close()
 
@@ -257,15 +261,6 @@ def test_cluster_url_for_one_server_and_the_reverse_are_start_up_errors(cluster)
     node = f"redis://127.0.0.1:{cluster.nodes[0].port}/0"
     with pytest.raises(TierStartupError, match="redis\\+cluster://"):
         ValkeyTier(node, FP, B)
-
-
-def _eventually(cond, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_no_server_at_start_up_is_not_an_error():

@@ -11,36 +11,29 @@ import numpy as np
 import pytest
 
 from kvoffload.store.tiers.valkey import ValkeyTier
-from tests.tiers_support import redis_client, running_server
+from tests.tiers_support import (
+    block_keys,
+    random_blocks,
+    redis_client,
+    running_server,
+    views,
+    wait_for,
+)
 
 FP = "0123456789abcdef0123456789abcdef"
 B = 64 << 10  # the Llama-3-8B per-layer page (block size 16, bf16: 16 x 8 x 128 x 2 x 2)
 
 
 def blocks(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, B), dtype=np.uint8)
+    return random_blocks(n, B, seed)
 
 
-def keys(n: int, tag: int = 0) -> list[bytes]:
-    return [bytes([tag]) + i.to_bytes(4, "little") * 4 for i in range(n)]
-
-
-def views(arr: np.ndarray) -> list[memoryview]:
-    return [memoryview(row) for row in arr]
+keys = block_keys
 
 
 def read(tier: ValkeyTier, ks: list[bytes]) -> tuple[list[bool], np.ndarray]:
     out = np.zeros((len(ks), B), dtype=np.uint8)
     return tier.get(ks, views(out)), out
-
-
-def wait_for(cond, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.fixture

@@ -171,6 +171,29 @@ def remount(path: Path, mode: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
 
 
+def random_blocks(n: int, nbytes: int, seed: int = 0) -> np.ndarray:
+    """``n`` blocks of ``nbytes`` seeded random bytes, one per row."""
+    return np.random.default_rng(seed).integers(0, 256, (n, nbytes), dtype=np.uint8)
+
+
+def block_keys(n: int, tag: int = 0) -> list[bytes]:
+    return [bytes([tag]) + i.to_bytes(4, "little") * 4 for i in range(n)]
+
+
+def views(arr: np.ndarray) -> list[memoryview]:
+    return [memoryview(row) for row in arr]
+
+
+def wait_for(cond: Any, timeout: float = 15.0) -> bool:
+    """Poll ``cond()`` every 50 ms; True once it holds, False after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def engine_kv(seed: int, num_blocks: int = NUM_BLOCKS) -> list[np.ndarray]:
     """Per-layer ``[2, num_blocks, bs, heads, hd]`` int16 KV filled with seeded random bytes."""
     rng = np.random.default_rng(seed)
