@@ -203,6 +203,16 @@ def test_tenants_on_a_cluster_never_read_each_other(cluster, password, monkeypat
             namespace="tenant-a",
             password_env="KVOFFLOAD_TEST_OTHER_PASSWORD",
         )
+    for call in calls:  # an ACL without what the cluster client asks at start-up
+        call("ACL", "SETUSER", "tenant-b", "-command")
+    with pytest.raises(TierStartupError, match="refused a command the tier needs"):
+        ValkeyTier(
+            with_user(cluster.url, "tenant-b"),
+            FP,
+            B,
+            namespace="tenant-b",
+            password_env="KVOFFLOAD_TEST_OTHER_PASSWORD",
+        )
     a.close()
     b.close()
 

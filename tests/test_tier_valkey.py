@@ -172,6 +172,9 @@ def test_frozen_server_times_out_into_misses(server):
 def test_bad_arguments(server):
     with pytest.raises(ValueError, match="ttl_s >= 0"):
         ValkeyTier(server.url, FP, B, ttl_s=-1)
+    for timeout in (float("inf"), 1e12, 0.0):  # inf and 1e12 overflow a socket timeout
+        with pytest.raises(ValueError, match="timeout_s <= 86400"):
+            ValkeyTier(server.url, FP, B, timeout_s=timeout)
     tier = ValkeyTier(server.url, FP, B)
     with pytest.raises(ValueError, match="one buffer per key"):
         tier.get(keys(2), [memoryview(bytearray(B))])

@@ -82,6 +82,7 @@ KNOWN_PRESENT_S = 30.0  # how long a "held" answer is trusted (a later GET may s
 KNOWN_ABSENT_S = 1.0  # how long a "not held" answer is trusted (another instance may store it)
 KNOWN_BAD_S = 30.0  # how long a key that held no block, or was refused, is not asked for again
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.5, 5.0
+MAX_TIMEOUT_S = 86400.0  # a socket timeout must fit the OS (inf or 1e12 overflow); a day is plenty
 T = TypeVar("T")
 _Cmd = tuple[str, tuple[Any, ...], dict[str, Any]]
 
@@ -113,10 +114,15 @@ class ValkeyTier(Tier):
     ) -> None:
         super().__init__(fingerprint, block_bytes)
         redis = _import_redis()
-        if ttl_s < 0 or max_value_bytes <= 0 or timeout_s <= 0 or pool_size <= 0:
+        if (
+            ttl_s < 0
+            or max_value_bytes <= 0
+            or pool_size <= 0
+            or not 0 < timeout_s <= MAX_TIMEOUT_S
+        ):
             raise ValueError(
-                "expected ttl_s >= 0, max_value_bytes > 0, timeout_s > 0 and pool_size > 0, got "
-                f"{ttl_s}, {max_value_bytes}, {timeout_s}, {pool_size}"
+                f"expected ttl_s >= 0, max_value_bytes > 0, 0 < timeout_s <= {MAX_TIMEOUT_S} and "
+                f"pool_size > 0, got {ttl_s}, {max_value_bytes}, {timeout_s}, {pool_size}"
             )
         self.endpoint = parse_valkey_url(url)
         self.namespace = check_namespace(namespace)
@@ -141,8 +147,9 @@ class ValkeyTier(Tier):
             redis.exceptions.RedisClusterException,
             OSError,
         )
-        # What the reconnect thread retries on (a refusal too: the operator may fix it).
-        self._retry_on = (*self._errors, ValueError, TierStartupError)
+        # What connecting may meet: the errors above or a refusal (_refusal says which; a
+        # refusal at start-up raises, the reconnect thread retries: the operator may fix it).
+        self._connect_errors = (*self._errors, redis.RedisError)
         self._warn = RateLimitedLog(log)
         self._known: dict[BlockKey, tuple[bool, float]] = {}
         self._up = threading.Event()
@@ -151,7 +158,7 @@ class ValkeyTier(Tier):
         self._client: Any = None
         try:
             self._client = self._open()
-        except self._errors as e:
+        except self._connect_errors as e:
             reason = _refusal(e)
             if reason is not None:
                 raise TierStartupError(f"valkey tier: {self.url} {reason}") from None
@@ -430,7 +437,7 @@ class ValkeyTier(Tier):
             while not self._closed.wait(delay):
                 try:
                     self._check_up()
-                except self._retry_on as e:
+                except (*self._connect_errors, ValueError, TierStartupError) as e:
                     reason = _refusal(e)
                     if reason is not None:
                         self._warn.warn("refused", "valkey tier: %s %s", self.url, reason)
