@@ -9,7 +9,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvoffload.store.arena import slots_for_capacity
 from kvoffload.store.policies import POLICIES
@@ -50,8 +49,10 @@ class OffloadConfig:
     disk_path: str | None = None
     # Disk space the disk tier may use, in bytes; the least recently used blocks go first.
     disk_capacity_bytes: int = 32 << 30
-    # URL of the shared Valkey/Redis tier: redis://host:port/db, rediss:// (TLS),
-    # unix:///path.sock; None: no shared tier.
+    # URL of the shared Valkey/Redis tier: redis://[user@]host:port/db, rediss:// (TLS),
+    # unix:///path.sock, or a cluster by seed nodes: redis+cluster://host:port[,host:port...]
+    # (rediss+cluster:// for TLS); never a password (valkey_password_env / _file). None: no
+    # shared tier.
     valkey_url: str | None = None
     # Seconds a block lives in Valkey after its last write or hit; 0: no expiry.
     valkey_ttl_s: int = 3600
@@ -66,6 +67,22 @@ class OffloadConfig:
     tier_write_backlog_bytes: int = 512 << 20
     # Background threads per lower tier.
     tier_threads: int = 2
+
+    # -- the shared tier's tenant, credentials and TLS (docs/tiers.md) ------------------------
+    # Tenant: part of every Valkey key (kvoffload:<namespace>:...), so deployments sharing a
+    # server or cluster never read each other's blocks; an ACL key pattern can confine a user
+    # to it. 1-64 of letters, digits, '_', '.', '-'.
+    valkey_namespace: str = "default"
+    # Name of the environment variable that holds the Valkey password; None: no password.
+    valkey_password_env: str | None = None
+    # Or a file that holds it (read at each new connection, so it can be rotated).
+    valkey_password_file: str | None = None
+    # TLS (rediss:// and rediss+cluster:// only; certificates and host names are always
+    # verified): the CA bundle that signs the servers' certificates (None: the system's)...
+    valkey_tls_ca_file: str | None = None
+    # ...and a client certificate (PEM) and its key, for servers that require one.
+    valkey_tls_cert_file: str | None = None
+    valkey_tls_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_blocks is not None:
@@ -85,6 +102,7 @@ class OffloadConfig:
         if self.pin_memory:
             _check_cuda_for_pinning()
         _check_seconds(self, "load_timeout_s")
+        self._check_valkey_access()  # first: its messages never show a password from the URL
         self._check_tiers()
 
     @property
@@ -121,8 +139,24 @@ class OffloadConfig:
             _check_int(self, name, minimum=1)
         _check_int(self, "valkey_ttl_s", minimum=0)
         _check_seconds(self, "valkey_timeout_s")
-        if self.valkey_url is not None:
-            _check_valkey_url(self.valkey_url)
+
+    def _check_valkey_access(self) -> None:
+        """The shared tier's URL form, namespace, password source and TLS files (the files
+        themselves are read when the tier starts)."""
+        from kvoffload.store.tiers.endpoint import (
+            Credentials,
+            TlsFiles,
+            check_namespace,
+            parse_valkey_url,
+        )
+
+        check_namespace(self.valkey_namespace)
+        Credentials(None, self.valkey_password_env, self.valkey_password_file).check()
+        tls = TlsFiles(self.valkey_tls_ca_file, self.valkey_tls_cert_file, self.valkey_tls_key_file)
+        if self.valkey_url is None:
+            tls.check(tls=True)  # types only: without a URL nothing is used
+            return
+        tls.check(parse_valkey_url(self.valkey_url).tls)
 
     def num_slots(self, slot_bytes: int) -> int:
         """Host slots for blocks of ``slot_bytes``; ValueError if not even one fits."""
@@ -166,21 +200,6 @@ def _check_choice(config: OffloadConfig, name: str, choices: list[str]) -> None:
     value = getattr(config, name)
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"expected {name} in {choices}, got {value!r}")
-
-
-def _check_valkey_url(url: str) -> None:
-    expected = "redis://host:port/db, rediss://host:port/db (TLS) or unix:///path/to.sock"
-    parts = urlsplit(url)
-    try:
-        _ = parts.port  # a port that is not a number raises here
-    except ValueError:
-        raise ValueError(f"expected valkey_url like {expected}, got {url!r} (bad port)") from None
-    if parts.scheme in ("redis", "rediss") and not parts.hostname:
-        raise ValueError(f"expected valkey_url like {expected}, got {url!r} (no host)")
-    if parts.scheme == "unix" and not parts.path:
-        raise ValueError(f"expected valkey_url like {expected}, got {url!r} (no socket path)")
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"expected valkey_url like {expected}, got {url!r}")
 
 
 def _check_cuda_for_pinning() -> None:

@@ -1,6 +1,9 @@
-"""Shared test setup: GPU tests skip cleanly where CUDA is absent.
+"""Shared test setup: GPU tests skip cleanly where CUDA is absent; lower-tier tests that could
+not run are counted in the summary line.
 
 A GPU test carries the marker ``gpu``; every test under ``tests/gpu/`` gets it automatically.
+The lower-tier tests start their own Valkey/Redis servers when one is installed; where none is
+(a fresh machine), they skip and the final line says how many, and how to install one.
 """
 
 from __future__ import annotations
@@ -8,6 +11,10 @@ from __future__ import annotations
 import functools
 
 import pytest
+
+# The start of every lower-tier skip reason (tests/tiers_support.py: SERVER_MISSING).
+TIER_SKIP = "lower-tier test: needs valkey-server or redis-server"
+TIER_SKIP_STAT = "lower-tier tests did not run (install a server: bash .ci/tiers.sh)"
 
 
 @functools.cache
@@ -29,3 +36,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Put the lower-tier tests that skipped for want of a server into the final summary line
+    (``... 12 skipped, 12 lower-tier tests did not run (install a server: ...)``)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    tiers = [r for r in skipped if TIER_SKIP in str(getattr(r, "longrepr", ""))]
+    if tiers:
+        terminalreporter.stats[TIER_SKIP_STAT] = tiers

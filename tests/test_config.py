@@ -44,11 +44,25 @@ def test_capacity_smaller_than_one_block():
         ({"pin_memory": 1}, "pin_memory to be None, True or False, got 1"),
         ({"eviction_policy": ["lru"]}, "eviction_policy in"),
         ({"backend": None}, "backend in"),
-        ({"valkey_url": "redis://", "model_id": "m"}, r"got 'redis://' \(no host\)"),
-        ({"valkey_url": "rediss://:6379/0", "model_id": "m"}, r"\(no host\)"),
-        ({"valkey_url": "unix://", "model_id": "m"}, r"got 'unix://' \(no socket path\)"),
-        ({"valkey_url": "redis://h:port", "model_id": "m"}, r"\(bad port\)"),
+        (
+            {"valkey_url": "redis://", "model_id": "m"},
+            r"expected a host in valkey_url, got 'redis://'",
+        ),
+        ({"valkey_url": "rediss://:6379/0", "model_id": "m"}, "expected a host in valkey_url"),
+        (
+            {"valkey_url": "unix://", "model_id": "m"},
+            r"valkey_url unix:///path/to/socket, got 'unix://'",
+        ),
+        (
+            {"valkey_url": "redis://h:port", "model_id": "m"},
+            r"expected a port 1\.\.65535 in valkey_url",
+        ),
         ({"valkey_url": "http://h:6379", "model_id": "m"}, "valkey_url like redis://"),
+        # a password in the URL would show in logs: it comes from an env variable or a file
+        (
+            {"valkey_url": "rediss://u:pw@h/1", "model_id": "m"},
+            r"without a password.*'rediss://u:\*\*\*@h/1'",
+        ),
     ],
 )
 def test_bad_options(options, message):
@@ -57,7 +71,8 @@ def test_bad_options(options, message):
 
 
 def test_good_tier_urls_and_timeouts_pass():
-    for url in ("redis://localhost:6379/0", "rediss://user:pw@cache.internal/1", "unix:///x.sock"):
+    urls = ("redis://localhost:6379/0", "rediss://user@cache.internal/1", "unix:///x.sock")
+    for url in (*urls, "redis+cluster://a:7000,b:7001", "rediss+cluster://user@a:7000"):
         assert OffloadConfig(valkey_url=url, model_id="m").valkey_url == url
     assert OffloadConfig(valkey_timeout_s=86_400, load_timeout_s=0.001).load_timeout_s == 0.001
 

@@ -129,7 +129,7 @@ def test_corrupt_header_byte_is_dropped_at_restart(tmp_path):
     again.close()
 
 
-def test_truncated_slab_is_a_miss_then_forgotten(tmp_path, caplog):
+def test_slab_truncated_under_the_tier_is_extended_back(tmp_path, caplog):
     data, ks = blocks(4), keys(4)
     tier = DiskTier(tmp_path, FP, B, capacity_bytes=4 * REC)
     tier.put(ks, views(data))
@@ -137,15 +137,36 @@ def test_truncated_slab_is_a_miss_then_forgotten(tmp_path, caplog):
     os.truncate(slab(tier), cut)
     with caplog.at_level(logging.WARNING):
         ok, out = read(tier, ks)
-    assert tier.contains(ks).count(False) == 2  # the damaged blocks were dropped
-    for i, good in enumerate(ok):
-        if good:
-            assert np.array_equal(out[i], data[i])
-    assert sum(ok) == 2 and tier.stats.corrupt == 2 and "short read" in caplog.text
+    assert ok == [True, True, False, False]  # 2 cut short, 3 gone: misses
+    assert np.array_equal(out[:2], data[:2])
+    assert tier.contains(ks) == [True, True, False, False]  # the damaged blocks were dropped
+    assert tier.stats.corrupt == 1 and "short read" in caplog.text
+    assert "truncated to 2 of 4 records; extended back" in caplog.text
+    assert next(r for r in caplog.records if "truncated" in r.message).levelno == logging.WARNING
+    assert slab(tier).stat().st_size == 4 * REC  # the space is the tier's again
+    more, more_keys = blocks(2, seed=9), keys(2, tag=9)
+    assert tier.put(more_keys, views(more)) == [True, True] and tier.num_blocks == 4
+    got, out = read(tier, [*ks[:2], *more_keys])
+    assert all(got) and np.array_equal(out, np.concatenate([data[:2], more]))
     tier.close()
-    again = DiskTier(tmp_path, FP, B, capacity_bytes=4 * REC)
-    assert again.num_blocks == 2
-    assert again.put(keys(2, tag=9), views(blocks(2, seed=9))) == [True, True]
+
+
+def test_slab_truncated_before_a_restart_does_not_cap_the_tier(tmp_path, caplog):
+    """Issue 13.6: a slab truncated to 10 records capped the tier at 10 blocks for good (200 writes
+    with room for all of them left 10), logged at INFO only."""
+    data, ks = blocks(200, seed=4), keys(200, tag=4)
+    tier = DiskTier(tmp_path, FP, B, capacity_bytes=256 * REC)
+    assert tier.put(ks[:20], views(data[:20])) == [True] * 20
+    tier.close()
+    os.truncate(slab(tier), 10 * REC)
+    with caplog.at_level(logging.WARNING):
+        again = DiskTier(tmp_path, FP, B, capacity_bytes=256 * REC)
+    assert "truncated to 10 of 256 records; extended back" in caplog.text
+    assert again.num_blocks == 10 and slab(again).stat().st_size == 256 * REC
+    assert again.put(ks, views(data)) == [True] * 200
+    assert again.num_blocks == 200 and again.stats.evictions == 0
+    ok, out = read(again, ks)
+    assert all(ok) and np.array_equal(out, data)
     again.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -220,3 +221,32 @@ def test_config_requires_model_id_with_tiers(tmp_path):
         OffloadConfig(valkey_url="localhost:6379", model_id="m")
     with pytest.raises(ValueError, match="disk_capacity_bytes to be a positive int"):
         OffloadConfig(disk_path=str(tmp_path), model_id="m", disk_capacity_bytes=0)
+
+
+class BrokenWrites(DiskTier):
+    """A real disk tier whose writes raise (a tier bug): the mover must turn each into a miss."""
+
+    def put(self, keys, payloads):
+        raise RuntimeError("broken tier")
+
+
+def test_tier_errors_are_misses_and_their_log_is_rate_limited(tmp_path, caplog):
+    kv = engine_kv(8)
+    local = build_with(kv, 8, lambda nbytes: [BrokenWrites(tmp_path, "ef" * 16, nbytes, 1 << 20)])
+    off, mover = local.offloader, mover_of(local)
+    keys = prefix_block_keys(np.arange(8 * BS), BS)
+    with caplog.at_level(logging.ERROR, logger="kvoffload.offload.tiers"):
+        for i in range(8):  # 8 write ops, each raising on a mover thread
+            store(local, "a", keys[i : i + 1], [i])
+            assert off.drain_tiers(10)
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and errors[0].exc_info is not None  # the first, with traceback
+        assert "broken tier" in errors[0].getMessage()
+        mover._failures.every_s = 0.0  # the next interval: one line with the count, no traceback
+        store(local, "b", [prefix_block_keys(np.arange(BS), BS, salt=b"x")[0]], [0])
+        assert off.drain_tiers(10)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and not errors[1].exc_info
+    assert "(7 more like it not logged)" in errors[1].getMessage()
+    assert off.tier_stats()["flow"]["write_failures"] == 9 and off.index.num_readable == 8
+    local.close()

@@ -11,36 +11,29 @@ import numpy as np
 import pytest
 
 from kvoffload.store.tiers.valkey import ValkeyTier
-from tests.tiers_support import redis_client, running_server
+from tests.tiers_support import (
+    block_keys,
+    random_blocks,
+    redis_client,
+    running_server,
+    views,
+    wait_for,
+)
 
 FP = "0123456789abcdef0123456789abcdef"
 B = 64 << 10  # the Llama-3-8B per-layer page (block size 16, bf16: 16 x 8 x 128 x 2 x 2)
 
 
 def blocks(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, B), dtype=np.uint8)
+    return random_blocks(n, B, seed)
 
 
-def keys(n: int, tag: int = 0) -> list[bytes]:
-    return [bytes([tag]) + i.to_bytes(4, "little") * 4 for i in range(n)]
-
-
-def views(arr: np.ndarray) -> list[memoryview]:
-    return [memoryview(row) for row in arr]
+keys = block_keys
 
 
 def read(tier: ValkeyTier, ks: list[bytes]) -> tuple[list[bool], np.ndarray]:
     out = np.zeros((len(ks), B), dtype=np.uint8)
     return tier.get(ks, views(out)), out
-
-
-def wait_for(cond, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.fixture
@@ -59,7 +52,7 @@ def test_put_get_probe_and_ttl(server):
     assert tier.probe([ks[0], b"never-stored"]) == [True, False]
     assert tier.contains([ks[0], b"never-stored", b"unknown"]) == [True, False, None]
     client = redis_client(server)
-    name = b"kvoffload:" + bytes.fromhex(FP) + ks[3]
+    name = tier.key_name(ks[3])
     assert 0 < client.pttl(name) <= 100_000
     client.expire(name, 5)
     read(tier, ks[3:4])  # a hit refreshes the TTL (GETEX)
@@ -95,7 +88,7 @@ def test_corrupt_value_is_a_miss_and_deleted(server, caplog):
     tier = ValkeyTier(server.url, FP, B)
     tier.put(ks, views(data))
     client = redis_client(server)
-    name = b"kvoffload:" + bytes.fromhex(FP) + ks[1]
+    name = tier.key_name(ks[1])
     value = client.get(name)
     client.setrange(name, len(value) - 7, bytes([value[-7] ^ 0x01]))  # one payload bit
     with caplog.at_level(logging.WARNING):
@@ -179,7 +172,44 @@ def test_frozen_server_times_out_into_misses(server):
 def test_bad_arguments(server):
     with pytest.raises(ValueError, match="ttl_s >= 0"):
         ValkeyTier(server.url, FP, B, ttl_s=-1)
+    for timeout in (float("inf"), 1e12, 0.0):  # inf and 1e12 overflow a socket timeout
+        with pytest.raises(ValueError, match="timeout_s <= 86400"):
+            ValkeyTier(server.url, FP, B, timeout_s=timeout)
     tier = ValkeyTier(server.url, FP, B)
     with pytest.raises(ValueError, match="one buffer per key"):
         tier.get(keys(2), [memoryview(bytearray(B))])
     tier.close()
+
+
+@pytest.mark.parametrize("bad", ["hash", "list", "short string", "garbage of the right size"])
+def test_value_that_cannot_be_a_block_is_a_miss_deleted_and_not_fetched_again(server, bad):
+    """Issue 13.4: a hash, a list or a bad string under a tier key was reported pending on every
+    lookup, each sending another GET. Now: one look, a miss, deleted, forgotten."""
+    from kvoffload import prefix_block_keys
+    from tests.tiers_support import BS, build, engine_kv, tier_of
+
+    local = build(engine_kv(0), host_blocks=8, valkey_url=server.url)
+    keys = prefix_block_keys(np.arange(2 * BS), BS, salt=b"wrong-type")
+    tier = tier_of(local, "valkey")
+    name = tier.key_name(keys[0])
+    client = redis_client(server)
+    size = tier._value_bytes(keys[0])
+    {
+        "hash": lambda: client.hset(name, "field", "value"),
+        "list": lambda: client.rpush(name, b"x", b"y"),
+        "short string": lambda: client.set(name, b"not a block"),
+        "garbage of the right size": lambda: client.set(name, b"\x07" * size),
+    }[bad]()
+    client.config_resetstat()
+    found = [local.offloader.lookup_tiers(keys) for _ in range(40)]
+    deadline = time.monotonic() + 2.5  # past KNOWN_ABSENT_S: the key may be asked about again
+    while time.monotonic() < deadline:
+        found.append(local.offloader.lookup_tiers(keys))
+        time.sleep(0.01)
+    stats = client.info("commandstats")
+    reads = sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("get", "getex"))
+    probes = stats.get("cmdstat_strlen", {}).get("calls", 0)
+    assert found[-1].hit == 0 and not found[-1].probing  # a miss, not pending
+    assert reads <= 1 and probes <= 3, (reads, probes, len(found))
+    assert client.exists(name) == 0 and tier.stats.corrupt == 1
+    local.close()

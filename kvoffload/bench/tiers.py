@@ -20,14 +20,25 @@ interleaved inside each round, and the median round is reported.
   as the engine sees it: store settle time per 16-block job, and the blocks that reached disk;
   back to back (stores as fast as the host copy goes) and, for write-behind, paced at
   ``PACE_MBPS`` (an engine whose prefill produces KV at that rate).
+- ``sharing`` (``--cluster``; not in the default sections): ``--processes`` engine processes
+  sharing prefixes through one server and through a cluster (3 primaries + 3 replicas started
+  here unless ``--cluster-url`` is given), side by side: hit rate, MB/s, get latency per block
+  (``tiers_sharing.py``).
+
+A missing client, server or an unreachable ``--valkey-url`` ends the run with one line on stderr
+and exit status 1, before anything is measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import itertools
+import logging
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import threading
@@ -42,6 +53,8 @@ from kvoffload.bench.common import console, default_out, machine_info, progress,
 
 SIZES = {"slot_2MiB": 2 << 20, "page_64KiB": 64 << 10}  # Llama-3-8B, block size 16, bf16
 FP = "0123456789abcdef0123456789abcdef"
+SECTIONS = ("format", "disk", "valkey", "policy", "sharing")
+DEFAULT_SECTIONS = ("format", "disk", "valkey", "policy")
 BATCH = 16
 PACE_MBPS = 200  # the paced policy run: stores at this rate, under the disk's sustained writes
 
@@ -51,7 +64,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--valkey-url", default=None, help="server to use (default: start one)")
     p.add_argument("--mib", type=int, default=256, help="MiB moved per size and variant")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
-    p.add_argument("--sections", default="format,disk,valkey,policy", help="comma separated")
+    p.add_argument(
+        "--sections",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma separated, from {','.join(SECTIONS)} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="only the sharing section: processes sharing prefixes, one server vs a cluster",
+    )
+    p.add_argument(
+        "--cluster-url",
+        default=None,
+        help="redis+cluster://host:port,... for the sharing section (default: start one here)",
+    )
+    p.add_argument("--processes", type=int, default=4, help="sharing section: engine processes")
     p.add_argument("--out", type=Path, default=None, help="JSON result path")
 
 
@@ -214,9 +242,9 @@ def tier_round(
     out = np.empty_like(data)
     outs = [memoryview(row) for row in out]
     ka, kb = _keys(n, "one"), _keys(n, "batch")
-    pt, pl = _timed(lambda i: tier.put([ka[i]], [views[i]]), n)
+    pt, pl = _timed(lambda i: _all(tier.put([ka[i]], [views[i]]), tier, "put"), n)
     flush = _seconds(lambda: cold(tier))  # disk: until the bytes are on the device
-    gt, gl = _timed(lambda i: tier.get([ka[i]], [outs[i]]), n)
+    gt, gl = _timed(lambda i: _all(tier.get([ka[i]], [outs[i]]), tier, "get"), n)
     if not np.array_equal(out, data):
         raise RuntimeError(f"bench tiers: {tier.name} returned different bytes")
 
@@ -225,8 +253,7 @@ def tier_round(
     ) -> float:
         def part(p: int) -> None:
             for s in range(p * BATCH, n, 2 * BATCH):
-                if not all(fn(kb[s : s + BATCH], bufs[s : s + BATCH])):
-                    raise RuntimeError(f"bench tiers: a {tier.name} batch failed")
+                _all(fn(kb[s : s + BATCH], bufs[s : s + BATCH]), tier, "batch")
 
         threads = [threading.Thread(target=part, args=(p,)) for p in range(2)]
         t0 = time.perf_counter()
@@ -254,6 +281,22 @@ def tier_round(
         "put": _lat(pl),
         "get": _lat(gl),
     }
+
+
+def _all(ok: list[bool], tier: Any, what: str) -> None:
+    """A tier that drops blocks mid-run (a server gone, out of memory) ends the run clearly."""
+    if not all(ok):
+        raise Fatal(
+            f"the {tier.name} tier lost a {what} mid-run ({tier.stats.snapshot()}); is the "
+            "server down or short of memory (maxmemory)?"
+        )
+
+
+class Fatal(SystemExit):
+    """One line on stderr and exit status 1 (SystemExit prints its message)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"kvoffload bench tiers: {message}")
 
 
 def disk_cold(tier: Any) -> None:
@@ -328,48 +371,40 @@ def policy_round(
 
 
 def run(args: argparse.Namespace) -> int:
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    known = {"format", "disk", "valkey", "policy"}
-    if not set(sections) <= known or args.mib <= 0 or args.rounds <= 0:
-        raise SystemExit(
-            f"expected --sections from {sorted(known)}, --mib > 0 and --rounds > 0, got "
+    sections = ["sharing"] if args.cluster else [x.strip() for x in args.sections.split(",")]
+    sections = [x for x in sections if x]
+    if not set(sections) <= set(SECTIONS) or args.mib <= 0 or args.rounds <= 0:
+        raise Fatal(
+            f"expected --sections from {list(SECTIONS)}, --mib > 0 and --rounds > 0, got "
             f"{args.sections!r}, {args.mib}, {args.rounds}"
+        )
+    if args.processes <= 0:
+        raise Fatal(f"expected --processes > 0, got {args.processes}")
+    shared = {"valkey", "sharing"} & set(sections)
+    if shared and importlib.util.find_spec("redis") is None:
+        raise Fatal(
+            f"the {'/'.join(sorted(shared))} section needs the redis client: pip install -e "
+            "'.[tiers]' in a checkout (or leave it out: --sections format,disk,policy)"
         )
     base = Path(tempfile.mkdtemp(prefix="kvoffload-bench-tiers-", dir=args.dir))
     result: dict[str, Any] = {"benchmark": "tiers", **machine_info(), "dir_fs": _fs_of(base)}
     result["params"] = {"mib": args.mib, "rounds": args.rounds, "batch_blocks": BATCH}
-    server = None
-    url = args.valkey_url
     try:
-        if "valkey" in sections and url is None:
-            from kvoffload.store.tiers.local_server import LocalServer
-
-            server = LocalServer().start()
-            url = server.url
-            result["valkey_server"] = f"{server.binary} on loopback (started by the benchmark)"
-        if "valkey" in sections:
-            import redis
-            from redis.utils import HIREDIS_AVAILABLE
-
-            result["valkey_client"] = {"redis": redis.__version__, "hiredis": HIREDIS_AVAILABLE}
-        with progress() as bar:
-            task = bar.add_task("tiers", total=len(sections) * len(SIZES) * args.rounds)
-            for section in sections:
-                result[section] = {}
-                for label, size in SIZES.items():
-                    bar.update(task, description=f"{section} {label}")
-                    rounds = []
-                    for r in range(args.rounds):
-                        rounds.append(
-                            _section(section, base / f"{section}-{label}-{r}", size, args, url)
-                        )
-                        bar.advance(task)
-                    result[section][label] = _median_round(rounds)
+        with contextlib.ExitStack() as stack:
+            urls = _servers(stack, sections, args, result) if shared else {}
+            with progress() as bar:
+                task = bar.add_task("tiers", total=len(sections) * len(SIZES) * args.rounds)
+                for section in sections:
+                    result[section] = {}
+                    for label, size in SIZES.items():
+                        bar.update(task, description=f"{section} {label}")
+                        rounds = []
+                        for r in range(args.rounds):
+                            where = base / f"{section}-{label}-{r}"
+                            rounds.append(_section(section, where, size, args, urls))
+                            bar.advance(task)
+                        result[section][label] = _median_round(rounds)
     finally:
-        if server is not None:
-            server.close()
-        import shutil
-
         shutil.rmtree(base, ignore_errors=True)
     _print(result)
     out = args.out or default_out("tiers", "cpu")
@@ -377,9 +412,66 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _servers(
+    stack: contextlib.ExitStack,
+    sections: list[str],
+    args: argparse.Namespace,
+    result: dict[str, Any],
+) -> dict[str, str]:
+    """The server (and, for sharing, the cluster) to measure: given, or started here and stopped
+    by ``stack``. Each is checked once: unreachable or refusing is a ``Fatal`` now."""
+    import redis
+    from redis.utils import HIREDIS_AVAILABLE
+
+    from kvoffload.store.tiers.local_server import LocalCluster, LocalServer, server_binary
+
+    result["valkey_client"] = {"redis": redis.__version__, "hiredis": HIREDIS_AVAILABLE}
+    urls = {"one_server": args.valkey_url}
+    if "sharing" in sections:
+        urls["cluster"] = args.cluster_url
+    for name, url in urls.items():
+        if url is None:
+            try:
+                started = LocalCluster() if name == "cluster" else LocalServer()
+            except FileNotFoundError as e:
+                raise Fatal(f"{e}; or give --valkey-url / --cluster-url of a running one") from None
+            stack.enter_context(started)
+            urls[name] = started.url
+            shape = "3 primaries + 3 replicas" if name == "cluster" else "one server"
+            result[f"valkey_{name}"] = f"{server_binary()}, {shape} on loopback (started here)"
+        _reachable(urls[name])
+    return {k: v for k, v in urls.items() if v is not None}
+
+
+def _reachable(url: str) -> None:
+    from kvoffload.store.tiers.base import TierStartupError
+    from kvoffload.store.tiers.valkey import ValkeyTier
+
+    quiet = logging.getLogger("kvoffload.store.tiers.valkey")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the one line below says it; not the tier's warning too
+    try:
+        tier = ValkeyTier(url, FP, 4096, timeout_s=5.0)
+    except (TierStartupError, ValueError) as e:
+        raise Fatal(str(e)) from None
+    finally:
+        quiet.setLevel(level)
+    up = tier.up
+    tier.close()
+    if not up:
+        raise Fatal(f"valkey at {url} is unreachable; start it, or give another URL")
+
+
 def _section(
-    section: str, root: Path, size: int, args: argparse.Namespace, url: str | None
+    section: str, root: Path, size: int, args: argparse.Namespace, urls: dict[str, str]
 ) -> dict[str, Any]:
+    if section == "sharing":
+        from kvoffload.bench.tiers_sharing import run_sharing
+
+        total = args.mib << 20
+        return {
+            target: run_sharing(url, size, total, args.processes) for target, url in urls.items()
+        }
     n = max(BATCH * 2, (args.mib << 20) // size)
     data = _blocks(n, size)
     if section == "format":
@@ -394,7 +486,7 @@ def _section(
     if section == "valkey":
         from kvoffload.store.tiers.valkey import ValkeyTier
 
-        assert url is not None
+        url = urls["one_server"]
         return tier_round(
             lambda b: ValkeyTier(url, FP, b, ttl_s=600, timeout_s=5.0), data, lambda t: None
         )
@@ -412,7 +504,7 @@ def _section(
 def _print(result: dict[str, Any]) -> None:
     from rich.table import Table
 
-    for section in ("format", "disk", "valkey", "policy"):
+    for section in SECTIONS:
         if section not in result:
             continue
         table = Table(title=f"tiers: {section} (median of rounds)")
@@ -420,7 +512,9 @@ def _print(result: dict[str, Any]) -> None:
         table.add_column("variant")
         table.add_column("numbers")
         for label, row in result[section].items():
-            variants = row.items() if section in ("format", "policy") else [("tier", row)]
+            variants = (
+                row.items() if section in ("format", "policy", "sharing") else [("tier", row)]
+            )
             for name, numbers in variants:
                 flat = ", ".join(
                     f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"

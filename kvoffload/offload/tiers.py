@@ -26,7 +26,7 @@ from typing import Literal
 from kvoffload.config import OffloadConfig
 from kvoffload.store.arena import HostArena
 from kvoffload.store.keys import BlockKey
-from kvoffload.store.tiers.base import Tier
+from kvoffload.store.tiers.base import RateLimitedLog, Tier
 from kvoffload.store.tiers.disk import DiskTier
 from kvoffload.store.tiers.valkey import ValkeyTier
 from kvoffload.transfer.layout import KVLayout
@@ -75,6 +75,7 @@ class TierMover:
         self._count_lock = threading.Lock()
         self._in_flight = 0
         self._idle = threading.Condition(self._count_lock)
+        self._failures = RateLimitedLog(log)
 
     def submit(self, op: TierOp) -> None:
         if op.tier not in self.tiers:
@@ -118,8 +119,15 @@ class TierMover:
             else:
                 views = [memoryview(self.arena.slots[s]) for s in op.slots]
                 ok = tier.put(op.keys, views) if op.kind == "write" else tier.get(op.keys, views)
-        except Exception:  # the thread boundary: any tier bug becomes a logged miss
-            log.exception("tier %r failed on a %s of %d block(s)", op.tier, op.kind, len(op.keys))
+        except Exception as e:  # noqa: BLE001 (the thread boundary: a tier bug is a logged miss)
+            self._failures.error(
+                f"{op.tier}.{op.kind}.{type(e).__name__}",
+                "tier %r failed on a %s of %d block(s): %s",
+                op.tier,
+                op.kind,
+                len(op.keys),
+                e,
+            )
             ok = [False] * len(op.keys)
         self._finished.append(TierResult(op.op_id, tuple(ok), time.perf_counter() - submitted))
         with self._idle:
@@ -127,24 +135,43 @@ class TierMover:
             self._idle.notify_all()
 
 
-def build_mover(layout: KVLayout, config: OffloadConfig, arena: HostArena) -> TierMover | None:
-    """The lower tiers ``config`` names (disk first, then Valkey), or None when it names none."""
-    fingerprint = layout.fingerprint(config.model_id)
+def build_tiers(config: OffloadConfig, fingerprint: str, block_bytes: int) -> list[Tier]:
+    """The lower tiers ``config`` names, disk first, then Valkey (for any engine adapter).
+
+    Raises ``TierStartupError`` when a server refuses the credentials or the TLS handshake.
+    """
     tiers: list[Tier] = []
     if config.disk_path is not None:
         tiers.append(
-            DiskTier(config.disk_path, fingerprint, arena.slot_bytes, config.disk_capacity_bytes)
+            DiskTier(config.disk_path, fingerprint, block_bytes, config.disk_capacity_bytes)
         )
     if config.valkey_url is not None:
-        tiers.append(
-            ValkeyTier(
-                config.valkey_url,
-                fingerprint,
-                arena.slot_bytes,
-                ttl_s=config.valkey_ttl_s,
-                max_value_bytes=config.valkey_max_value_bytes,
-                timeout_s=config.valkey_timeout_s,
-                pool_size=config.valkey_pool_size,
+        try:
+            tiers.append(
+                ValkeyTier(
+                    config.valkey_url,
+                    fingerprint,
+                    block_bytes,
+                    ttl_s=config.valkey_ttl_s,
+                    max_value_bytes=config.valkey_max_value_bytes,
+                    timeout_s=config.valkey_timeout_s,
+                    pool_size=config.valkey_pool_size,
+                    namespace=config.valkey_namespace,
+                    password_env=config.valkey_password_env,
+                    password_file=config.valkey_password_file,
+                    tls_ca_file=config.valkey_tls_ca_file,
+                    tls_cert_file=config.valkey_tls_cert_file,
+                    tls_key_file=config.valkey_tls_key_file,
+                )
             )
-        )
+        except BaseException:
+            for tier in tiers:
+                tier.close()  # the disk tier's directory lock
+            raise
+    return tiers
+
+
+def build_mover(layout: KVLayout, config: OffloadConfig, arena: HostArena) -> TierMover | None:
+    """The lower tiers ``config`` names (disk first, then Valkey), or None when it names none."""
+    tiers = build_tiers(config, layout.fingerprint(config.model_id), arena.slot_bytes)
     return TierMover(arena, tiers, config.tier_threads) if tiers else None

@@ -54,6 +54,7 @@ class TierStats:
     errors: int = 0  # reads that failed on I/O, a timeout or a connection error
     evictions: int = 0  # blocks the tier dropped to stay under its capacity
     reconnects: int = 0  # times the tier came back after being down
+    refused: int = 0  # commands the server refused to this user (an ACL): misses, not retried
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:
@@ -67,8 +68,17 @@ class TierStats:
             return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
 
 
+class TierStartupError(RuntimeError):
+    """A tier's server refused this configuration at start-up (credentials, TLS, the kind of
+    server): no retry fixes it, the configuration must change."""
+
+
 class RateLimitedLog:
-    """Log a warning per kind at most once every ``every_s`` seconds, with a count of the rest."""
+    """Log a message per kind at most once every ``every_s`` seconds, with a count of the rest.
+
+    ``error`` (for a caught exception) gives the traceback with the first message of its kind
+    only; later ones carry the count.
+    """
 
     def __init__(self, log: logging.Logger, every_s: float = 10.0) -> None:
         self.log = log
@@ -77,15 +87,24 @@ class RateLimitedLog:
         self._lock = threading.Lock()
 
     def warn(self, kind: str, msg: str, *args: object) -> None:
+        self._emit(logging.WARNING, kind, msg, args)
+
+    def error(self, kind: str, msg: str, *args: object) -> None:
+        self._emit(logging.ERROR, kind, msg, args, traceback=True)
+
+    def _emit(
+        self, level: int, kind: str, msg: str, args: tuple[object, ...], traceback: bool = False
+    ) -> None:
         now = time.monotonic()
         with self._lock:
+            first = kind not in self._last
             last, quiet = self._last.get(kind, (-1e18, 0))
             if now - last < self.every_s:
                 self._last[kind] = (last, quiet + 1)
                 return
             self._last[kind] = (now, 0)
         suffix = f" ({quiet} more like it not logged)" if quiet else ""
-        self.log.warning(msg + suffix, *args)
+        self.log.log(level, msg + suffix, *args, exc_info=traceback and first, stacklevel=3)
 
 
 class Tier(ABC):

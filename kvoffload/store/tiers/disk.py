@@ -27,8 +27,12 @@ Recency is not persisted: after a restart the scan order is the eviction order.
 Failures are misses (see ``base.py``): a read whose header or payload checksum does not match, or
 that comes back short (a truncated slab), frees the record and counts ``corrupt``; a read-only
 directory keeps serving reads and skips writes; a write error frees the record and counts
-``put_failures``. A directory locked by another live process makes this tier empty and read-only
-(one process per directory; share blocks between processes through the Valkey tier).
+``put_failures``. A slab found shorter than its records (truncated by someone, at start-up or under
+a running tier) is extended back to its size (``posix_fallocate``, a WARNING): the blocks past the
+cut are misses, the space is the tier's again; where the disk has no room for that, the records
+past the cut are left unused and later slabs still grow. A directory locked by another live
+process makes this tier empty and read-only (one process per directory; share blocks between
+processes through the Valkey tier).
 """
 
 from __future__ import annotations
@@ -180,6 +184,7 @@ class DiskTier(Tier):
         try:
             got = os.preadv(fd, [head, out], offset)
             if got != HEAD_AREA + len(out):
+                self._restore_slab(rec // self.records_per_slab)
                 raise CorruptBlock(f"short read: {got} of {HEAD_AREA + len(out)} bytes")
             check_payload(parse_header(head, self._fp, key), out)
         except (OSError, CorruptBlock) as e:
@@ -336,22 +341,64 @@ class DiskTier(Tier):
             return None
 
     def _scan(self, slab: int, fd: int) -> None:
-        """Map the keys of a slab's valid records; its size (as truncated) bounds its records."""
+        """Map the keys of a slab's valid records; a truncated slab is extended back first."""
         base = slab * self.records_per_slab
-        count = min(
-            self.records_per_slab,
-            os.fstat(fd).st_size // self.record_bytes,
-            self.capacity_records - base,
-        )
+        found = os.fstat(fd).st_size // self.record_bytes
+        count = min(self._extend(slab, fd, found), self._slab_records(slab))
         for i in range(max(0, count)):
-            key = self._key_at(fd, i * self.record_bytes)
+            key = self._key_at(fd, i * self.record_bytes) if i < found else None
             if key is None or key in self._where:
                 self._free.append(base + i)
             else:
                 self._where[key] = base + i
                 self._key_of[base + i] = key
-        if count < self.records_per_slab:
-            self._can_grow = False  # a short slab in the middle would leave a hole
+
+    def _slab_records(self, slab: int) -> int:
+        return min(self.records_per_slab, self.capacity_records - slab * self.records_per_slab)
+
+    def _extend(self, slab: int, fd: int, found: int) -> int:
+        """Records slab ``slab`` can hold once extended back to its size (``found`` when it is
+        whole, or when the disk or a read-only directory does not allow it)."""
+        want = self._slab_records(slab)
+        if found >= want:
+            return found
+        path = self.dir / f"slab-{slab:05d}.kvs"
+        try:
+            if not self._writable:
+                raise OSError(errno.EROFS, "read-only")
+            os.posix_fallocate(fd, 0, want * self.record_bytes)
+        except OSError as e:
+            self._warn.warn(
+                "truncated",
+                "disk tier: %s was truncated to %d of %d records and cannot be extended back "
+                "(%s); the tier uses the records it has",
+                path, found, want, e,
+            )  # fmt: skip
+            return found
+        self._warn.warn(
+            "truncated",
+            "disk tier: %s was truncated to %d of %d records; extended back (the blocks past the "
+            "cut are misses)",
+            path, found, want,
+        )  # fmt: skip
+        return want
+
+    def _restore_slab(self, slab: int) -> None:
+        """A read came back short: extend the slab back, drop the blocks it lost, free their
+        records (unless being read: their readers free them)."""
+        with self._lock:
+            fd = self._fds[slab]
+            found = os.fstat(fd).st_size // self.record_bytes
+            if self._extend(slab, fd, found) == found:
+                return
+            base = slab * self.records_per_slab
+            lost = [
+                rec
+                for rec in range(base + found, base + self._slab_records(slab))
+                if rec in self._key_of and not self._readers.get(rec)
+            ]
+            for rec in lost:
+                self._release(rec)
 
     def _key_at(self, fd: int, offset: int) -> BlockKey | None:
         head = os.pread(fd, HEAD_AREA, offset)

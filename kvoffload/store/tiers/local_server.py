@@ -1,8 +1,10 @@
-"""Start and stop a throwaway ``valkey-server`` (or ``redis-server``) on loopback.
+"""Start and stop throwaway ``valkey-server`` (or ``redis-server``) processes on loopback: one
+server, or a Valkey/Redis Cluster of primaries with replicas.
 
 For tests, benchmarks and trying the shared tier on one machine; production points ``valkey_url``
-at a server it runs itself. The server keeps nothing on disk (no RDB, no AOF) and listens on
-127.0.0.1 only, on a free port.
+at servers it runs itself. The servers keep nothing on disk (no RDB, no AOF; a cluster node keeps
+only its ``nodes.conf``, so a killed node rejoins when restarted), listen on 127.0.0.1 only, on
+free ports, optionally over TLS only (``ServerTls``: certificates the caller made).
 """
 
 from __future__ import annotations
@@ -11,16 +13,28 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 
 SERVER_BINARIES = ("valkey-server", "redis-server")
+CLI_BINARIES = ("valkey-cli", "redis-cli")
 
 
 def server_binary() -> str | None:
     """Path of the first of ``valkey-server``, ``redis-server`` on PATH, or None."""
-    for name in SERVER_BINARIES:
+    return _first(SERVER_BINARIES)
+
+
+def cli_binary() -> str | None:
+    """Path of the first of ``valkey-cli``, ``redis-cli`` on PATH (cluster set-up), or None."""
+    return _first(CLI_BINARIES)
+
+
+def _first(names: tuple[str, ...]) -> str | None:
+    for name in names:
         path = shutil.which(name)
         if path:
             return path
@@ -33,29 +47,89 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """PEM files for a TLS-only server: its certificate and key, the CA it trusts for client
+    certificates, and whether it requires one; ``client_*`` are what a local client presents."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    require_client_cert: bool = True
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+
+    def server_args(self, cluster: bool) -> list[str]:
+        args = [
+            "--tls-cert-file", self.cert_file,
+            "--tls-key-file", self.key_file,
+            "--tls-ca-cert-file", self.ca_file,
+            "--tls-auth-clients", "yes" if self.require_client_cert else "no",
+        ]  # fmt: skip
+        if cluster:
+            args += ["--tls-cluster", "yes", "--tls-replication", "yes"]
+        return args
+
+    def cli_args(self) -> list[str]:
+        args = ["--tls", "--cacert", self.ca_file]
+        if self.client_cert_file and self.client_key_file:
+            args += ["--cert", self.client_cert_file, "--key", self.client_key_file]
+        return args
+
+    def client_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        if self.client_cert_file:
+            ctx.load_cert_chain(self.client_cert_file, self.client_key_file)
+        return ctx
+
+
 class LocalServer:
     """One server process: ``start`` / ``stop`` / ``kill`` / ``pause`` / ``resume``; ``url``."""
 
-    def __init__(self, port: int | None = None, maxmemory: str = "0", binary: str | None = None):
+    def __init__(
+        self,
+        port: int | None = None,
+        maxmemory: str = "0",
+        binary: str | None = None,
+        *,
+        tls: ServerTls | None = None,
+        cluster_node_timeout_ms: int | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.binary = binary or server_binary()
         if self.binary is None:
             raise FileNotFoundError(
-                f"expected one of {list(SERVER_BINARIES)} on PATH (Debian: apt-get install "
-                "valkey-server or redis-server), found none"
+                f"expected one of {list(SERVER_BINARIES)} on PATH (bash .ci/tiers.sh installs "
+                "one; Debian: apt-get install valkey-server or redis-server), found none"
             )
         self.port = port or free_port()
         self.maxmemory = maxmemory
+        self.tls = tls
+        self.cluster_node_timeout_ms = cluster_node_timeout_ms
+        # The cluster bus port is pinned too: the default (port + 10000) may not be free.
+        self.bus_port = free_port() if cluster_node_timeout_ms is not None else None
+        self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="kvoffload-valkey-")
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> LocalServer:
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def args(self) -> list[str]:
+        listen = (
+            ["--port", "0", "--tls-port", str(self.port)]
+            if self.tls
+            else ["--port", str(self.port)]
+        )
         args = [
             self.binary or "",
-            "--port", str(self.port),
+            *listen,
             "--bind", "127.0.0.1",
             "--save", "",
             "--appendonly", "no",
@@ -64,20 +138,44 @@ class LocalServer:
             "--maxmemory-policy", "allkeys-lru",
             "--protected-mode", "yes",
         ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self.tls:
+            args += self.tls.server_args(cluster=self.cluster_node_timeout_ms is not None)
+        if self.cluster_node_timeout_ms is not None:
+            args += [
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(self.cluster_node_timeout_ms),
+                "--cluster-port", str(self.bus_port),
+            ]  # fmt: skip
+        return args + list(self.extra_args)
+
+    def start(self, timeout_s: float = 10.0) -> LocalServer:
+        self.proc = subprocess.Popen(
+            self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.binary} exited with {self.proc.returncode} at start")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.05)
+            if self._answers():
+                return self
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"{self.binary} did not answer on port {self.port} in {timeout_s} s")
+
+    def _answers(self) -> bool:
+        """PING answered (PONG, or NOAUTH: up, with a password)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                s = (
+                    self.tls.client_context().wrap_socket(raw, server_hostname="127.0.0.1")
+                    if self.tls
+                    else raw
+                )
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))
+        except OSError:  # ssl.SSLError included: not up yet
+            return False
 
     def kill(self) -> None:
         """SIGKILL: the server dies mid-whatever, as a crash would."""
@@ -109,6 +207,121 @@ class LocalServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalCluster:
+    """A Valkey/Redis Cluster of ``primaries`` primaries with ``replicas`` replicas each, on
+    loopback: started with ``--cluster-enabled yes`` and joined with ``<cli> --cluster create``.
+
+    ``cluster-node-timeout`` is ``node_timeout_ms`` (1 s by default: a replica takes over a
+    killed primary in about 2 s). ``url`` names every node as a seed.
+    """
+
+    def __init__(
+        self,
+        primaries: int = 3,
+        replicas: int = 1,
+        maxmemory: str = "0",
+        *,
+        tls: ServerTls | None = None,
+        node_timeout_ms: int = 1000,
+    ) -> None:
+        self.cli = cli_binary()
+        if self.cli is None:
+            raise FileNotFoundError(
+                f"expected one of {list(CLI_BINARIES)} on PATH to create a cluster "
+                "(bash .ci/tiers.sh installs it with the server), found none"
+            )
+        self.primaries, self.replicas, self.tls = primaries, replicas, tls
+        self.nodes = [
+            LocalServer(maxmemory=maxmemory, tls=tls, cluster_node_timeout_ms=node_timeout_ms)
+            for _ in range(primaries * (1 + replicas))
+        ]
+
+    @property
+    def url(self) -> str:
+        scheme = "rediss+cluster" if self.tls else "redis+cluster"
+        return f"{scheme}://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self, timeout_s: float = 30.0) -> LocalCluster:
+        try:
+            for node in self.nodes:
+                node.start()
+            addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            create = ["--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas)]
+            done = subprocess.run(
+                [self.cli or "", *self._tls_args(), *create, "--cluster-yes"],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"{self.cli} --cluster create failed: {done.stdout[-2000:]}")
+            self.wait_ok(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def cli_call(self, node: LocalServer, *args: str, timeout_s: float = 5.0) -> str:
+        """One command through the CLI on ``node`` (its output; '' if it did not answer)."""
+        done = subprocess.run(
+            [self.cli or "", *self._tls_args(), "-h", "127.0.0.1", "-p", str(node.port), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+        return done.stdout if done.returncode == 0 else ""
+
+    def _tls_args(self) -> list[str]:
+        return self.tls.cli_args() if self.tls else []
+
+    def alive(self) -> list[LocalServer]:
+        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every live node says ``cluster_state:ok`` and sees ``primaries`` primaries with
+        slots, and every live replica has synced with its primary (a replica that never synced
+        cannot take over)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(self._ok(n) for n in self.alive()):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"cluster not ok after {timeout_s} s")
+
+    def _ok(self, node: LocalServer) -> bool:
+        if "cluster_state:ok" not in self.cli_call(node, "CLUSTER", "INFO"):
+            return False
+        replication = self.cli_call(node, "INFO", "replication")
+        if "role:slave" in replication and "master_link_status:up" not in replication:
+            return False
+        return len(self.primary_ports(node)) == self.primaries
+
+    def primary_ports(self, node: LocalServer | None = None) -> list[int]:
+        """Ports of the primaries that hold slots, as ``node`` (default: a live one) sees them."""
+        node = node or self.alive()[0]
+        ports = []
+        for line in self.cli_call(node, "CLUSTER", "NODES").splitlines():
+            fields = line.split()
+            if len(fields) >= 9 and "master" in fields[2] and "fail" not in fields[2]:
+                ports.append(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
+        return sorted(ports)
+
+    def node(self, port: int) -> LocalServer:
+        return next(n for n in self.nodes if n.port == port)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

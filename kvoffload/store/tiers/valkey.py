@@ -1,41 +1,73 @@
-"""The shared tier on Valkey (or Redis): one binary value per block, for many engine instances.
+"""The shared tier on Valkey (or Redis), one server or a cluster: one binary value per block, for
+many engine instances.
 
-Key: ``b"kvoffload:" + 16-byte layout fingerprint + block key``; value: the block's header, key
-and payload (``payload.py``), so a value read back is checked against the fingerprint, the key and
-the payload checksum before a byte of it reaches a host slot. Values expire after ``ttl_s`` (a
-hit refreshes the TTL with ``GETEX``); values over ``max_value_bytes`` are not stored. The server's
-own ``maxmemory`` and ``maxmemory-policy allkeys-lru`` bound the total (see ``docs/tiers.md``).
+Key: ``kvoffload:<namespace>:v<format>:<fingerprint hex>:{<xxh3-64 hex of the block key>}`` then
+the block key. The namespace (tenant) comes first so an ACL can confine a tenant's user to
+``~kvoffload:<namespace>:*``; the format version keeps two kvoffload versions from reading (and
+deleting) each other's values; the braces are a per-block cluster hash tag, so the binary bytes of
+a key never form an accidental tag that would pin many blocks to one slot. Value: the block's
+header, key and payload (``payload.py``), so a value read back is checked against the
+fingerprint, the key and the payload checksum before a byte of it reaches a host slot. Values
+expire after ``ttl_s`` (a hit refreshes the TTL with ``GETEX``); values over ``max_value_bytes``
+are not stored. The servers' own ``maxmemory`` and ``maxmemory-policy`` bound the total
+(``docs/tiers.md`` says why kvoffload cannot count a tenant's bytes across nodes).
 
-Reads and writes go in pipelines of up to ``PIPELINE_BYTES`` (one round trip per batch), over a
-blocking pool of at most ``pool_size`` connections shared by the mover's threads, with
-``timeout_s`` on connect and on every socket read. redis-py's own retries are turned off: a
-failure is reported at once as a miss.
+Reads and writes go in pipelines of up to ``PIPELINE_BYTES``. On one server that is one round
+trip; on a cluster, redis-py's ``ClusterPipeline`` sends each primary its share of the batch
+(written to every node before any reply is read), so a batch costs one round trip per primary it
+touches, whatever its length. The client follows MOVED/ASK redirections and refreshes its slot map
+after a connection error (a failover); with its retries turned off, a failure is reported at once
+as a miss. ``timeout_s`` bounds connecting and every socket read; ``pool_size`` connections per
+server (per node on a cluster) are shared by the mover's threads.
 
-Down, slow or evicted: a connection error or a timeout marks the tier *down*: every call returns
-a miss immediately (counted ``put_skipped`` / ``errors``) instead of waiting for another timeout,
-and one background thread pings the server (every 0.5 s, backing off to 5 s) until it answers,
-then marks the tier up again (``reconnects``). An absent key (never stored, expired, evicted by
-the server) is ``misses``; a value that fails its checks is ``corrupt`` and is deleted.
+Start-up: the constructor connects once. Credentials or a TLS handshake the server refuses, or a
+URL of the wrong kind for the server (cluster or not), raise ``TierStartupError``: no retry fixes
+them. A server that does not answer only logs a warning: the tier starts *down* and comes up when
+it answers.
+
+Down, slow or failing over: a connection error, a timeout or CLUSTERDOWN marks the tier *down*:
+every call returns a miss immediately (counted ``put_skipped`` / ``errors``) instead of waiting
+for another timeout, and one background thread checks the server (every 0.5 s, backing off to
+5 s; on a cluster it refreshes the slot map and pings every primary) until it answers, then marks
+the tier up again (``reconnects``). After a primary dies, the tier is down until its replica has
+taken over (about ``cluster-node-timeout`` plus an election).
+
+Values that cannot be blocks: an absent key (never stored, expired, evicted by the server) is
+``misses``. A key under our prefix that holds something else (another type, a string of the wrong
+length, a failed header or checksum) is ours to delete: it is counted ``corrupt``, deleted, and
+remembered as absent. A key the server refuses to this user (an ACL, NOPERM) is ``refused`` and
+remembered as absent. Neither is asked for again before ``KNOWN_BAD_S``.
 
 ``contains`` answers from a small in-process memory of what this process wrote, probed or read
-(positive answers kept 30 s, negative 1 s, so a block another instance stores becomes visible
-within a second); unknown keys are None, for the caller to ``probe`` (one pipelined ``EXISTS``).
-While the tier is down, ``contains`` says False for every key: nothing is probed or read.
+(held: 30 s, absent: 1 s, so a block another instance stores becomes visible within a second);
+unknown keys are None, for the caller to ``probe`` (one pipelined ``STRLEN``, which also tells a
+value of the right size from anything else). While the tier is down, ``contains`` says False for
+every key: nothing is probed or read.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
+import xxhash
 
 from kvoffload.store.keys import BlockKey
-from kvoffload.store.tiers.base import RateLimitedLog, Tier
+from kvoffload.store.tiers.base import RateLimitedLog, Tier, TierStartupError
+from kvoffload.store.tiers.endpoint import (
+    Credentials,
+    TlsFiles,
+    check_namespace,
+    parse_valkey_url,
+)
 from kvoffload.store.tiers.payload import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
     CorruptBlock,
     check_payload,
     fingerprint_bytes,
@@ -48,12 +80,19 @@ log = logging.getLogger(__name__)
 PIPELINE_BYTES = 64 << 20  # per round trip; bounds the client's buffers
 KNOWN_PRESENT_S = 30.0  # how long a "held" answer is trusted (a later GET may still miss)
 KNOWN_ABSENT_S = 1.0  # how long a "not held" answer is trusted (another instance may store it)
+KNOWN_BAD_S = 30.0  # how long a key that held no block, or was refused, is not asked for again
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.5, 5.0
+MAX_TIMEOUT_S = 86400.0  # a socket timeout must fit the OS (inf or 1e12 overflow); a day is plenty
 T = TypeVar("T")
 _Cmd = tuple[str, tuple[Any, ...], dict[str, Any]]
 
 
 class ValkeyTier(Tier):
+    """The shared tier. ``url`` is one of ``endpoint.URL_FORMS``; the keyword arguments are the
+    ``OffloadConfig`` options of the same name without the ``valkey_`` prefix (``build_tiers``
+    passes them on). Raises ValueError for bad arguments, ``TierStartupError`` when the server
+    refuses the credentials or the TLS handshake."""
+
     name = "valkey"
 
     def __init__(
@@ -65,46 +104,74 @@ class ValkeyTier(Tier):
         max_value_bytes: int = 64 << 20,
         timeout_s: float = 0.5,
         pool_size: int = 8,
+        *,
+        namespace: str = "default",
+        password_env: str | None = None,
+        password_file: str | None = None,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
     ) -> None:
         super().__init__(fingerprint, block_bytes)
-        try:
-            import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
-        except ImportError:
-            raise ImportError(
-                "the Valkey tier needs the redis client: pip install 'kvoffload[tiers]'"
-            ) from None
-        if ttl_s < 0 or max_value_bytes <= 0 or timeout_s <= 0 or pool_size <= 0:
+        redis = _import_redis()
+        if (
+            ttl_s < 0
+            or max_value_bytes <= 0
+            or pool_size <= 0
+            or not 0 < timeout_s <= MAX_TIMEOUT_S
+        ):
             raise ValueError(
-                "expected ttl_s >= 0, max_value_bytes > 0, timeout_s > 0 and pool_size > 0, got "
-                f"{ttl_s}, {max_value_bytes}, {timeout_s}, {pool_size}"
+                f"expected ttl_s >= 0, max_value_bytes > 0, 0 < timeout_s <= {MAX_TIMEOUT_S} and "
+                f"pool_size > 0, got {ttl_s}, {max_value_bytes}, {timeout_s}, {pool_size}"
             )
-        self.url = url
+        self.endpoint = parse_valkey_url(url)
+        self.namespace = check_namespace(namespace)
+        self._tls = TlsFiles(tls_ca_file, tls_cert_file, tls_key_file)
+        self._tls.check(self.endpoint.tls)
+        self._tls.check_readable()
+        self._credentials = Credentials(self.endpoint.username, password_env, password_file)
+        self._credentials.check()
+        if self._credentials.has_password:
+            self._credentials.read_password()  # ValueError now, not at the first connection
+        self.url = url  # never holds a password (parse_valkey_url refuses one)
         self.ttl_s = ttl_s
         self.max_value_bytes = max_value_bytes
+        self.timeout_s = timeout_s
+        self.pool_size = pool_size
         self._fp = fingerprint_bytes(fingerprint)
-        self._prefix = b"kvoffload:" + self._fp
+        self._prefix = f"kvoffload:{namespace}:v{FORMAT_VERSION}:{self._fp.hex()}:".encode()
         self._errors: tuple[type[BaseException], ...] = (
             redis.ConnectionError,
             redis.TimeoutError,
+            redis.exceptions.ClusterDownError,
+            redis.exceptions.RedisClusterException,
             OSError,
         )
-        pool = redis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=pool_size,
-            timeout=timeout_s,  # waiting for a free connection
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
-        self._client = redis.Redis(connection_pool=pool)
+        # What connecting may meet: the errors above or a refusal (_refusal says which; a
+        # refusal at start-up raises, the reconnect thread retries: the operator may fix it).
+        self._connect_errors = (*self._errors, redis.RedisError)
         self._warn = RateLimitedLog(log)
         self._known: dict[BlockKey, tuple[bool, float]] = {}
         self._up = threading.Event()
-        self._up.set()
         self._closed = threading.Event()
         self._reconnecting = threading.Lock()
+        self._client: Any = None
+        try:
+            self._client = self._open()
+        except self._connect_errors as e:
+            reason = _refusal(e)
+            if reason is not None:
+                raise TierStartupError(f"valkey tier: {self.url} {reason}") from None
+            self._warn.warn(
+                "down",
+                "valkey tier: %s unreachable at start-up (%s); misses until it answers "
+                "(a TLS-only port resets plain-text connections: use rediss://)",
+                self.url,
+                e,
+            )
+            self._mark_down()
+        else:
+            self._up.set()
 
     # -- the contract -------------------------------------------------------------------------
 
@@ -121,7 +188,7 @@ class ValkeyTier(Tier):
         ex = self.ttl_s or None
         for batch in _batches(todo, lambda item: len(item[1])):
             replies = self._pipeline(
-                [("set", (self._name(keys[i]), v), {"ex": ex}) for i, v in batch], "put"
+                [("set", (self.key_name(keys[i]), v), {"ex": ex}) for i, v in batch], "put"
             )
             if replies is None:
                 continue
@@ -132,7 +199,7 @@ class ValkeyTier(Tier):
                     self.stats.add(puts=1, put_bytes=self.block_bytes)
                 else:
                     self.stats.add(put_failures=1)
-                    self._warn.warn("put", "valkey tier: SET failed: %s", reply)
+                    self._failed_reply(keys[i], reply, "SET", read=False)
         return ok
 
     def get(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
@@ -142,9 +209,9 @@ class ValkeyTier(Tier):
         for start in range(0, len(keys), per_batch):
             batch = keys[start : start + per_batch]
             if self.ttl_s:  # a hit refreshes the TTL
-                cmds = [("getex", (self._name(k),), {"ex": self.ttl_s}) for k in batch]
+                cmds = [("getex", (self.key_name(k),), {"ex": self.ttl_s}) for k in batch]
             else:
-                cmds = [("get", (self._name(k),), {}) for k in batch]
+                cmds = [("get", (self.key_name(k),), {}) for k in batch]
             replies = self._pipeline(cmds, "get")
             if replies is None:
                 continue
@@ -164,65 +231,175 @@ class ValkeyTier(Tier):
         return out
 
     def probe(self, keys: Sequence[BlockKey]) -> list[bool]:
-        replies = self._pipeline([("exists", (self._name(k),), {}) for k in keys], "probe")
-        # No answer counts as "not held": not asked again for KNOWN_ABSENT_S.
-        held = [False] * len(keys) if replies is None else [r == 1 for r in replies]
-        for key, h in zip(keys, held, strict=True):
-            self._remember(key, h)
+        replies = self._pipeline([("strlen", (self.key_name(k),), {}) for k in keys], "probe")
+        held = [False] * len(keys)
+        for i, key in enumerate(keys):
+            reply = None if replies is None else replies[i]
+            if reply == self._value_bytes(key):
+                held[i] = True
+                self._remember(key, True)
+            elif reply is None or reply == 0:  # no answer, or no such key
+                self._remember(key, False)
+            elif isinstance(reply, int):
+                self._unusable(key, f"a value of {reply} bytes, not {self._value_bytes(key)}")
+            else:
+                self._failed_reply(key, reply, "STRLEN", read=False)
         return held
 
     def discard(self, keys: Sequence[BlockKey]) -> None:
         if keys:
-            self._pipeline([("delete", (self._name(k),), {}) for k in keys], "discard")
+            self._pipeline([("delete", (self.key_name(k),), {}) for k in keys], "discard")
             for key in keys:
                 self._remember(key, False)
 
     def close(self) -> None:
         self._closed.set()
-        self._client.close()
-        self._client.connection_pool.disconnect()
+        if self._client is not None:
+            self._client.close()
+            if not self.endpoint.cluster:
+                self._client.connection_pool.disconnect()
 
     @property
     def up(self) -> bool:
         return self._up.is_set()
 
-    # -- helpers ------------------------------------------------------------------------------
+    def key_name(self, key: BlockKey) -> bytes:
+        """The server-side name of ``key``'s value (what an ACL key pattern matches)."""
+        return b"%s{%s}%s" % (self._prefix, xxhash.xxh3_64_hexdigest(key).encode(), key)
 
-    def _name(self, key: BlockKey) -> bytes:
-        return self._prefix + key
+    # -- connecting ---------------------------------------------------------------------------
 
-    def _remember(self, key: BlockKey, held: bool) -> None:
+    def _open(self) -> Any:
+        """A client that has answered once (a cluster's every primary); raises what it met."""
+        redis = _import_redis()
+        kwargs: dict[str, Any] = {
+            "socket_timeout": self.timeout_s,
+            "socket_connect_timeout": self.timeout_s,
+            "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+        }
+        if self._credentials.has_password:
+            kwargs["credential_provider"] = self._credentials
+        elif self.endpoint.username:
+            kwargs["username"] = self.endpoint.username
+        if self.endpoint.tls:  # verified: the CA (or the system's) and the host name
+            kwargs.update(
+                ssl_cert_reqs="required",
+                ssl_check_hostname=True,
+                ssl_ca_certs=self._tls.ca_file,
+                ssl_certfile=self._tls.cert_file,
+                ssl_keyfile=self._tls.key_file,
+            )
+        ep = self.endpoint
+        if ep.cluster:
+            cluster = redis.cluster
+            client = cluster.RedisCluster(
+                startup_nodes=[cluster.ClusterNode(host, port) for host, port in ep.seeds],
+                require_full_coverage=True,
+                max_connections=self.pool_size,
+                ssl=ep.tls,
+                **kwargs,
+            )
+            client.ping(target_nodes=cluster.RedisCluster.PRIMARIES)
+            return client
+        if ep.unix_path is not None:
+            kwargs.update(connection_class=redis.UnixDomainSocketConnection, path=ep.unix_path)
+        else:
+            kwargs.update(
+                connection_class=redis.SSLConnection if ep.tls else redis.Connection,
+                host=ep.seeds[0][0],
+                port=ep.seeds[0][1],
+            )
+        pool = redis.BlockingConnectionPool(
+            max_connections=self.pool_size,
+            timeout=self.timeout_s,  # waiting for a free connection
+            db=ep.db,
+            **kwargs,
+        )
+        client = redis.Redis(connection_pool=pool)
+        client.ping()
+        try:
+            client.execute_command("CLUSTER", "MYID")
+        except redis.ResponseError:  # cluster support disabled (or not ours to ask): as expected
+            return client
+        client.close()
+        pool.disconnect()
+        raise TierStartupError(
+            f"valkey tier: {self.url} is a node of a Valkey/Redis Cluster; name its nodes with "
+            "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)"
+        )
+
+    def _check_up(self) -> None:
+        if self._client is None:
+            self._client = self._open()
+        elif self.endpoint.cluster:
+            self._client.nodes_manager.initialize()  # the slot map as the cluster has it now
+            self._client.ping(target_nodes=self._client.PRIMARIES)
+        else:
+            self._client.ping()
+
+    # -- replies ------------------------------------------------------------------------------
+
+    def _value_bytes(self, key: BlockKey) -> int:
+        return HEADER_BYTES + len(key) + self.block_bytes
+
+    def _remember(self, key: BlockKey, held: bool, for_s: float | None = None) -> None:
         if len(self._known) > 1 << 20:  # bound the memory; stale answers only cost a probe
             self._known.clear()
-        self._known[key] = (held, time.monotonic() + (KNOWN_PRESENT_S if held else KNOWN_ABSENT_S))
+        if for_s is None:
+            for_s = KNOWN_PRESENT_S if held else KNOWN_ABSENT_S
+        self._known[key] = (held, time.monotonic() + for_s)
 
     def _accept(self, key: BlockKey, value: Any, out: memoryview) -> bool:
         if value is None:
             self.stats.add(misses=1)
             self._remember(key, False)
             return False
-        if isinstance(value, Exception):  # this command failed on the server (raise_on_error=False)
-            self.stats.add(errors=1)
-            self._warn.warn("get", "valkey tier: GET failed: %s", value)
+        if isinstance(value, Exception):  # this command failed on the server
+            self._failed_reply(key, value, "GET", read=True)
             return False
         try:
             header = parse_header(value, self._fp, key)
             payload = memoryview(value)[header.nbytes :]
             check_payload(header, payload)
         except CorruptBlock as e:
-            self.stats.add(corrupt=1)
-            self._warn.warn("corrupt", "valkey tier: value unusable (%s), treated as a miss", e)
-            self.discard([key])
+            self._unusable(key, str(e))
             return False
         np.frombuffer(out, dtype=np.uint8)[:] = np.frombuffer(payload, dtype=np.uint8)
         self._remember(key, True)
         self.stats.add(gets=1, get_bytes=len(payload))
         return True
 
+    def _unusable(self, key: BlockKey, why: str) -> None:
+        """A value under our prefix that is no block of ours: delete it, do not ask again."""
+        self.stats.add(corrupt=1)
+        self._warn.warn("corrupt", "valkey tier: value unusable (%s), deleted; a miss", why)
+        self.discard([key])
+        self._remember(key, False, KNOWN_BAD_S)
+
+    def _failed_reply(self, key: BlockKey, reply: Any, command: str, read: bool) -> None:
+        """One command's error reply (or a non-OK reply to SET); a failed ``read`` counts as
+        ``errors`` unless the value was unusable or refused."""
+        text = str(reply)
+        if isinstance(reply, _import_redis().exceptions.NoPermissionError):
+            self.stats.add(refused=1)
+            self._warn.warn("refused", "valkey tier: %s refused (%s); a miss", command, text)
+            self._remember(key, False, KNOWN_BAD_S)
+            return
+        if text.startswith("WRONGTYPE"):
+            self._unusable(key, "a value of another type")
+            return
+        self.stats.add(errors=int(read))
+        if isinstance(reply, self._errors):  # a node went away mid-batch, or a failover
+            self._warn.warn("down", "valkey tier: %s unreachable (%s); misses", self.url, text)
+            self._mark_down()
+        else:
+            self._warn.warn(command, "valkey tier: %s failed: %s", command, text)
+            self._remember(key, False)
+
     def _pipeline(self, cmds: list[_Cmd], what: str) -> list[Any] | None:
-        """Run ``(method, args, kwargs)`` commands in one round trip; None (counted) when the tier
-        is down or the round trip failed. A command that failed on the server comes back as its
-        exception in the list."""
+        """Run ``(method, args, kwargs)`` commands in one round trip per server; None (counted)
+        when the tier is down or the round trip failed. A command that failed on the server
+        comes back as its exception in the list."""
         n = len(cmds)
         if not self._up.is_set():
             if what == "put":
@@ -259,8 +436,11 @@ class ValkeyTier(Tier):
             delay = RECONNECT_FIRST_S
             while not self._closed.wait(delay):
                 try:
-                    self._client.ping()
-                except self._errors:
+                    self._check_up()
+                except (*self._connect_errors, ValueError, TierStartupError) as e:
+                    reason = _refusal(e)
+                    if reason is not None:
+                        self._warn.warn("refused", "valkey tier: %s %s", self.url, reason)
                     delay = min(RECONNECT_MAX_S, delay * 2)
                     continue
                 self.stats.add(reconnects=1)
@@ -269,6 +449,43 @@ class ValkeyTier(Tier):
                 return
         finally:
             self._reconnecting.release()
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+    except ImportError:
+        raise ImportError(
+            "the Valkey tier needs the redis client: pip install -e '.[tiers]' in a checkout "
+            "(bash .ci/tiers.sh installs it with a server)"
+        ) from None
+    return redis
+
+
+def _refusal(error: BaseException) -> str | None:
+    """Why the server turned us away, where retrying cannot help; None when it just did not
+    answer (down, unreachable, timed out)."""
+    exceptions = _import_redis().exceptions
+
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, TierStartupError):
+            return str(e).removeprefix("valkey tier: ")
+        if isinstance(e, ssl.SSLError):
+            return (
+                f"refused the TLS handshake ({e}; a server that requires a client certificate "
+                "needs valkey_tls_cert_file)"
+            )
+        if isinstance(e, exceptions.AuthenticationError):
+            return f"refused the credentials ({e})"
+        if isinstance(e, exceptions.NoPermissionError):
+            return f"refused a command the tier needs to this user ({e}); see docs/tiers.md"
+        if "Cluster mode is not enabled" in str(e):
+            return "is not a cluster node: use redis:// (rediss:// for TLS)"
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _batches(items: list[T], size: Callable[[T], int]) -> list[list[T]]:
