@@ -354,8 +354,15 @@ def measure_submit_parts(
         return statistics.median(ts) * 1e6
 
     class Sink:
-        def put(self, job: object) -> None:
+        def put(self, job: object, inline: bool = True) -> None:
             return
+
+    class Waiterless:  # a queue nobody is blocked on
+        def __init__(self) -> None:
+            self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+        def put(self, job: object, inline: bool = True) -> None:
+            self.queue.put(job)
 
     out: dict[str, Any] = {}
     rng = np.random.default_rng(1)
@@ -379,7 +386,7 @@ def measure_submit_parts(
             real = backend._submitters
             backend._submitters = {"store": Sink(), "load": Sink()}  # type: ignore[dict-item]
             no_wake = med(partial(backend.submit, spec))
-            waiterless: queue.SimpleQueue[object] = queue.SimpleQueue()  # nobody blocked on it
+            waiterless = Waiterless()
             backend._submitters = {"store": waiterless, "load": waiterless}  # type: ignore[dict-item]
             no_waiter = med(partial(backend.submit, spec))
             backend._submitters = real
