@@ -141,6 +141,8 @@ class CudaBackend(CopyBackend):
         import torch
 
         layer_slice = self._load_layer_slice(specs)
+        if not cu.current_context():  # a thread that has not touched CUDA yet
+            torch.cuda.set_device(self.device)  # makes the device's primary context current
         if torch.cuda.current_device() == self.device.index:  # the usual case: skip the switch
             order = self._order_event(order_after)
             pending = CudaPending(self._events, layer_slice)
