@@ -48,7 +48,7 @@ class Planner:
             raise ValueError("expected at least one candidate method, got none")
         self.table = table
         self.candidates = tuple(candidates)
-        self._cache: dict[tuple[str, int, int], str] = {}
+        self._cache: dict[tuple[str, int, int, bool], str] = {}
 
     def choose(
         self, direction: str, piece_bytes: int, pieces: int, concurrent: bool = False
