@@ -35,10 +35,10 @@ LATENCY_BLOCKS = 16  # transfers up to this many blocks also get a p50/p99 laten
 # (model, layout, block size) cases of the sweep: pieces of 2 KiB (fp8 at TP8) to 256 KiB, slots
 # of 243 KiB to 8 MiB, K+V and K-only layouts.
 CASES = (
-    "llama3-8b:page:16,llama3-8b:kv_split:16,llama3-8b:cross_layer:16,llama3-8b:page:64,"
-    "qwen2.5-7b:kv_split:32,qwen2.5-7b:page:16,llama3-70b-tp8:kv_split:16,"
-    "llama3-70b-tp8-fp8:kv_split:16,llama3-70b-tp8-fp8:page:16,llama3-70b-tp8-fp8:kv_split:32,"
-    "deepseek-v2-lite-mla:page:16,deepseek-v2-lite-mla:page:8"
+    "llama3-8b:page:16,llama3-70b-tp8-fp8:kv_split:16,deepseek-v2-lite-mla:page:16,"
+    "qwen2.5-7b:kv_split:32,llama3-70b-tp8-fp8:page:16,llama3-8b:kv_split:16,"
+    "llama3-8b:cross_layer:16,llama3-8b:page:64,qwen2.5-7b:page:16,llama3-70b-tp8:kv_split:16,"
+    "llama3-70b-tp8-fp8:kv_split:32,deepseek-v2-lite-mla:page:8"
 )
 
 
