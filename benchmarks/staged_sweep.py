@@ -146,7 +146,7 @@ def slices_and_streams(sleeper: Sleeper, arena: HostArena, quick: bool) -> list[
                 row: dict[str, Any] = {"model": model, "layout": layout, "bs": bs, "blocks": n}
                 row["variant"] = name
                 row["slot_bytes"] = eng.kv.slot_bytes
-                row["slices"] = len(bk.load_slices[0])
+                row["slices"] = max(bk._plans[0])
                 nbytes = n * eng.kv.slot_bytes
                 for d in ("store", "load"):
                     if d == "store" and name.startswith(("S2", "S4", "S8D1")):

@@ -604,14 +604,16 @@ def run_gpu(args: Any) -> dict[str, Any]:
         slot = MODELS[model].block_bytes(bs)
         return sorted({min(n, max(1, cap // slot)) for n in args.gpu_blocks})
 
-    most = max(n * MODELS[m].block_bytes(bs) for m, _, bs in cases for n in counts(m, bs))
-    slot = max(MODELS[m].block_bytes(bs) for m, _, bs in cases)
-    arena = HostArena(2 * most // slot + 8, slot, pin=cuda_pin)
     fill = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda").cpu().numpy()
-    flat = arena.slots.reshape(-1)
-    for off in range(0, len(flat), len(fill)):
-        part = flat[off : off + len(fill)]
-        part[:] = fill[: len(part)]
+
+    def make_arena(slots: int, slot: int) -> HostArena:
+        arena = HostArena(slots, slot, pin=cuda_pin)
+        flat = arena.slots.reshape(-1)
+        for off in range(0, len(flat), len(fill)):
+            part = flat[off : off + len(fill)]
+            part[:] = fill[: len(part)]
+        return arena
+
     rows: list[dict[str, Any]] = []
     both: list[dict[str, Any]] = []
     skipped: list[str] = []
@@ -625,6 +627,7 @@ def run_gpu(args: Any) -> dict[str, Any]:
                 continue
             ns = counts(model, bs)
             engine = Engine(model, layout, bs, 2 * max(ns) + 8)
+            arena = make_arena(2 * max(ns) + 8, engine.kv.slot_bytes)  # one case's slot size
             backends = {m: make(m, engine.kv, arena) for m in args.methods}
             try:
                 for n in ns:
@@ -673,11 +676,11 @@ def run_gpu(args: Any) -> dict[str, Any]:
             finally:
                 for bk in backends.values():
                     bk.close()
+                arena.close()
                 del engine
                 torch.cuda.empty_cache()
             bar.advance(task)
             print(f"[{time.perf_counter() - began:.0f} s] {model} {layout} bs{bs} done", flush=True)
-    arena.close()
     result["rows"] = rows
     result["store_and_load"] = both
     result["gemm"] = gemm_done

@@ -37,7 +37,7 @@ import numpy as np
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.base import INLINE_BYTES, CudaBackend, Lane
+from kvoffload.transfer.cuda.base import INLINE_BYTES, SLICE_TRANSFER_BYTES, CudaBackend, Lane
 from kvoffload.transfer.cuda.buffers import Buffer, BufferRing
 from kvoffload.transfer.cuda.chunks import chunk_blocks, coalesce, slice_count, tile
 from kvoffload.transfer.cuda.sm import check_kernel_shape, check_words
@@ -71,6 +71,8 @@ class StagedConfig:
     # with layer 0 usable after 2.8 of 19.8 ms.
     layer_slice_bytes: int = 256 << 10
     max_layer_slices: int = 8
+    # ... and at most one slice per this many bytes of the load (see ``base``).
+    layer_slice_transfer_bytes: int = SLICE_TRANSFER_BYTES
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -81,6 +83,7 @@ class StagedConfig:
             "dma_streams",
             "layer_slice_bytes",
             "max_layer_slices",
+            "layer_slice_transfer_bytes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -158,7 +161,7 @@ class StagedBackend(CudaBackend):
         # with offsets counted from the slice's start (the staging area holds slices back to back)
         self._slice_spans: list[list[tuple[int, int]]] = []
         self._slice_regions: list[list[Any]] = []
-        for g, table, parts in zip(layout.groups, self._regions, self.load_slices, strict=True):
+        for g, table, parts in zip(layout.groups, self._regions, self.load_parts, strict=True):
             offsets = [*g.offsets, g.slot_bytes]
             spans = [(offsets[p.start], offsets[p.stop] - offsets[p.start]) for p in parts]
             self._slice_spans.append(spans)
@@ -169,6 +172,7 @@ class StagedBackend(CudaBackend):
                 tables.append(t.contiguous())
             self._slice_regions.append(tables)
         self._index = BufferRing(self.device, with_device=True)
+        self.min_slice_transfer_bytes = config.layer_slice_transfer_bytes
 
     def _slice_count(self, group: LayerGroup) -> int:
         return slice_count(
