@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--time-budget-s",
         type=float,
-        default=240.0,
+        default=200.0,
         help="GPU: start no new case after this many seconds (skipped cases are listed)",
     )
     g.add_argument(
@@ -309,5 +309,5 @@ def _print_gpu(result: dict[str, Any]) -> None:
     console.print(f"binding host us: {result['binding_host_us']}")
     console.print(f"target reached? (bench transfer, {result['seconds']:.0f} s)")
     for t in result["targets"]:
-        mark = "reached" if t["reached"] else "NOT reached"
+        mark = {True: "reached", False: "NOT reached", None: "-"}[t["reached"]]
         console.print(f"  {t['target']}: {t['measured']} -> {mark}")
