@@ -101,29 +101,20 @@ def test_wait_on_a_layer_orders_the_stream_after_that_layer(engine, name):
         backend.close()
 
 
-def test_a_small_load_is_one_slice_and_a_layer_wait_waits_for_all_of_it(engine):
+@pytest.mark.parametrize(("direction", "events"), [("load", 1), ("store", 0)])
+def test_small_loads_and_stores_are_one_piece_and_a_layer_wait_waits_for_all(
+    engine, direction, events
+):
+    """2 blocks are far below ``SLICE_TRANSFER_BYTES``: a load is one slice; a store has no
+    layer events. Either way a wait for the last layer is a wait for the whole copy."""
     _tensors, _block_dim, kv, arena = engine
     backend = StagedBackend(kv, arena)
     try:
-        pending = backend.submit([TransferSpec.of("load", [1, 2], [1, 2])])
-        assert len(pending.layer_events) == 1  # 2 blocks are far below SLICE_TRANSFER_BYTES
+        pending = backend.submit([TransferSpec.of(direction, [1, 2], [1, 2])])
+        assert len(pending.layer_events) == events
         side = torch.cuda.Stream()
         pending.wait_on(side, layer=kv.groups[0].num_layers - 1)
         side.synchronize()
         assert pending.wait(5) and pending.error() is None
-    finally:
-        backend.close()
-
-
-def test_a_store_has_no_layer_events_and_a_layer_wait_waits_for_all(engine):
-    _tensors, _block_dim, kv, arena = engine
-    backend = StagedBackend(kv, arena)
-    try:
-        pending = backend.submit([TransferSpec.of("store", [1, 2], [1, 2])])
-        assert pending.layer_events == []
-        side = torch.cuda.Stream()
-        pending.wait_on(side, layer=0)
-        side.synchronize()
-        assert pending.done()
     finally:
         backend.close()
