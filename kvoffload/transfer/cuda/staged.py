@@ -232,7 +232,10 @@ class StagedBackend(CudaBackend):
             host = spec.slots * self.arena.slot_bytes + (self.arena.base_address + offset)
             table[0], table[1] = (staged, host) if store else (host, staged)
             table[2] = unit
-            table, at = coalesce(table, starts)
+            if unit == self.arena.slot_bytes:  # whole slots: consecutive slots may merge
+                table, at = coalesce(table, starts)
+            else:  # a slice (or a block smaller than its slot) never continues into the next
+                at = starts
             ends = np.append(at[1:], table.shape[1]).tolist()
             parts = [table[:, a:e] for a, e in zip(at.tolist(), ends, strict=True)]
             if store:
