@@ -8,6 +8,7 @@ request's blocks are freed last block first, so the tail of a prefix is evicted 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -38,6 +39,14 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self._block_of)
+
+    def head(self, n: int) -> list[int]:
+        """The next ``n`` free blocks ``allocate`` would take (fewer if fewer are free)."""
+        return list(itertools.islice(self._free, n))
+
+    def key_of(self, block: int) -> BlockKey | None:
+        """The key whose KV ``block`` caches, or None."""
+        return self._key_of.get(block)
 
     def match(self, keys: Sequence[BlockKey]) -> list[int]:
         """Take the blocks caching the leading ``keys`` (a reference each)."""

@@ -1,0 +1,207 @@
+"""Engine and library variants side by side on one workload, to find where time goes.
+
+``python -m kvoffload.bench.engine.variants --model llama3-8b --workload fits --rounds 2
+--variants gpu,behind,behind-inline,none,evict --out result.json`` runs each variant on the same
+workload ``--rounds`` times in rotating order (fresh token ids per round) and prints turns/s, TTFT
+and where the host time of a request goes (before prefill, enqueuing prefill), beside the device
+time of prefill. ``docs/e2e.md`` reports what it found.
+
+Variants: the modes (``recompute``, ``gpu``, ``gpu_all``), and kvoffload with one thing changed:
+``evict`` / ``behind`` (when blocks are stored), ``none`` (nothing stored: lookups only),
+``blocking`` (the whole load before prefill), ``*-inline`` (the CUDA backend enqueues copies in
+the caller's thread: ``submit_thread=False``), ``*-nopoll`` (the backend's submitter threads
+block on their queue instead of polling it after a job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kvoffload as kvo
+from kvoffload.bench.engine.bench import pool_rounds, run_turns
+from kvoffload.bench.engine.config import model_config
+from kvoffload.bench.engine.engine import Engine, Offload
+from kvoffload.bench.engine.host_tier import HostTier
+from kvoffload.bench.engine.kv_cache import PagedKVCache
+from kvoffload.bench.engine.model import Model
+from kvoffload.bench.engine.timing import sync
+from kvoffload.bench.engine.workload import Workload
+from kvoffload.transfer.backend import BACKENDS, register_backend
+
+OFFLOADS = {
+    "evict": Offload(store="evict"),
+    "behind": Offload(store="behind"),
+    "none": Offload(admission="none"),
+    "blocking": Offload(load="blocking"),
+    "all": Offload(admission="all"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    mode: str
+    offload: Offload
+    backend: str  # the copy backend's registered name
+    poll: bool  # whether the submitter threads poll after a job (False: POLL_WINDOW = 0)
+
+
+def parse_variant(name: str, backend: str) -> Variant:
+    base, *flags = name.split("-")
+    if base in ("recompute", "gpu", "gpu_all") and not flags:
+        return Variant(name, base, Offload(), backend, True)
+    if base not in OFFLOADS or any(f not in ("inline", "nopoll") for f in flags):
+        raise ValueError(
+            f"expected a mode or one of {sorted(OFFLOADS)} with -inline/-nopoll, got {name!r}"
+        )
+    if "inline" in flags:
+        backend = _inline(backend)
+    return Variant(name, "kvoffload", OFFLOADS[base], backend, "nopoll" not in flags)
+
+
+def _inline(backend: str) -> str:
+    """Register ``<backend>-inline``: the CUDA backend built with ``submit_thread=False``."""
+    name = f"{backend}-inline"
+    if name not in BACKENDS:
+        from kvoffload.transfer.cuda.dma import DmaBackend
+        from kvoffload.transfer.cuda.staged import StagedBackend
+
+        cls = {"staged": StagedBackend, "dma": DmaBackend}[backend]
+        register_backend(name, lambda layout, arena: cls(layout, arena, submit_thread=False))
+    return name
+
+
+@contextmanager
+def polling(enabled: bool) -> Iterator[None]:
+    from kvoffload.transfer.cuda import submitter
+
+    window = submitter.POLL_WINDOW
+    submitter.POLL_WINDOW = window if enabled else 0.0  # read by the threads at every loop
+    try:
+        yield
+    finally:
+        submitter.POLL_WINDOW = window
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvoffload.bench import e2e
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    variants = [parse_variant(v, args.backend) for v in args.variants.split(",")]
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)  # the workload as ``kvoffload bench e2e`` builds it
+    ns = parser.parse_args(["--model", args.model, "--block-size", str(args.block_size)])
+    wrun = e2e._workload_run(ns, args.model, args.workload)
+    workload: Workload = wrun.workload
+    mc = model_config(args.model)
+    dtype = "bfloat16" if cuda else "float32"
+    model = Model(mc, device, 0, dtype)
+    bs = args.block_size
+    blocks = max(wrun.gpu_blocks, wrun.all_blocks(bs))
+    cache = PagedKVCache(mc, blocks, bs, torch.device(device), getattr(torch, dtype))
+    hosts: dict[str, HostTier] = {}
+    chunk = args.chunk_tokens
+
+    def host_for(backend: str) -> HostTier:
+        if backend not in hosts:
+            config = kvo.OffloadConfig(host_capacity_blocks=wrun.host_blocks, backend=backend)
+            hosts[backend] = HostTier(cache, config)
+        return hosts[backend]
+
+    def engine(v: Variant) -> Engine:
+        pool = wrun.all_blocks(bs) if v.mode == "gpu_all" else wrun.gpu_blocks
+        host = host_for(v.backend) if v.mode == "kvoffload" else None
+        return Engine(model, cache, v.mode, host, chunk, v.offload, pool)
+
+    out: dict[str, Any] = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "workload": workload.as_dict(),
+        "gpu_blocks": wrun.gpu_blocks,
+        "host_blocks": wrun.host_blocks,
+        "variants": {},
+    }
+    try:
+        for v in variants:  # warm-up: one request of the workload, and a load
+            e = engine(v)
+            first = workload.turns(mc.vocab, 99)[: 2 if e.host is None else 1]
+            for t in first:
+                e.run(t.prompt, t.answer)
+            e.idle()
+        rounds: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
+        for i in range(args.rounds):
+            for v in variants if i % 2 == 0 else variants[::-1]:
+                # fresh token ids per variant and round: variants share a host tier, and must not
+                # hit what another one stored
+                turns = workload.turns(mc.vocab, 1009 * i + 7919 * variants.index(v))
+                e = engine(v)
+                tier = e.host if e.host is not None else host_for(args.backend)
+                with polling(v.poll):
+                    one = run_turns(e, tier, turns, v.name, lambda _: None, i)
+                sync(model.device)
+                rounds[v.name].append(one)
+                _line(v.name, i, one)
+        for v in variants:
+            summary = pool_rounds(rounds[v.name], mc.layers)
+            out["variants"][v.name] = summary
+    finally:
+        for h in hosts.values():
+            h.close()
+    return out
+
+
+def _line(name: str, i: int, one: dict[str, Any]) -> None:
+    recs = one["records"]
+
+    def med(field: str) -> float:
+        values = sorted(r[field] for r in recs if r[field] is not None)
+        return float(values[len(values) // 2]) if values else 0.0
+
+    ttft = sorted(r["ttft_ms"] for r in recs)
+    print(
+        f"round {i} {name:>16}: {one['turns_per_s']:6.2f} turns/s, TTFT p50 {med('ttft_ms'):6.1f} "
+        f"max {ttft[-1]:6.1f} ms; host before prefill {med('schedule_ms'):.2f}, enqueue "
+        f"{med('launch_ms'):.2f}; prefill {med('prefill_ms'):.2f}, load {med('load_ms'):.2f}, "
+        f"exposed {med('load_exposed_ms'):.2f} ms; stored {one['tier']['stores']}, late "
+        f"{one['late_stored_blocks']}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama3-8b", help="model shapes")
+    p.add_argument("--workload", default="fits", help="chat, fits, docs or mixed")
+    p.add_argument("--variants", default="gpu,evict,behind", help="comma-separated")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each variant, alternating")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    p.add_argument("--chunk-tokens", type=int, default=2048, help="prefill chunk")
+    p.add_argument("--backend", default="staged", help="copy backend (GPU: staged or dma)")
+    p.add_argument("--out", type=Path, required=True, help="JSON path")
+    args = p.parse_args(argv)
+    result = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result) + "\n")
+    for name, s in result["variants"].items():
+        t = s["ttft_ms"]
+        print(
+            f"{name:>16}: turns/s {s['turns_per_s']:.2f} {s['turns_per_s_rounds']}, TTFT p50 "
+            f"{t['p50']:.1f} p99 {t['p99']:.1f}, returning p50 "
+            f"{s['ttft_ms_returning'].get('p50', 0):.1f} p99 "
+            f"{s['ttft_ms_returning'].get('p99', 0):.1f}; overlap {s['overlap']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
