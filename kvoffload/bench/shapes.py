@@ -1,7 +1,10 @@
 """Model shapes and engine KV layouts the benchmarks and tests use.
 
 Shapes are (layers, KV heads per GPU, head size) from the models' published configs:
-Llama-3-8B (32, 8, 128), Qwen2.5-7B (28, 4, 128), Llama-3-70B at tensor parallel 8 (80, 8/8, 128).
+Llama-3-8B (32, 8, 128), Qwen2.5-7B (28, 4, 128), Llama-3-70B at tensor parallel 8 (80, 8/8, 128),
+the same with an fp8 KV cache (1 byte per element: 2 KiB pieces at 16-token blocks, 320 KiB
+slots), and DeepSeek-V2-Lite's MLA cache: K only, one 576-wide latent per token and layer (512
+compressed KV + 64 RoPE), 27 layers, bf16 (18 KiB per layer at 16-token blocks, 486 KiB slots).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ class ModelShape:
     kv_heads: int
     head_size: int
     dtype_bytes: int = 2  # bf16
+    kv: int = 2  # 2: K and V; 1: K only (a latent cache such as MLA's)
 
     def piece_bytes(self, block_size: int) -> int:
         """One block of one layer's K (or V)."""
@@ -25,7 +29,7 @@ class ModelShape:
 
     def block_bytes(self, block_size: int) -> int:
         """One block of every layer, K and V: one host slot."""
-        return 2 * self.layers * self.piece_bytes(block_size)
+        return self.kv * self.layers * self.piece_bytes(block_size)
 
 
 MODELS: dict[str, ModelShape] = {
@@ -34,6 +38,8 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("llama3-8b", 32, 8, 128),
         ModelShape("qwen2.5-7b", 28, 4, 128),
         ModelShape("llama3-70b-tp8", 80, 1, 128),
+        ModelShape("llama3-70b-tp8-fp8", 80, 1, 128, dtype_bytes=1),
+        ModelShape("deepseek-v2-lite-mla", 27, 1, 576, kv=1),
     )
 }
 
@@ -56,11 +62,11 @@ def engine_tensors(
     if layout not in LAYOUTS:
         raise ValueError(f"expected a layout in {sorted(LAYOUTS)}, got {layout!r}")
     inner = (block_size, model.kv_heads, model.head_size)
-    block_dim = LAYOUTS[layout][1]
+    block_dim, kv = LAYOUTS[layout][1], model.kv
     if layout == "kv_split":
-        return [alloc((2, num_blocks, *inner)) for _ in range(model.layers)], block_dim
+        return [alloc((kv, num_blocks, *inner)) for _ in range(model.layers)], block_dim
     if layout == "kv_pair":
-        return [alloc((num_blocks, *inner)) for _ in range(2 * model.layers)], block_dim
+        return [alloc((num_blocks, *inner)) for _ in range(kv * model.layers)], block_dim
     if layout == "page":
-        return [alloc((num_blocks, 2, *inner)) for _ in range(model.layers)], block_dim
-    return [alloc((num_blocks, model.layers, 2, *inner))], block_dim
+        return [alloc((num_blocks, kv, *inner)) for _ in range(model.layers)], block_dim
+    return [alloc((num_blocks, model.layers, kv, *inner))], block_dim

@@ -72,28 +72,47 @@ def gpu_info() -> dict[str, Any]:
 
 
 class Engine:
-    """One model x layout x block size: random bf16 KV tensors on the GPU."""
+    """One model x layout x block size: random KV tensors on the GPU (bf16, or uint8 bytes for an
+    fp8 shape)."""
 
     def __init__(self, model: str, layout: str, block_size: int, pool: int) -> None:
         gen = torch.Generator(device="cuda").manual_seed(1)
-        self.tensors, block_dim = engine_tensors(
-            MODELS[model],
-            layout,
-            pool,
-            block_size,
-            lambda s: torch.randn(s, device="cuda", generator=gen, dtype=torch.bfloat16),
-        )
+        shape = MODELS[model]
+
+        def alloc(s: tuple[int, ...]) -> torch.Tensor:
+            if shape.dtype_bytes == 1:
+                return torch.randint(0, 256, s, device="cuda", generator=gen, dtype=torch.uint8)
+            return torch.randn(s, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+        self.tensors, block_dim = engine_tensors(shape, layout, pool, block_size, alloc)
         self.kv = KVLayout.from_tensors(self.tensors, block_size=block_size, block_dim=block_dim)
         self.block_dim = block_dim
         self.pool = pool
+
+    def slot_images(self, blocks: np.ndarray) -> torch.Tensor:
+        """The host slot image of each of ``blocks`` ([n, slot bytes] uint8 on the GPU), built
+        with torch indexing by the layout's rule (a block's regions back to back in tensor
+        order): the oracle a store is checked against."""
+        index = torch.from_numpy(np.asarray(blocks)).cuda()
+        return torch.cat(
+            [
+                t.index_select(self.block_dim, index)
+                .movedim(self.block_dim, 0)
+                .contiguous()
+                .view(torch.uint8)
+                .reshape(len(index), -1)
+                for t in self.tensors
+            ],
+            dim=1,
+        )
 
     def same_blocks(self, a: np.ndarray, b: np.ndarray) -> bool:
         ia = torch.from_numpy(a).cuda()
         ib = torch.from_numpy(b).cuda()
         return all(
             torch.equal(
-                t.index_select(self.block_dim, ia).view(torch.int16),
-                t.index_select(self.block_dim, ib).view(torch.int16),
+                t.index_select(self.block_dim, ia).view(torch.uint8),
+                t.index_select(self.block_dim, ib).view(torch.uint8),
             )
             for t in self.tensors
         )
@@ -354,8 +373,15 @@ def measure_submit_parts(
         return statistics.median(ts) * 1e6
 
     class Sink:
-        def put(self, job: object) -> None:
+        def put(self, job: object, inline: bool = True) -> None:
             return
+
+    class Waiterless:  # a queue nobody is blocked on
+        def __init__(self) -> None:
+            self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+        def put(self, job: object, inline: bool = True) -> None:
+            self.queue.put(job)
 
     out: dict[str, Any] = {}
     rng = np.random.default_rng(1)
@@ -379,7 +405,7 @@ def measure_submit_parts(
             real = backend._submitters
             backend._submitters = {"store": Sink(), "load": Sink()}  # type: ignore[dict-item]
             no_wake = med(partial(backend.submit, spec))
-            waiterless: queue.SimpleQueue[object] = queue.SimpleQueue()  # nobody blocked on it
+            waiterless = Waiterless()
             backend._submitters = {"store": waiterless, "load": waiterless}  # type: ignore[dict-item]
             no_waiter = med(partial(backend.submit, spec))
             backend._submitters = real

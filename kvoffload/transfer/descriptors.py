@@ -29,13 +29,18 @@ def build_descriptors(
     arena_base: int,
     slot_bytes: int,
     out: np.ndarray | None = None,
+    regions: range | None = None,
 ) -> np.ndarray:
     """A (3, n_blocks * n_regions) int64 array of (src, dst, size) for ``spec``.
 
     ``out``, when given, is a reused (3, >= n) int64 buffer (pinned, for DMA); the result is a view
-    of it.
+    of it. ``regions``: only these regions of the group (a layer slice of a load), still at their
+    offsets in the host slot.
     """
     bases, strides, pages, offsets = region_arrays(group)
+    if regions is not None:
+        part = slice(regions.start, regions.stop)
+        bases, strides, pages, offsets = bases[part], strides[part], pages[part], offsets[part]
     n = len(spec) * len(bases)
     if out is None:
         out = np.empty((3, n), dtype=np.int64)

@@ -1,4 +1,4 @@
-"""What the CUDA copy backends share: streams per direction, ordering, submission, buffers.
+"""What the CUDA copy backends share: streams per direction, ordering, submission, layer slices.
 
 Ordering: ``submit`` records an event on the caller's current CUDA stream (or on the stream or
 event given as ``order_after``) and the copy's streams wait for it on the GPU, so a store reads the
@@ -6,13 +6,19 @@ blocks only after the compute enqueued before it wrote them, and a load overwrit
 after the work enqueued before it stopped reading them. Completion: each transfer's ``CudaPending``
 carries an event recorded after its last copy (``wait_on(stream)`` makes an engine stream wait).
 
-Submission: by default one submitter thread per direction (``submitter.Submitter``, FIFO)
-enqueues the copies, so ``submit`` costs the caller only validation, one event record and a queue
-put, and a load is never queued behind the enqueuing of a large store. The thread's host time per
-transfer is in ``CudaPending.enqueue_seconds``. ``submit_thread=False`` enqueues in the caller's
-thread. Stores and loads run on separate streams, so they overlap; transfers of one direction run
-in submission order. A submit mixing both directions goes to the store thread, which takes the
-load lane's lock for its loads.
+Loads are copied layer-major: a group's layers are cut into ``_slice_count`` slices of
+consecutive layers (``chunks.layer_slices``); every load spec's slice 0 is enqueued, then an event
+is recorded, then slice 1, and so on, so ``wait_on(stream, layer=i)`` waits only for the slice
+holding layer i (``CudaPending.layer_events``). Stores are copied whole.
+
+Submission (``submitter.Submitter``, one per direction, FIFO): a transfer of at most
+``inline_bytes`` is enqueued in the caller's thread when its direction is idle (no thread
+hand-off, the GPU starts at once); a larger one, or one arriving while another is being enqueued,
+goes to the direction's thread, which sleeps when idle. ``submit_thread=False`` always enqueues
+in the caller's thread. The host time of each transfer's enqueue is in
+``CudaPending.enqueue_seconds``. Stores and loads run on separate streams, so they overlap;
+transfers of one direction run in submission order. A submit mixing both directions goes to the
+store side, which takes the load lane's lock for its loads.
 """
 
 from __future__ import annotations
@@ -28,11 +34,18 @@ import numpy as np
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import CopyBackend
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.pending import CudaPending
+from kvoffload.transfer.cuda.chunks import layer_slices, slice_of_layer
+from kvoffload.transfer.cuda.pending import CudaPending, EventPool
 from kvoffload.transfer.cuda.submitter import Submitter
 from kvoffload.transfer.descriptors import region_arrays
-from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.layout import KVLayout, LayerGroup
 from kvoffload.transfer.spec import TransferSpec
+
+# Transfers up to this many bytes are enqueued in the caller's thread when their direction is idle;
+# larger ones by the direction's thread (the caller then pays only validation and a hand-off).
+INLINE_BYTES = 64 << 20
+# At most this many layer slices (events) per load by default; each costs a little host time.
+MAX_LAYER_SLICES = 8
 
 
 class Lane:
@@ -51,7 +64,8 @@ class Lane:
 
 
 class CudaBackend(CopyBackend):
-    """Base of ``dma``, ``sm`` and ``staged``. Subclasses implement ``_enqueue(spec, lane)``."""
+    """Base of ``dma``, ``sm`` and ``staged``. Subclasses implement ``_enqueue(spec, lane, part)``
+    and may choose ``_slice_count`` and ``lane_streams`` (set before ``__init__`` runs)."""
 
     lane_streams = 1  # streams per direction
     # per direction, the stream whose work finishes last
@@ -64,6 +78,7 @@ class CudaBackend(CopyBackend):
         *,
         driver: cu.CudaDriver | None = None,
         submit_thread: bool = True,
+        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         if not layout.is_cuda:
             raise ValueError(
@@ -74,6 +89,8 @@ class CudaBackend(CopyBackend):
                 f"expected a page-locked host arena for the {self.name} backend (build it with "
                 "pin=kvoffload.transfer.pinning.cuda_pin), got an unpinned one"
             )
+        if inline_bytes < 0:
+            raise ValueError(f"expected inline_bytes >= 0, got {inline_bytes}")
         super().__init__(layout, arena)
         import torch
 
@@ -89,8 +106,19 @@ class CudaBackend(CopyBackend):
             self.lanes = {
                 d: Lane(device, self.lane_streams, self.lane_tails[d]) for d in ("store", "load")
             }
+        # Layer slices of loads, per group: the regions of each slice, and each layer's slice.
+        self.load_slices = [
+            layer_slices(g.layer_starts, len(g.regions), self._slice_count(g))
+            for g in layout.groups
+        ]
+        self._layer_slice = [
+            slice_of_layer(g.layer_starts, len(g.regions), len(parts))
+            for g, parts in zip(layout.groups, self.load_slices, strict=True)
+        ]
+        self._events = EventPool()
         self._order_events: collections.deque[int] = collections.deque()
         self._closed = False
+        self.inline_bytes = inline_bytes
         self._submitters: dict[str, Submitter] | None = None
         if submit_thread:  # jobs arrive only after __init__ returns, so subclasses are ready
             self._submitters = {
@@ -112,17 +140,21 @@ class CudaBackend(CopyBackend):
         self.validate(specs)
         import torch
 
+        layer_slice = self._load_layer_slice(specs)
         if torch.cuda.current_device() == self.device.index:  # the usual case: skip the switch
             order = self._order_event(order_after)
-            pending = CudaPending()
+            pending = CudaPending(self._events, layer_slice)
         else:
             with torch.cuda.device(self.device):
                 order = self._order_event(order_after)
-                pending = CudaPending()
+                pending = CudaPending(self._events, layer_slice)
         if self._submitters is not None:
             first = specs[0].direction if specs else "store"
             mixed = any(s.direction != first for s in specs)
-            self._submitters["store" if mixed else first].put((specs, order, pending))
+            nbytes = sum(len(s) for s in specs) * self.layout.slot_bytes
+            self._submitters["store" if mixed else first].put(
+                (specs, order, pending), inline=nbytes <= self.inline_bytes
+            )
         else:
             with torch.cuda.device(self.device):
                 self._run(specs, order, pending)
@@ -139,11 +171,18 @@ class CudaBackend(CopyBackend):
                 s.synchronize()
         while self._order_events:
             cu.event_destroy(self._order_events.pop())
+        self._events.close()
         self._close_buffers()
 
     # -- for subclasses --------------------------------------------------------------------------
-    def _enqueue(self, spec: TransferSpec, lane: Lane) -> None:
+    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None) -> None:
+        """Enqueue ``spec`` on ``lane``: all its regions (``part`` None: stores), or those of
+        layer slice ``part`` (``self.load_slices[spec.group][part]``: loads)."""
         raise NotImplementedError
+
+    def _slice_count(self, group: LayerGroup) -> int:
+        """How many layer slices a load of ``group`` is cut into (each gets its own event)."""
+        return min(group.num_layers, MAX_LAYER_SLICES)
 
     def _close_buffers(self) -> None:
         return
@@ -174,20 +213,50 @@ class CudaBackend(CopyBackend):
         except IndexError:
             return cu.event_create()
 
+    def _load_layer_slice(self, specs: list[TransferSpec]) -> np.ndarray | None:
+        """Each layer's slice index for a submit's loads (over several groups: the latest slice
+        holding that layer in any of them), or None when it has no loads."""
+        groups = {s.group for s in specs if s.direction == "load"}
+        if not groups:
+            return None
+        if len(groups) == 1:
+            return self._layer_slice[groups.pop()]
+        maps = [self._layer_slice[g] for g in groups]
+        out = np.zeros(max(len(m) for m in maps), dtype=np.int64)
+        for m in maps:
+            np.maximum(out[: len(m)], m, out=out[: len(m)])
+        return out
+
     def _run(self, specs: list[TransferSpec], order: int | None, pending: CudaPending) -> None:
         t0 = pending.started_at = time.perf_counter()
         error: BaseException | None = None
         used: list[Lane] = []
+
+        def lane_for(direction: str) -> Lane:
+            lane = self.lanes[direction]
+            if lane not in used:
+                if order is not None:
+                    for handle in lane.handles:
+                        cu.stream_wait_event(handle, order)
+                used.append(lane)
+            return lane
+
         try:
             for spec in specs:
-                lane = self.lanes[spec.direction]
+                if spec.direction == "store":
+                    lane = self.lanes["store"]
+                    with lane.lock:
+                        self._enqueue(spec, lane_for("store"), None)
+            loads = [s for s in specs if s.direction == "load"]
+            if loads:
+                lane = self.lanes["load"]
                 with lane.lock:
-                    if lane not in used:
-                        if order is not None:
-                            for handle in lane.handles:
-                                cu.stream_wait_event(handle, order)
-                        used.append(lane)
-                    self._enqueue(spec, lane)
+                    lane_for("load")
+                    for k, event in enumerate(pending.layer_events):
+                        for spec in loads:  # layer-major across the specs of one submit
+                            if k < len(self.load_slices[spec.group]):
+                                self._enqueue(spec, lane, k)
+                        cu.event_record(event, lane.tail)
         except Exception as err:  # noqa: BLE001 (reported through the Pending, not swallowed)
             error = err
         finally:

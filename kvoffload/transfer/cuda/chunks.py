@@ -1,9 +1,12 @@
-"""Pure numpy helpers of the copy pipelines: chunk schedules and descriptor coalescing.
+"""Pure numpy helpers of the copy pipelines: chunk schedules, layer slices, descriptor coalescing.
 
 No torch, no CUDA: the CPU tests cover these directly.
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -33,6 +36,51 @@ def chunk_sizes(n_blocks: int, first: int, largest: int, ramp: Ramp = "up") -> n
         size = min(size * 2, largest)
     out = np.array(sizes, dtype=np.int64)
     return out[::-1].copy() if ramp == "down" else out
+
+
+def chunk_blocks(
+    n_blocks: int, unit_bytes: int, first_bytes: int, area_bytes: int, ramp: Ramp = "up"
+) -> np.ndarray:
+    """``chunk_sizes`` with the pipeline's chunks sized in bytes: ``unit_bytes`` per block (a slot,
+    or a slice of one), the first chunk ``first_bytes`` (at least one block), none above one
+    staging area of ``area_bytes``."""
+    if unit_bytes <= 0 or area_bytes < unit_bytes:
+        raise ValueError(
+            f"expected 0 < unit_bytes <= area_bytes, got {unit_bytes} and {area_bytes}"
+        )
+    largest = area_bytes // unit_bytes
+    return chunk_sizes(n_blocks, max(1, first_bytes // unit_bytes), largest, ramp)
+
+
+def layer_slices(layer_starts: Sequence[int], n_regions: int, slices: int) -> list[range]:
+    """Cut a group's layers into ``slices`` runs of consecutive layers (sizes differing by at most
+    one layer) and return each run's regions. ``layer_starts``: index of each layer's first
+    region (``LayerGroup.layer_starts``; empty: one region per layer)."""
+    starts = list(layer_starts) or list(range(n_regions))
+    layers = len(starts)
+    if not 1 <= slices <= layers:
+        raise ValueError(f"expected 1 <= slices <= {layers} (the layer count), got {slices}")
+    bounds = [layers * k // slices for k in range(slices + 1)]
+    edges = [*starts, n_regions]
+    return [range(edges[a], edges[b]) for a, b in itertools.pairwise(bounds)]
+
+
+def slice_of_layer(layer_starts: Sequence[int], n_regions: int, slices: int) -> np.ndarray:
+    """For each layer, the index of the slice (``layer_slices``) that holds it."""
+    layers = len(layer_starts) or n_regions
+    bounds = [layers * k // slices for k in range(1, slices + 1)]
+    return np.searchsorted(np.array(bounds), np.arange(layers), side="right").astype(np.int64)
+
+
+def slice_count(slot_bytes: int, layers: int, min_slice_bytes: int, most: int) -> int:
+    """How many layer slices a load is cut into: as many as keep each slice's bytes per block at
+    least ``min_slice_bytes`` (one copy-engine descriptor per block and slice, so each stays large
+    enough to run near the link), at most ``most`` and at most one per layer, at least one."""
+    if min_slice_bytes <= 0 or most <= 0:
+        raise ValueError(
+            f"expected min_slice_bytes > 0 and most > 0, got {min_slice_bytes}, {most}"
+        )
+    return max(1, min(layers, most, slot_bytes // min_slice_bytes))
 
 
 def coalesce(table: np.ndarray, breaks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

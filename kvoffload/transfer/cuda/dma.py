@@ -5,13 +5,14 @@ never slows the model, but the copy engines pay a fixed cost per descriptor: nea
 pieces of 1 MiB and more (e.g. the cross-layer layout, one piece per block), far below it on
 4-64 KiB pieces. Descriptors that continue each other in both source and destination are merged
 first (consecutive blocks stored to consecutive slots in a cross-layer layout become one copy).
+A load is one batch call per layer slice (``base``), each followed by its slice's event.
 """
 
 from __future__ import annotations
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.base import CudaBackend, Lane
+from kvoffload.transfer.cuda.base import INLINE_BYTES, CudaBackend, Lane
 from kvoffload.transfer.cuda.buffers import BufferRing
 from kvoffload.transfer.cuda.chunks import coalesce
 from kvoffload.transfer.descriptors import build_descriptors
@@ -29,15 +30,19 @@ class DmaBackend(CudaBackend):
         *,
         driver: cu.CudaDriver | None = None,
         submit_thread: bool = True,
+        inline_bytes: int = INLINE_BYTES,
         merge: bool = True,
     ) -> None:
         self._merge = merge  # merge contiguous descriptors (off: exactly one per piece)
         self._tables = BufferRing(None, with_device=False)
-        super().__init__(layout, arena, driver=driver, submit_thread=submit_thread)
+        super().__init__(
+            layout, arena, driver=driver, submit_thread=submit_thread, inline_bytes=inline_bytes
+        )
 
-    def _enqueue(self, spec: TransferSpec, lane: Lane) -> None:
+    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None) -> None:
         group = self.layout.groups[spec.group]
-        n = len(spec) * len(group.regions)
+        regions = range(len(group.regions)) if part is None else self.load_slices[spec.group][part]
+        n = len(spec) * len(regions)
         if n == 0:
             return
         buf = self._tables.take(3 * n)
@@ -48,6 +53,7 @@ class DmaBackend(CudaBackend):
                 self.arena.base_address,
                 self.arena.slot_bytes,
                 out=buf.host[: 3 * n].reshape(3, n),
+                regions=regions,
             )
             if self._merge:
                 table, _ = coalesce(table)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.base import CudaBackend, Lane
+from kvoffload.transfer.cuda.base import INLINE_BYTES, CudaBackend, Lane
 from kvoffload.transfer.cuda.buffers import BufferRing
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
@@ -59,6 +59,7 @@ class SmBackend(CudaBackend):
         config: SmConfig | None = None,
         driver: cu.CudaDriver | None = None,
         submit_thread: bool = True,
+        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         check_words(layout)
         if arena.slot_bytes % 8:
@@ -69,14 +70,21 @@ class SmBackend(CudaBackend):
         from kvoffload.transfer.cuda.kernels import CopyLauncher  # imports Triton
 
         self._launcher = CopyLauncher()
-        super().__init__(layout, arena, driver=driver, submit_thread=submit_thread)
+        super().__init__(
+            layout, arena, driver=driver, submit_thread=submit_thread, inline_bytes=inline_bytes
+        )
         import torch
 
         with torch.cuda.device(self.device):
             self._host_base = cu.host_device_pointer(arena.base_address)
+        # per group, per layer slice of a load: that slice's columns of the region table
+        self._slice_regions = [
+            [table[:, p.start : p.stop].contiguous() for p in parts]
+            for table, parts in zip(self._regions, self.load_slices, strict=True)
+        ]
         self._index = BufferRing(self.device, with_device=True)
 
-    def _enqueue(self, spec: TransferSpec, lane: Lane) -> None:
+    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None) -> None:
         n = len(spec)
         if n == 0:
             return
@@ -86,16 +94,19 @@ class SmBackend(CudaBackend):
             buf.host[:n] = spec.blocks
             buf.host[half : half + n] = spec.slots
             buf.upload(self.driver, half + n, lane.tail)
-            group = self.layout.groups[spec.group]
+            if part is None:
+                regions = self._regions[spec.group]
+            else:
+                regions = self._slice_regions[spec.group][part]
             self._launcher.launch(
                 lane.streams[0],
                 self.config.programs,
                 buf.device,
                 buf.device[half:],
-                self._regions[spec.group],
+                regions,
                 0,
                 n,
-                len(group.regions),
+                regions.shape[1],
                 self._host_base,
                 self.arena.slot_bytes,
                 to_host=spec.direction == "store",

@@ -11,6 +11,18 @@ shrink toward the end) so the one exposed gather (or scatter) is short.
 The SMs are busy only for the gathers: HBM is ~50x faster than the link, so a few programs finish
 each chunk's gather in a fraction of its link time and leave the rest of the GPU to the model.
 
+Chunks are sized in bytes (``first_chunk_bytes`` up to one staging area), whatever the slot size.
+With ``dma_streams`` > 1 consecutive chunks go to different DMA streams, so several copy engines
+work at once and one engine's gap between descriptors does not idle the link.
+
+Loads go layer-major (``base``): per slice of consecutive layers, one descriptor per block moves
+that slice's bytes (contiguous inside the host slot, since a slot holds the regions back to back in
+layer order) into a staging area laid out per slice, then the scatter of that slice; the slice's
+event is recorded after its last scatter. The slice count (``_slice_count``) keeps each
+descriptor at least ``layer_slice_bytes`` (the copy engines lose ~0.6 us per descriptor: 256 KiB
+descriptors ran at 0.88 of the link on the H100, 1 MiB ones at 0.95 in a probe of one batch call
+of many equal descriptors, see docs/transfer.md), at most ``max_layer_slices``.
+
 Staging memory is ``2 * staging_bytes`` of device memory (one ring per direction, so stores and
 loads overlap); each ring area holds at least one block.
 """
@@ -24,14 +36,14 @@ import numpy as np
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.base import CudaBackend, Lane
+from kvoffload.transfer.cuda.base import INLINE_BYTES, CudaBackend, Lane
 from kvoffload.transfer.cuda.buffers import Buffer, BufferRing
-from kvoffload.transfer.cuda.chunks import chunk_sizes, coalesce, tile
+from kvoffload.transfer.cuda.chunks import chunk_blocks, coalesce, slice_count, tile
 from kvoffload.transfer.cuda.sm import check_kernel_shape, check_words
-from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.layout import KVLayout, LayerGroup
 from kvoffload.transfer.spec import TransferSpec
 
-GATHER, DMA = 0, 1  # a lane's two streams
+GATHER, DMA = 0, 1  # a lane's streams: the gather/scatter kernels, then the DMA stream(s)
 
 
 @dataclass(frozen=True)
@@ -48,10 +60,23 @@ class StagedConfig:
     programs: int = 16
     chunk_bytes: int = 32768
     num_warps: int = 8
+    # DMA streams per direction; consecutive chunks alternate between them.
+    dma_streams: int = 1
+    # A load's layer slices: each at least this many bytes per block (one descriptor per block and
+    # slice), at most ``max_layer_slices`` slices.
+    layer_slice_bytes: int = 1 << 20
+    max_layer_slices: int = 8
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
-        for name in ("staging_bytes", "depth", "first_chunk_bytes"):
+        for name in (
+            "staging_bytes",
+            "depth",
+            "first_chunk_bytes",
+            "dma_streams",
+            "layer_slice_bytes",
+            "max_layer_slices",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"StagedConfig: expected {name} > 0, got {value!r}")
@@ -60,7 +85,7 @@ class StagedConfig:
 class _Ring:
     """One direction's staging areas and the events that hand them between the two streams."""
 
-    def __init__(self, device: Any, depth: int, area_bytes: int) -> None:
+    def __init__(self, device: Any, depth: int, area_bytes: int, dma_streams: int) -> None:
         import torch
 
         self.memory = torch.empty(depth * area_bytes, dtype=torch.uint8, device=device)
@@ -68,16 +93,26 @@ class _Ring:
         self.bases = np.arange(depth, dtype=np.int64) * area_bytes + base
         self.filled = [cu.event_create() for _ in range(depth)]  # area's data is ready to move on
         self.free = [cu.event_create() for _ in range(depth)]  # area's data has left
+        self.joins = [cu.event_create() for _ in range(dma_streams - 1)]  # extra DMA streams' ends
         self.position = 0  # areas are used round-robin across transfers
 
     def close(self) -> None:
-        for e in self.filled + self.free:
+        for e in self.filled + self.free + self.joins:
             cu.event_destroy(e)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    area: int  # staging area
+    start: int  # first block (index into the transfer)
+    count: int  # blocks
+    regions: Any  # device region table of what moves (all regions, or a layer slice)
+    unit: int  # bytes per block in the staging area (a slot, or a slice of one)
 
 
 class StagedBackend(CudaBackend):
     name = "staged"
-    lane_streams = 2  # GATHER (kernels) and DMA (copy engines)
+    lane_streams = 2  # GATHER (kernels) and DMA (copy engines); 1 + dma_streams per instance
     lane_tails: ClassVar[dict[str, int]] = {"store": DMA, "load": GATHER}
 
     def __init__(
@@ -88,9 +123,11 @@ class StagedBackend(CudaBackend):
         config: StagedConfig | None = None,
         driver: cu.CudaDriver | None = None,
         submit_thread: bool = True,
+        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         check_words(layout)
         self.config = config = config or StagedConfig()
+        self.lane_streams = 1 + config.dma_streams
         from kvoffload.transfer.cuda.kernels import CopyLauncher  # imports Triton
 
         self._launcher = CopyLauncher()
@@ -99,98 +136,129 @@ class StagedBackend(CudaBackend):
         slot = layout.slot_bytes
         area = max(config.staging_bytes // config.depth, slot)
         self.area_bytes = (area + 255) // 256 * 256
-        self.area_blocks = [self.area_bytes // g.slot_bytes for g in layout.groups]
         self._tiles = [
             tile(max(r.page_bytes for r in g.regions), config.chunk_bytes) for g in layout.groups
         ]
-        super().__init__(layout, arena, driver=driver, submit_thread=submit_thread)
+        super().__init__(
+            layout, arena, driver=driver, submit_thread=submit_thread, inline_bytes=inline_bytes
+        )
         import torch
 
         with torch.cuda.device(self.device):
             self._rings = {
-                d: _Ring(self.device, config.depth, self.area_bytes) for d in ("store", "load")
+                d: _Ring(self.device, config.depth, self.area_bytes, config.dma_streams)
+                for d in ("store", "load")
             }
+        # per group, per layer slice of a load: (offset in the slot, bytes) and its region table
+        # with offsets counted from the slice's start (the staging area holds slices back to back)
+        self._slice_spans: list[list[tuple[int, int]]] = []
+        self._slice_regions: list[list[Any]] = []
+        for g, table, parts in zip(layout.groups, self._regions, self.load_slices, strict=True):
+            offsets = [*g.offsets, g.slot_bytes]
+            spans = [(offsets[p.start], offsets[p.stop] - offsets[p.start]) for p in parts]
+            self._slice_spans.append(spans)
+            tables = []
+            for p, (off, _) in zip(parts, spans, strict=True):
+                t = table[:, p.start : p.stop].clone()
+                t[3] -= off
+                tables.append(t.contiguous())
+            self._slice_regions.append(tables)
         self._index = BufferRing(self.device, with_device=True)
+
+    def _slice_count(self, group: LayerGroup) -> int:
+        return slice_count(
+            group.slot_bytes,
+            group.num_layers,
+            self.config.layer_slice_bytes,
+            self.config.max_layer_slices,
+        )
 
     @property
     def staging_bytes(self) -> int:
         """Device memory this backend holds for staging (both directions)."""
         return 2 * self.config.depth * self.area_bytes
 
-    def _enqueue(self, spec: TransferSpec, lane: Lane) -> None:
-        store = spec.direction == "store"
-        group = self.layout.groups[spec.group]
-        slot = group.slot_bytes
-        ring = self._rings[spec.direction]
+    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None) -> None:
         n = len(spec)
         if n == 0:
             return
-        first = max(1, self.config.first_chunk_bytes // slot)
-        sizes = chunk_sizes(n, first, self.area_blocks[spec.group], "up" if store else "down")
+        store = spec.direction == "store"
+        group = self.layout.groups[spec.group]
+        if part is None:  # whole slot images
+            offset, unit, regions = 0, group.slot_bytes, self._regions[spec.group]
+        else:  # one layer slice of every block: its bytes are contiguous inside each slot
+            offset, unit = self._slice_spans[spec.group][part]
+            regions = self._slice_regions[spec.group][part]
+        ring = self._rings[spec.direction]
+        sizes = chunk_blocks(
+            n, unit, self.config.first_chunk_bytes, self.area_bytes, "up" if store else "down"
+        )
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         areas = (ring.position + np.arange(len(sizes))) % self.config.depth
         ring.position = int((ring.position + len(sizes)) % self.config.depth)
         bases = ring.bases[areas]
-        gather, dma = lane.handles[GATHER], lane.handles[DMA]
+        gather, dmas = lane.handles[GATHER], lane.handles[DMA:]
         index = self._index.take(n)
         tables = self._tables.take(3 * n)
         try:
             index.host[:n] = spec.blocks
             index.upload(self.driver, n, gather)
-            chunks = list(zip(areas.tolist(), starts.tolist(), sizes.tolist(), strict=True))
+            chunks = [
+                _Chunk(area, start, count, regions, unit)
+                for area, start, count in zip(
+                    areas.tolist(), starts.tolist(), sizes.tolist(), strict=True
+                )
+            ]
             # The host runs ``ahead`` chunks in front: a store enqueues the first gathers before it
             # builds the descriptors, a load the first DMAs before the first scatter, so the GPU
             # has queued work while the host enqueues the rest. The area events keep the order.
             ahead = min(self.config.depth, len(chunks))
             if store:
                 for k in range(ahead):
-                    self._gather(lane, spec, index, ring, slot, *chunks[k])
-            # One descriptor per block: its staged slot image <-> its host slot.
+                    self._gather(lane, spec, index, ring, chunks[k])
+            # One descriptor per block: its staged image <-> its bytes in the host slot.
             table = tables.host[: 3 * n].reshape(3, n)
             within = np.arange(n, dtype=np.int64) - np.repeat(starts, sizes)
-            staged = np.repeat(bases, sizes) + within * slot
-            host = spec.slots * self.arena.slot_bytes + self.arena.base_address
+            staged = np.repeat(bases, sizes) + within * unit
+            host = spec.slots * self.arena.slot_bytes + (self.arena.base_address + offset)
             table[0], table[1] = (staged, host) if store else (host, staged)
-            table[2] = slot
+            table[2] = unit
             table, at = coalesce(table, starts)
             ends = np.append(at[1:], table.shape[1]).tolist()
             parts = [table[:, a:e] for a, e in zip(at.tolist(), ends, strict=True)]
             if store:
-                for k, (area, _, _) in enumerate(chunks):
-                    cu.stream_wait_event(dma, ring.filled[area])
+                for k, chunk in enumerate(chunks):
+                    dma = dmas[k % len(dmas)]
+                    cu.stream_wait_event(dma, ring.filled[chunk.area])
                     self.driver.memcpy_batch(parts[k], dma)
-                    cu.event_record(ring.free[area], dma)
+                    cu.event_record(ring.free[chunk.area], dma)
                     if k + ahead < len(chunks):
-                        self._gather(lane, spec, index, ring, slot, *chunks[k + ahead])
+                        self._gather(lane, spec, index, ring, chunks[k + ahead])
+                for extra, join in zip(dmas[1:], ring.joins, strict=False):  # the tail waits
+                    cu.event_record(join, extra)
+                    cu.stream_wait_event(lane.tail, join)
             else:
                 for k in range(ahead):
-                    self._send(dma, ring, chunks[k][0], parts[k])
-                for k, (area, start, count) in enumerate(chunks):
-                    cu.stream_wait_event(gather, ring.filled[area])
-                    self._move(lane, spec, index, start, count, int(ring.bases[area]), slot)
-                    cu.event_record(ring.free[area], gather)
+                    self._send(dmas[k % len(dmas)], ring, chunks[k].area, parts[k])
+                for k, chunk in enumerate(chunks):
+                    cu.stream_wait_event(gather, ring.filled[chunk.area])
+                    self._move(lane, spec, index, chunk, int(ring.bases[chunk.area]))
+                    cu.event_record(ring.free[chunk.area], gather)
                     if k + ahead < len(chunks):
-                        self._send(dma, ring, chunks[k + ahead][0], parts[k + ahead])
+                        later = k + ahead
+                        self._send(dmas[later % len(dmas)], ring, chunks[later].area, parts[later])
         finally:
             self._index.release(index, lane.tail)
             self._tables.release(tables, lane.tail)
 
     def _gather(
-        self,
-        lane: Lane,
-        spec: TransferSpec,
-        index: Buffer,
-        ring: _Ring,
-        slot: int,
-        area: int,
-        start: int,
-        count: int,
+        self, lane: Lane, spec: TransferSpec, index: Buffer, ring: _Ring, chunk: _Chunk
     ) -> None:
         """A store's chunk: wait for its staging area to be free, gather into it, mark it filled."""
         gather = lane.handles[GATHER]
-        cu.stream_wait_event(gather, ring.free[area])
-        self._move(lane, spec, index, start, count, int(ring.bases[area]), slot)
-        cu.event_record(ring.filled[area], gather)
+        cu.stream_wait_event(gather, ring.free[chunk.area])
+        self._move(lane, spec, index, chunk, int(ring.bases[chunk.area]))
+        cu.event_record(ring.filled[chunk.area], gather)
 
     def _send(self, dma: int, ring: _Ring, area: int, part: np.ndarray) -> None:
         """A load's chunk: once its staging area is free, DMA the slots into it, mark it filled."""
@@ -199,31 +267,25 @@ class StagedBackend(CudaBackend):
         cu.event_record(ring.filled[area], dma)
 
     def _move(
-        self,
-        lane: Lane,
-        spec: TransferSpec,
-        index: Buffer,
-        start: int,
-        count: int,
-        area: int,
-        slot: int,
+        self, lane: Lane, spec: TransferSpec, index: Buffer, chunk: _Chunk, area: int
     ) -> None:
-        """Gather (store) or scatter (load) blocks ``[start, start + count)`` of the transfer."""
+        """Gather (store) or scatter (load) the chunk's blocks between the engine and ``area``."""
+        jobs, words = self._tiles[spec.group]
         self._launcher.launch(
             lane.streams[GATHER],
             self.config.programs,
             index.device,
             index.device,
-            self._regions[spec.group],
-            start,
-            count,
-            len(self.layout.groups[spec.group].regions),
+            chunk.regions,
+            chunk.start,
+            chunk.count,
+            chunk.regions.shape[1],
             area,
-            slot,
+            chunk.unit,
             to_host=spec.direction == "store",
             identity=True,
-            jobs=self._tiles[spec.group][0],
-            words=self._tiles[spec.group][1],
+            jobs=jobs,
+            words=words,
             num_warps=self.config.num_warps,
         )
 

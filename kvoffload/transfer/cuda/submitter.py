@@ -1,54 +1,91 @@
-"""The submitter thread: enqueues a backend's copies off the caller's thread, in FIFO order.
+"""FIFO submission of one direction's transfers: inline when the lane is idle, else a thread.
 
-Handing a job to a thread that sleeps in the kernel costs the *caller* the wake-up: measured
-~93 us per ``submit`` on the lent H100 VM (``submit_parts`` in the benchmark JSON: 134 us with a
-sleeping thread, 37 us when nobody waits on the queue). So after each job the thread polls its
-queue every ``POLL_INTERVAL`` for ``POLL_WINDOW`` before it blocks: while an engine submits
-transfers step after step, ``submit`` never pays the wake-up; after an idle spell the first one
-does. The polling costs about one wake-up of this thread per ``POLL_INTERVAL`` while active.
+A job is enqueued in the caller's thread when nothing of that direction is queued or being
+enqueued and it is small (``inline_bytes``), so the GPU starts at once and no thread is woken. A
+large job, or one arriving while another is being enqueued, goes to the lane's thread, which
+sleeps on a condition when it has nothing to do: an idle backend costs no host time at all (no
+polling). An earlier version polled its queue every 100 us for 50 ms after each job to spare the
+caller the wake-up; while an engine ran that meant ~10,000 wake-ups a second, each taking the GIL
+from the engine's own Python thread (see docs/transfer.md, "Host time").
 """
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
-
-POLL_INTERVAL = 100e-6  # seconds between looks at the queue while active
-POLL_WINDOW = 50e-3  # seconds of polling after the last job before blocking
 
 
 class Submitter:
     def __init__(self, run: Callable[..., None], device: Any, name: str) -> None:
         self._run = run
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, args=(device,), name=name, daemon=True)
-        self._thread.start()
+        self._device = device
+        self._name = name
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._jobs: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._busy = False  # a job is being enqueued (inline or by the thread), or jobs wait
+        self._inline = False  # the job being enqueued runs in a caller's thread
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.inline_jobs = 0  # how many jobs ran in the caller's thread (for the benchmark)
+        self.thread_jobs = 0
 
-    def put(self, job: tuple[Any, ...]) -> None:
-        self._queue.put(job)
+    def put(self, job: tuple[Any, ...], inline: bool = True) -> None:
+        """Run ``job`` (``run(*job)``) after every job put before it: in this thread when the lane
+        is idle and ``inline``, else on the lane's thread."""
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"{self._name}: expected an open submitter, got a closed one")
+            run_here = inline and not self._busy
+            self._busy = True
+            if not run_here:
+                self._jobs.append(job)
+                if not self._inline:  # else the inline runner hands over when it is done
+                    self._start_or_wake()
+                return
+            self._inline = True
+        self.inline_jobs += 1
+        try:
+            self._run(*job)
+        finally:
+            with self._lock:  # jobs queued meanwhile (other threads) go to the lane's thread
+                self._inline = False
+                if self._jobs:
+                    self._start_or_wake()
+                else:
+                    self._busy = False
 
     def close(self) -> None:
-        """Finish the queued jobs, then stop."""
-        self._queue.put(None)
-        self._thread.join()
+        """Finish the queued jobs, then stop the thread (if one was started)."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
 
-    def _serve(self, device: Any) -> None:
+    def _start_or_wake(self) -> None:  # called with the lock held
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread.start()
+        else:
+            self._wake.notify()
+
+    def _serve(self) -> None:
         import torch
 
-        torch.cuda.set_device(device)  # this thread's current context
-        idle_since = time.perf_counter()
+        torch.cuda.set_device(self._device)  # this thread's current context
         while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                if time.perf_counter() - idle_since < POLL_WINDOW:
-                    time.sleep(POLL_INTERVAL)
-                    continue
-                job = self._queue.get()
-            if job is None:
-                return
+            with self._lock:
+                while not self._jobs and not self._closed:
+                    self._wake.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+            self.thread_jobs += 1
             self._run(*job)
-            idle_since = time.perf_counter()
+            with self._lock:
+                if not self._jobs:
+                    self._busy = False

@@ -1,0 +1,107 @@
+"""Per-layer load completion on the CUDA backends: ``wait_on(stream, layer=i)`` orders a stream
+after layer i's bytes, for every model shape and engine layout.
+
+The load is held back on the GPU (ordered after a sleeping stream) and its destination blocks are
+poisoned first, so a layer event recorded too early shows as poisoned bytes read on the side
+stream. Later layers may or may not be written when layer i is read; only layer i is checked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload.bench.shapes import LAYOUTS, MODELS, engine_tensors
+from kvoffload.store.arena import HostArena
+from kvoffload.transfer.cuda.dma import DmaBackend
+from kvoffload.transfer.cuda.sm import SmBackend
+from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
+from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.pinning import cuda_pin
+from kvoffload.transfer.spec import TransferSpec
+
+pytestmark = pytest.mark.gpu
+POOL = 12
+SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU sleep: the load starts after every wait is enqueued
+
+BACKENDS = {
+    "staged": lambda kv, a: StagedBackend(kv, a),
+    # one layer per slice where possible, two DMA streams, tiny areas: many chunks per slice
+    "staged-fine": lambda kv, a: StagedBackend(
+        kv,
+        a,
+        config=StagedConfig(
+            staging_bytes=2 * kv.slot_bytes,
+            depth=2,
+            first_chunk_bytes=1,
+            dma_streams=2,
+            layer_slice_bytes=8,
+            max_layer_slices=1024,
+        ),
+    ),
+    "dma": lambda kv, a: DmaBackend(kv, a),
+    "sm": lambda kv, a: SmBackend(kv, a),
+}
+
+
+@pytest.fixture(scope="module", params=[(m, lay) for m in MODELS for lay in LAYOUTS], ids=str)
+def engine(request):
+    model, layout = request.param
+    tensors, block_dim = engine_tensors(
+        MODELS[model], layout, POOL, 16, lambda s: torch.zeros(s, dtype=torch.int16, device="cuda")
+    )
+    kv = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
+    arena = HostArena(POOL, kv.slot_bytes, pin=cuda_pin)
+    arena.slots[:] = np.random.default_rng(5).integers(1, 256, arena.slots.shape, dtype=np.uint8)
+    yield tensors, block_dim, kv, arena
+    arena.close()
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_wait_on_a_layer_orders_the_stream_after_that_layer(engine, name):
+    tensors, block_dim, kv, arena = engine
+    group = kv.groups[0]
+    backend = BACKENDS[name](kv, arena)
+    try:
+        dest, slots = [7, 2, 9, 4, 11], [3, 8, 0, 5, 10]
+        index = torch.tensor(dest, device="cuda")
+        for t in tensors:  # poison: -1 never occurs in the arena's bytes (1..255 each)
+            t.index_fill_(block_dim, index, -1)
+        late = torch.cuda.Stream()
+        with torch.cuda.stream(late):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        pending = backend.submit([TransferSpec.of("load", dest, slots)], order_after=late)
+        side = torch.cuda.Stream()
+        seen = []
+        for layer in range(group.num_layers):
+            pending.wait_on(side, layer=layer)
+            with torch.cuda.stream(side):
+                seen.append(tensors[layer].index_select(block_dim, index))  # layer i = tensor i
+        side.synchronize()
+        assert pending.wait(30) and pending.error() is None
+        for layer, got in enumerate(seen):
+            regions = group.layer_regions(layer)
+            first, end = group.offsets[regions.start], group.offsets[regions.stop - 1]
+            end += group.regions[regions.stop - 1].page_bytes  # a layer's regions are adjacent
+            want = arena.slots[slots][:, first:end]
+            got_bytes = got.movedim(block_dim, 0).contiguous().view(torch.uint8).cpu().numpy()
+            assert np.array_equal(got_bytes.reshape(len(dest), -1), want), f"layer {layer}"
+        if name == "staged-fine":
+            assert len(pending.layer_events) == group.num_layers  # a slice per layer
+    finally:
+        backend.close()
+
+
+def test_a_store_has_no_layer_events_and_a_layer_wait_waits_for_all(engine):
+    _tensors, _block_dim, kv, arena = engine
+    backend = StagedBackend(kv, arena)
+    try:
+        pending = backend.submit([TransferSpec.of("store", [1, 2], [1, 2])])
+        assert pending.layer_events == []
+        side = torch.cuda.Stream()
+        pending.wait_on(side, layer=0)
+        side.synchronize()
+        assert pending.done()
+    finally:
+        backend.close()

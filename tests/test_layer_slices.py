@@ -1,0 +1,97 @@
+"""Layer slices of a load (which regions each slice moves, which slice holds each layer), chunks
+sized in bytes, and per-slice descriptors, on CPU with real bytes."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from kvoffload.bench.shapes import LAYOUTS, MODELS, engine_tensors
+from kvoffload.transfer.cuda.chunks import (
+    chunk_blocks,
+    layer_slices,
+    slice_count,
+    slice_of_layer,
+)
+from kvoffload.transfer.descriptors import build_descriptors
+from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.spec import TransferSpec
+
+
+@pytest.mark.parametrize(("layers", "slices"), [(32, 1), (32, 8), (28, 8), (5, 5), (80, 3)])
+def test_slices_cover_every_layer_once_in_order(layers, slices):
+    starts = [2 * i for i in range(layers)]  # K and V per layer
+    parts = layer_slices(starts, 2 * layers, slices)
+    assert len(parts) == slices
+    assert [r for p in parts for r in p] == list(range(2 * layers))  # all regions, in order
+    sizes = [len(p) // 2 for p in parts]
+    assert max(sizes) - min(sizes) <= 1  # near-equal runs of whole layers
+    assert all(p.start % 2 == 0 for p in parts)  # never splits a layer's K from its V
+    owner = slice_of_layer(starts, 2 * layers, slices)
+    for layer in range(layers):
+        assert 2 * layer in parts[int(owner[layer])]
+
+
+def test_default_layer_starts_are_one_region_per_layer():
+    assert layer_slices((), 6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
+    assert slice_of_layer((), 6, 3).tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_bad_slice_counts_raise_value_error():
+    with pytest.raises(ValueError, match=r"expected 1 <= slices <= 4"):
+        layer_slices((0, 1, 2, 3), 4, 5)
+    with pytest.raises(ValueError, match=r"expected 1 <= slices <= 4"):
+        layer_slices((0, 1, 2, 3), 4, 0)
+    with pytest.raises(ValueError, match="min_slice_bytes"):
+        slice_count(1 << 20, 4, 0, 8)
+
+
+def test_slice_count_keeps_descriptors_large():
+    assert slice_count(2 << 20, 32, 1 << 20, 8) == 2  # 2 MiB slots: two 1 MiB slices
+    assert slice_count(2 << 20, 32, 256 << 10, 8) == 8
+    assert slice_count(320 << 10, 80, 1 << 20, 8) == 1  # small slots: one slice (whole load)
+    assert slice_count(6 << 20, 3, 1 << 20, 8) == 3  # never more slices than layers
+
+
+def test_chunks_are_sized_in_bytes():
+    # 2 MiB units, a 4 MiB first chunk, 32 MiB areas: 2, 4, 8, 16 blocks, then 16 at most
+    assert chunk_blocks(40, 2 << 20, 4 << 20, 32 << 20).tolist() == [2, 4, 8, 16, 10]
+    # 320 KiB units: the same bytes per chunk, so ~6.4x the blocks
+    sizes = chunk_blocks(256, 320 << 10, 4 << 20, 32 << 20)
+    assert sizes.sum() == 256 and sizes[0] == 12 and sizes.max() <= (32 << 20) // (320 << 10)
+    assert chunk_blocks(3, 8 << 20, 1, 8 << 20).tolist() == [1, 1, 1]  # one unit per area
+    with pytest.raises(ValueError, match="unit_bytes"):
+        chunk_blocks(3, 8 << 20, 1, 4 << 20)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_slice_descriptors_together_move_a_whole_load(layout):
+    """Per-slice descriptors (as the dma backend sends them, one batch per slice) copy exactly the
+    bytes of the whole-slot descriptors."""
+    pool = 6
+    rng = np.random.default_rng(1)
+    tensors, block_dim = engine_tensors(
+        MODELS["qwen2.5-7b"], layout, pool, 16, lambda s: np.zeros(s, dtype=np.uint16)
+    )
+    kv = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
+    group = kv.groups[0]
+    host = rng.integers(0, 256, (pool, group.slot_bytes), dtype=np.uint8)
+    spec = TransferSpec.of("load", [4, 0, 2], [1, 5, 3])
+    parts = layer_slices(group.layer_starts, len(group.regions), min(3, group.num_layers))
+    for part in parts:
+        table = build_descriptors(spec, group, host.ctypes.data, group.slot_bytes, regions=part)
+        assert table.shape[1] == 3 * len(part)
+        for src, dst, size in table.T.tolist():
+            ctypes.memmove(dst, src, size)
+    untouched = [b for b in range(pool) if b not in (4, 0, 2)]
+    for t in tensors:
+        assert not np.take(t, untouched, axis=block_dim).any()  # other blocks not written
+    # every destination block now holds its slot's bytes, region by region
+    for b, s in zip(spec.blocks, spec.slots, strict=True):
+        for region, off in zip(group.regions, group.offsets, strict=True):
+            page = (ctypes.c_uint8 * region.page_bytes).from_address(
+                region.base + int(b) * region.block_stride
+            )
+            assert bytes(page) == host[s, off : off + region.page_bytes].tobytes()
