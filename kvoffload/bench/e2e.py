@@ -31,10 +31,11 @@ DOC_KNOBS = (
     "answer_tokens",
 )
 
-# Workload shapes per model scale. chat: a quarter of all histories fits the GPU pool, so a
-# conversation's history is evicted before it returns. fits: a long shared system prompt and many
-# short conversations, all of it in the GPU pool. docs: a quarter of the documents fit the pool.
-# mixed: chat with a quarter of the requests unique prompts.
+# Workload shapes per model scale. chat: the GPU pool holds a quarter of all histories (each
+# counted with its own copy of the system prompt), so a conversation's history is evicted before
+# it returns. fits: a long shared system prompt and many short conversations, all of it in the
+# GPU pool twice over. docs: a quarter of the documents fit the pool. mixed: chat with a quarter
+# of the requests unique prompts. The host tier holds 1.25x the same count.
 
 
 def _chat(*values: int) -> dict[str, int]:
@@ -64,9 +65,9 @@ SHAPES = {"llama3-8b": _GPU, "qwen2.5-7b": _GPU, "tiny": _TINY, "micro": _MICRO}
 CHUNK = {"llama3-8b": 2048, "qwen2.5-7b": 2048, "tiny": 512, "micro": 64}
 UNIQUE_SHARE = 0.25  # mixed: the share of unique prompts
 FITS_ROUNDS = 3  # fits compares gpu and kvoffload to 1%: several rounds, alternating
-FITS_POOL = 2.0  # fits: the GPU pool holds this many times the workload's blocks
-OVERFLOW_POOL = 0.25  # chat, docs, mixed: the pool holds this share of the workload's blocks
-HOST_SHARE = 1.25  # the host tier holds this many times the workload's blocks
+FITS_POOL = 2.0  # fits: the GPU pool holds this many times the workload's distinct blocks
+OVERFLOW_POOL = 0.25  # chat, docs, mixed: the pool holds this share of all histories
+HOST_SHARE = 1.25  # the host tier holds this many times the same count
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,13 +156,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gpu-blocks",
         type=int,
         default=None,
-        help="GPU pool capacity (default: a quarter of the workload's blocks; fits: twice them)",
+        help="GPU pool capacity (default: a quarter of all histories; fits: twice its blocks)",
     )
     e.add_argument(
         "--host-blocks",
         type=int,
         default=None,
-        help="kvoffload host capacity (default: 1.25x the workload's blocks)",
+        help="kvoffload host capacity (default: 1.25x all histories; fits: 1.25x its blocks)",
     )
     k = p.add_argument_group("kvoffload")
     k.add_argument("--backend", default="auto", help="copy backend (auto: the planner's choice)")
@@ -296,14 +297,18 @@ def _workload_run(args: argparse.Namespace, model: str, kind: str) -> Any:
     bs = args.block_size
     distinct = workload.distinct_blocks(bs)
     floor = 2 * workload.longest_request_blocks(bs)
-    pool = max(int((FITS_POOL if kind == "fits" else OVERFLOW_POOL) * distinct), floor)
+    if kind == "fits":
+        pool, host = int(FITS_POOL * distinct), int(HOST_SHARE * distinct)
+    else:
+        history = workload.history_blocks(bs)
+        pool, host = int(OVERFLOW_POOL * history), int(HOST_SHARE * history)
     modes = ("gpu", "kvoffload") if kind == "fits" else MODES
     return WorkloadRun(
         workload,
         _list(args.modes, MODES, "--modes") if args.modes else modes,
         args.rounds if args.rounds is not None else (FITS_ROUNDS if kind == "fits" else 1),
-        args.gpu_blocks if args.gpu_blocks is not None else pool,
-        args.host_blocks if args.host_blocks is not None else int(HOST_SHARE * distinct),
+        args.gpu_blocks if args.gpu_blocks is not None else max(pool, floor),
+        args.host_blocks if args.host_blocks is not None else host,
     )
 
 

@@ -8,9 +8,11 @@ time of prefill. ``docs/e2e.md`` reports what it found.
 
 Variants: the modes (``recompute``, ``gpu``, ``gpu_all``), and kvoffload with one thing changed:
 ``evict`` / ``behind`` (when blocks are stored), ``none`` (nothing stored: lookups only),
-``blocking`` (the whole load before prefill), ``*-inline`` (the CUDA backend enqueues copies in
-the caller's thread: ``submit_thread=False``), ``*-nopoll`` (the backend's submitter threads
-block on their queue instead of polling it after a job).
+``blocking`` (the whole load before prefill), ``*-inline`` (the CUDA backend enqueues every copy
+in the caller's thread: ``submit_thread=False``), ``*-thread`` (every copy is enqueued by the
+backend's thread: ``inline_bytes=0``), ``*-poller`` (a thread that wakes every 100 us and takes
+the GIL, as the CUDA backends' submitter threads did after each job until the data plane stopped
+polling: what such a thread costs the engine).
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import queue
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,44 +57,66 @@ class Variant:
     mode: str
     offload: Offload
     backend: str  # the copy backend's registered name
-    poll: bool  # whether the submitter threads poll after a job (False: POLL_WINDOW = 0)
+    poller: bool  # a GIL-taking polling thread runs beside the engine
+
+
+SUBMISSION: dict[str, dict[str, Any]] = {
+    "inline": {"submit_thread": False},
+    "thread": {"inline_bytes": 0},
+}
 
 
 def parse_variant(name: str, backend: str) -> Variant:
     base, *flags = name.split("-")
-    if base in ("recompute", "gpu", "gpu_all") and not flags:
-        return Variant(name, base, Offload(), backend, True)
-    if base not in OFFLOADS or any(f not in ("inline", "nopoll") for f in flags):
+    if base in ("recompute", "gpu", "gpu_all") and flags in ([], ["poller"]):
+        return Variant(name, base, Offload(), backend, bool(flags))
+    if base not in OFFLOADS or any(f not in (*SUBMISSION, "poller") for f in flags):
         raise ValueError(
-            f"expected a mode or one of {sorted(OFFLOADS)} with -inline/-nopoll, got {name!r}"
+            f"expected a mode or one of {sorted(OFFLOADS)} with -inline/-thread/-poller, "
+            f"got {name!r}"
         )
-    if "inline" in flags:
-        backend = _inline(backend)
-    return Variant(name, "kvoffload", OFFLOADS[base], backend, "nopoll" not in flags)
+    for flag in flags:
+        if flag in SUBMISSION:
+            backend = _submission(backend, flag)
+    return Variant(name, "kvoffload", OFFLOADS[base], backend, "poller" in flags)
 
 
-def _inline(backend: str) -> str:
-    """Register ``<backend>-inline``: the CUDA backend built with ``submit_thread=False``."""
-    name = f"{backend}-inline"
+def _submission(backend: str, how: str) -> str:
+    """Register ``<backend>-<how>``: the CUDA backend built with ``SUBMISSION[how]``."""
+    name = f"{backend}-{how}"
     if name not in BACKENDS:
         from kvoffload.transfer.cuda.dma import DmaBackend
         from kvoffload.transfer.cuda.staged import StagedBackend
 
         cls = {"staged": StagedBackend, "dma": DmaBackend}[backend]
-        register_backend(name, lambda layout, arena: cls(layout, arena, submit_thread=False))
+        kwargs = SUBMISSION[how]
+        register_backend(name, lambda layout, arena: cls(layout, arena, **kwargs))
     return name
 
 
 @contextmanager
-def polling(enabled: bool) -> Iterator[None]:
-    from kvoffload.transfer.cuda import submitter
+def poller(enabled: bool) -> Iterator[None]:
+    """A thread that looks at an empty queue every 100 us (the old submitter's poll loop)."""
+    if not enabled:
+        yield
+        return
+    stop = threading.Event()
+    q: queue.SimpleQueue[None] = queue.SimpleQueue()
 
-    window = submitter.POLL_WINDOW
-    submitter.POLL_WINDOW = window if enabled else 0.0  # read by the threads at every loop
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                time.sleep(100e-6)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
     try:
         yield
     finally:
-        submitter.POLL_WINDOW = window
+        stop.set()
+        thread.join()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,7 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 turns = workload.turns(mc.vocab, 1009 * i + 7919 * variants.index(v))
                 e = engine(v)
                 tier = e.host if e.host is not None else host_for(args.backend)
-                with polling(v.poll):
+                with poller(v.poller):
                     one = run_turns(e, tier, turns, v.name, lambda _: None, i)
                 sync(model.device)
                 rounds[v.name].append(one)

@@ -158,6 +158,17 @@ class Workload:
             total += self.unique_requests() * -(-self.mean_prompt_tokens() // block_size)
         return total
 
+    def history_blocks(self, block_size: int) -> int:
+        """Blocks of every conversation's final history counted apart (a shared system prompt
+        once per conversation), plus the unique prompts' (mixed); docs: ``distinct_blocks``."""
+        if self.docs is not None:
+            return self.distinct_blocks(block_size)
+        assert self.chat is not None
+        total = self.chat.conversations * -(-self.chat.history_tokens // block_size)
+        if self.kind == "mixed":
+            total += self.unique_requests() * -(-self.mean_prompt_tokens() // block_size)
+        return total
+
     def longest_request_blocks(self, block_size: int) -> int:
         """Blocks of the longest prompt plus its answer: what one request holds at once."""
         if self.docs is not None:
