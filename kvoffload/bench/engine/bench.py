@@ -1,9 +1,15 @@
 """The TTFT benchmark behind ``kvoffload bench e2e`` (docs/e2e.md says what it measures).
 
-Per workload it runs every request on a fresh GPU pool in each mode, ``rounds`` times in rotating
-mode order (A-B-C, C-B-A, ...), each round on fresh token ids; then a zero-reuse workload (every
-prompt unique) alternating ``gpu`` and ``kvoffload``; then the correctness check on fresh sampled
-conversations (``verify.py``); then the targets (``targets.py``).
+Per workload, every mode gets its own GPU pool (disjoint blocks of one KV cache) and the modes
+take turns request by request (``run_paired``): every request runs on every mode, who goes first
+rotating, each mode settled (its copies finished) before the next starts. So a drift in the
+machine's speed hits all modes alike (on the H100 VM a host-bound mode, run whole one after
+another, read 14 and 24 turns/s in two rounds), the same request is compared with itself across
+modes, and a mode is charged for its own copies (they never overlap another mode's requests; in
+a service they would overlap its own next request, which this does not credit). ``rounds`` repeat
+that on fresh token ids. Then a zero-reuse workload (every prompt unique) the same way; then the
+correctness check on fresh sampled conversations (``verify.py``); then the targets
+(``targets.py``).
 """
 
 from __future__ import annotations
@@ -54,9 +60,12 @@ class WorkloadRun:
         w = self.workload
         return w.distinct_blocks(block_size) + 2 * w.longest_request_blocks(block_size)
 
+    def pool_blocks(self, mode: str, block_size: int) -> int:
+        return self.all_blocks(block_size) if mode == "gpu_all" else self.gpu_blocks
+
     def cache_blocks(self, block_size: int) -> int:
-        full = self.all_blocks(block_size) if "gpu_all" in self.modes else 0
-        return max(self.gpu_blocks, full)
+        """Blocks of KV cache the run needs: every mode's pool (side by side)."""
+        return sum(self.pool_blocks(m, block_size) for m in self.modes)
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,11 @@ class BenchConfig:
             )
         return out
 
+    def cache_blocks(self) -> int:
+        zero = len(self.zero_reuse_variants()) * self.workloads[0].gpu_blocks
+        runs = [r.cache_blocks(self.block_size) for r in self.workloads]
+        return max([*runs, zero if self.zero_reuse_rounds else 0])
+
     def steps(self) -> int:
         """Progress steps: warm-ups, requests, zero-reuse requests, sampled checks."""
         work = sum(r.rounds * len(r.modes) * r.workload.requests() for r in self.workloads)
@@ -120,8 +134,7 @@ def run_bench(cfg: BenchConfig, advance: Advance) -> dict[str, Any]:
     device = torch.device(cfg.device)
     t0 = time.perf_counter()
     model = Model(mc, cfg.device, cfg.seed, cfg.dtype)
-    blocks = max(r.cache_blocks(cfg.block_size) for r in cfg.workloads)
-    cache = PagedKVCache(mc, blocks, cfg.block_size, device, getattr(torch, cfg.dtype))
+    cache = PagedKVCache(mc, cfg.cache_blocks(), cfg.block_size, device, getattr(torch, cfg.dtype))
     host_blocks = max(r.host_blocks for r in cfg.workloads)
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=host_blocks, backend=cfg.backend))
     sync(device)
@@ -157,10 +170,12 @@ def _engine(
     run: WorkloadRun,
     mode: str,
     offload: Offload | None = None,
+    first_block: int = 0,
 ) -> Engine:
-    pool = run.all_blocks(cfg.block_size) if mode == "gpu_all" else run.gpu_blocks
+    pool = run.pool_blocks(mode, cfg.block_size)
     tier = host if mode == "kvoffload" else None
-    return Engine(model, cache, mode, tier, cfg.chunk_tokens, offload or cfg.offload, pool)
+    off = offload or cfg.offload
+    return Engine(model, cache, mode, tier, cfg.chunk_tokens, off, pool, first_block)
 
 
 def warm_up(engine: Engine, mc: ModelConfig, cfg: BenchConfig, advance: Advance) -> None:
@@ -184,16 +199,19 @@ def run_workload(
     run: WorkloadRun,
     advance: Advance,
 ) -> dict[str, Any]:
-    """Every mode on the workload, ``run.rounds`` times in rotating order; per mode the records
-    of all rounds pooled, turns/s the median of the rounds."""
+    """Every mode on the workload, paired request by request, ``run.rounds`` times; per mode the
+    records of all rounds pooled, turns/s the median of the rounds."""
     vocab, names = model.config.vocab, list(run.modes)
     rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in names}
+    label = run.workload.kind
     for i in range(run.rounds):
         turns = run.workload.turns(vocab, cfg.seed + 1009 * i)
-        for mode in names if i % 2 == 0 else names[::-1]:
-            engine = _engine(model, cache, host, cfg, run, mode)
-            label = f"{run.workload.kind} {mode}"
-            rounds[mode].append(run_turns(engine, host, turns, label, advance, round_=i))
+        engines, first = {}, 0
+        for mode in names:
+            engines[mode] = _engine(model, cache, host, cfg, run, mode, first_block=first)
+            first += run.pool_blocks(mode, cfg.block_size)
+        for mode, one in run_paired(engines, host, turns, label, advance, i).items():
+            rounds[mode].append(one)
     modes = {m: pool_rounds(rs, model.config.layers) for m, rs in rounds.items()}
     return {
         "workload": run.workload.as_dict(),
@@ -206,33 +224,45 @@ def run_workload(
     }
 
 
-def run_turns(
-    engine: Engine,
+def run_paired(
+    engines: dict[str, Engine],
     host: HostTier,
     turns: Sequence[Turn],
     label: str,
     advance: Advance,
     round_: int = 0,
-) -> dict[str, Any]:
-    before = copy.copy(host.stats)
-    device = engine.model.device
-    sync(device)
-    t0 = time.perf_counter()
-    records = []
-    for turn in turns:
-        r = engine.run(turn.prompt, turn.answer)
-        records.append(record(turn, r, round_))
-        advance(label)
-    sync(device)
-    wall = time.perf_counter() - t0  # the last turn's stores run on, as they would in service
-    engine.idle()
+) -> dict[str, dict[str, Any]]:
+    """Every request on every engine in turn (who goes first rotates), each engine settled
+    (``idle``: its copies finished) before the next starts; a mode's time is the sum of its
+    requests' (run + settle). The engines must use disjoint blocks of the cache."""
+    names = list(engines)
+    spent = dict.fromkeys(names, 0.0)
+    tiers = {n: TierStats() for n in names}
+    records: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    device = engines[names[0]].model.device
+    for i, turn in enumerate(turns):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            engine, before = engines[name], copy.copy(host.stats)
+            sync(device)
+            t0 = time.perf_counter()
+            r = engine.run(turn.prompt, turn.answer)
+            engine.idle()
+            sync(device)
+            spent[name] += time.perf_counter() - t0
+            tiers[name] = _sum(tiers[name], tier_delta(host.stats, before))
+            records[name].append(record(turn, r, round_))
+            advance(f"{label} {name}")
     return {
-        "wall_s": wall,
-        "turns_per_s": len(records) / wall,
-        "tier": dataclasses.asdict(_delta(host.stats, before)),
-        "gpu_evicted_blocks": engine.pool.evictions,
-        "late_stored_blocks": engine.late_stores,
-        "records": records,
+        n: {
+            "wall_s": spent[n],
+            "turns_per_s": len(records[n]) / spent[n],
+            "tier": dataclasses.asdict(tiers[n]),
+            "gpu_evicted_blocks": engines[n].pool.evictions,
+            "late_stored_blocks": engines[n].late_stores,
+            "records": records[n],
+        }
+        for n in names
     }
 
 
@@ -255,8 +285,7 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
         "load_ms": None if r.load_seconds is None else r.load_seconds * 1e3,
         "load_exposed_ms": None if exposed is None else exposed * 1e3,
         "layer_wait_ms": [w * 1e3 for w in r.layer_waits],
-        "schedule_ms": r.schedule_seconds * 1e3,
-        "launch_ms": r.launch_seconds * 1e3,
+        "host_ms": {step: seconds * 1e3 for step, seconds in r.host.items()},
         "prefill_ms": r.sections.get("prefill", 0.0) * 1e3,
         "gather_ms": r.sections.get("gather", 0.0) * 1e3,
         "sdpa_ms": r.sections.get("sdpa", 0.0) * 1e3,
@@ -307,9 +336,9 @@ def summarize(records: list[dict[str, Any]], tier: dict[str, Any], layers: int) 
             "failed_blocks": tier["failures"],
         },
         "overlap": overlap(restored, layers),
-        "host_ms": {
-            "schedule_p50": percentiles([r["schedule_ms"] for r in records]).get("p50"),
-            "launch_p50": percentiles([r["launch_ms"] for r in records]).get("p50"),
+        "host_ms_p50": {
+            step: float(np.median([r["host_ms"].get(step, 0.0) for r in records]))
+            for step in sorted({s for r in records for s in r["host_ms"]})
         },
         "ttft_s_total": ttft_s,
         "prefill_s": total("prefill_ms") / 1e3,
@@ -357,8 +386,8 @@ def zero_reuse(
     advance: Advance,
 ) -> dict[str, Any] | None:
     """Unique prompts as long as the first workload's mean prompt: ``gpu``, ``kvoffload`` with
-    the chosen admission and, if that is not ``all``, ``kvoffload`` storing everything, in
-    rotating order."""
+    the chosen admission and, if that is not ``all``, ``kvoffload`` storing everything, paired
+    request by request (``run_paired``)."""
     if not cfg.zero_reuse_rounds:
         return None
     run = cfg.workloads[0]
@@ -367,13 +396,13 @@ def zero_reuse(
     names = list(variants)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for i in range(cfg.zero_reuse_rounds):
-        order = names if i % 2 == 0 else names[::-1]
-        for j, name in enumerate(order):
-            seed = cfg.seed + 1000 + len(names) * i + j
-            turns = unique_turns(cfg.zero_reuse_turns, length, answer, mc.vocab, seed)
-            mode, offload = variants[name]
-            engine = _engine(model, cache, host, cfg, run, mode, offload)
-            one = run_turns(engine, host, turns, f"zero reuse {name}", advance, i)
+        seed = cfg.seed + 1000 + i
+        turns = unique_turns(cfg.zero_reuse_turns, length, answer, mc.vocab, seed)
+        engines = {
+            name: _engine(model, cache, host, cfg, run, mode, offload, j * run.gpu_blocks)
+            for j, (name, (mode, offload)) in enumerate(variants.items())
+        }
+        for name, one in run_paired(engines, host, turns, "zero reuse", advance, i).items():
             summary = summarize(one.pop("records"), one["tier"], mc.layers)
             runs[name].append({**one, **summary})
     tps = {n: statistics.median(r["turns_per_s"] for r in runs[n]) for n in names}
@@ -398,10 +427,16 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(np.mean(values))}
 
 
-def _delta(after: TierStats, before: TierStats) -> TierStats:
+def tier_delta(after: TierStats, before: TierStats) -> TierStats:
     return TierStats(
         **{
             f.name: getattr(after, f.name) - getattr(before, f.name)
             for f in dataclasses.fields(TierStats)
         }
+    )
+
+
+def _sum(a: TierStats, b: TierStats) -> TierStats:
+    return TierStats(
+        **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(TierStats)}
     )

@@ -79,10 +79,22 @@ class TurnResult:
     computed_tokens: int  # prompt tokens prefilled
     load_seconds: float | None  # the host-tier load's device time; None: not timed (a CPU)
     layer_waits: list[float]  # per layer: how long its attention waited for its blocks (exposed)
-    schedule_seconds: float  # host time before prefill: lookups, allocation, submitting the load
-    launch_seconds: float  # host time enqueuing the prefill (its compute time on a CPU)
+    host: dict[str, float]  # host seconds inside TTFT per step (``_HostClock``)
     sections: dict[str, float] = field(default_factory=dict)  # device time inside TTFT
     blocks: list[int] = field(default_factory=list)  # the request's block table, in order
+
+
+class _HostClock:
+    """Host seconds per step of a request, from its start: ``mark(step)`` ends a step."""
+
+    def __init__(self, start: float) -> None:
+        self.last = start
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, step: str) -> None:
+        now = time.perf_counter()
+        self.seconds[step] = self.seconds.get(step, 0.0) + now - self.last
+        self.last = now
 
 
 class Engine:
@@ -95,17 +107,21 @@ class Engine:
         chunk_tokens: int = 2048,
         offload: Offload | None = None,
         pool_blocks: int | None = None,
+        first_block: int = 0,
     ) -> None:
+        """``pool_blocks`` (default: all) of the cache's blocks from ``first_block`` on are this
+        engine's GPU pool."""
         if mode not in MODES:
             raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
         if (mode == "kvoffload") != (host is not None):
             raise ValueError(f"expected a host tier exactly in mode 'kvoffload', got mode {mode!r}")
         if chunk_tokens <= 0:
             raise ValueError(f"expected chunk_tokens > 0, got {chunk_tokens}")
-        pool_blocks = cache.num_blocks if pool_blocks is None else pool_blocks
-        if not 0 < pool_blocks <= cache.num_blocks:
+        pool_blocks = cache.num_blocks - first_block if pool_blocks is None else pool_blocks
+        if first_block < 0 or not 0 < pool_blocks <= cache.num_blocks - first_block:
             raise ValueError(
-                f"expected pool_blocks in [1, {cache.num_blocks}] (the cache's), got {pool_blocks}"
+                f"expected pool_blocks in [1, {cache.num_blocks - first_block}] (the cache's "
+                f"{cache.num_blocks} blocks from first_block {first_block} on), got {pool_blocks}"
             )
         self.model = model
         self.cache = cache
@@ -113,7 +129,7 @@ class Engine:
         self.host = host
         self.chunk_tokens = chunk_tokens
         self.offload = offload or Offload()
-        self.pool = BlockPool(pool_blocks)
+        self.pool = BlockPool(pool_blocks, first_block)
         self.timer = SectionTimer(model.device)
         self.late_stores = 0  # blocks stored only when the pool was about to reuse them
         self._ghosts: OrderedDict[BlockKey, None] = OrderedDict()
@@ -140,6 +156,7 @@ class Engine:
         if len(answer) and decode:
             raise ValueError("expected answer tokens or decode steps, got both")
         req = f"req{next(self._ids)}"
+        host_time = _HostClock(t0)
         self._allocated = 0
         self._settle()
         bs = self.cache.block_size
@@ -147,21 +164,30 @@ class Engine:
         reusable = keys[: (len(tokens) - 1) // bs]  # the last token is always computed
         blocks = self.pool.match(reusable)
         gpu_hit = loaded = len(blocks)  # blocks [gpu_hit, loaded) come from host
+        host_time.mark("match")
         load = None
         if self.host is not None and len(reusable) > gpu_hit:
             held = self.host.lookup(reusable[gpu_hit:])
+            host_time.mark("lookup")
             if held:
                 new = self._allocate(held)
+                host_time.mark("allocate")
                 load = self.host.start_load(req, reusable[gpu_hit : gpu_hit + held], new)
+                host_time.mark("load_submit")
                 blocks += new
                 loaded += held
         blocks += self._allocate(-(-len(tokens) // bs) - len(blocks))
-        t_prefill = time.perf_counter()
+        host_time.mark("allocate")
         layered = load is not None and self.offload.load == "layered"
-        if load is not None and not layered and not self._finish_load(load):
-            blocks, loaded = self._recompute_instead(req, blocks, gpu_hit, loaded)
+        if load is not None and not layered:
+            ok = self._finish_load(load)
+            host_time.mark("load_wait")
+            if not ok:
+                blocks, loaded = self._recompute_instead(req, blocks, gpu_hit, loaded)
         logits = self._prefill(tokens, loaded * bs, blocks, load if layered else None)
-        t_launched = time.perf_counter()
+        host_time.mark("launch")  # prefill enqueued (on a CPU: computed)
+        if self.host is not None:
+            self._store_ahead()  # host work while the device computes
         if layered and load is not None and not self._finish_load(load):
             blocks, loaded = self._recompute_instead(req, blocks, gpu_hit, loaded)
             logits = self._prefill(tokens, loaded * bs, blocks)
@@ -169,6 +195,7 @@ class Engine:
             self.pool.cache(blocks[gpu_hit:loaded], reusable[gpu_hit:loaded])
         first = int(logits.argmax())
         ttft = time.perf_counter() - t0
+        host_time.mark("first_token")  # finishing the load, syncing on the first token
         sections = self.timer.collect()
         seq, out = tokens, []
         if len(answer):  # launched before the stores, so their host-side work overlaps it
@@ -201,8 +228,7 @@ class Engine:
             len(tokens) - loaded * bs,
             self._load_seconds(load) if loaded > gpu_hit else 0.0,
             [sections.pop(f"wait{i}", 0.0) for i in range(layers)] if layered else [],
-            t_prefill - t0,
-            t_launched - t_prefill,
+            host_time.seconds,
             sections,
             blocks,
         )
@@ -332,10 +358,7 @@ class Engine:
             while self.pool.num_free < n and self._held:
                 self.host.wait_settled(next(iter(self._held)))
                 self._settle()
-        blocks = self.pool.allocate(n)
-        if self.host is not None:
-            self._store_ahead()
-        return blocks
+        return self.pool.allocate(n)
 
     def _finish(self, req: str, blocks: list[int]) -> None:
         self._held.setdefault(req, []).extend(blocks)

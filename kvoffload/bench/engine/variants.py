@@ -18,28 +18,30 @@ polling: what such a thread costs the engine).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import kvoffload as kvo
-from kvoffload.bench.engine.bench import pool_rounds, run_turns
+from kvoffload.bench.engine.bench import Advance, pool_rounds, record, tier_delta
 from kvoffload.bench.engine.config import model_config
 from kvoffload.bench.engine.engine import Engine, Offload
 from kvoffload.bench.engine.host_tier import HostTier
 from kvoffload.bench.engine.kv_cache import PagedKVCache
 from kvoffload.bench.engine.model import Model
 from kvoffload.bench.engine.timing import sync
-from kvoffload.bench.engine.workload import Workload
+from kvoffload.bench.engine.workload import Turn, Workload
 from kvoffload.transfer.backend import BACKENDS, register_backend
 
 OFFLOADS = {
@@ -139,10 +141,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hosts: dict[str, HostTier] = {}
     chunk = args.chunk_tokens
 
+    submitted: list[tuple[str, Any]] = []  # (direction, the backend's pending) of every copy
+
     def host_for(backend: str) -> HostTier:
         if backend not in hosts:
             config = kvo.OffloadConfig(host_capacity_blocks=wrun.host_blocks, backend=backend)
             hosts[backend] = HostTier(cache, config)
+            _watch(hosts[backend], submitted)
         return hosts[backend]
 
     def engine(v: Variant) -> Engine:
@@ -173,9 +178,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 turns = workload.turns(mc.vocab, 1009 * i + 7919 * variants.index(v))
                 e = engine(v)
                 tier = e.host if e.host is not None else host_for(args.backend)
+                submitted.clear()
                 with poller(v.poller):
                     one = run_turns(e, tier, turns, v.name, lambda _: None, i)
                 sync(model.device)
+                one["enqueue_ms_p50"] = _enqueue_ms(submitted)
                 rounds[v.name].append(one)
                 _line(v.name, i, one)
         for v in variants:
@@ -187,20 +194,84 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def run_turns(
+    engine: Engine,
+    host: HostTier,
+    turns: Sequence[Turn],
+    label: str,
+    advance: Advance,
+    round_: int = 0,
+) -> dict[str, Any]:
+    before = copy.copy(host.stats)
+    device = engine.model.device
+    sync(device)
+    t0 = time.perf_counter()
+    records = []
+    for turn in turns:
+        r = engine.run(turn.prompt, turn.answer)
+        records.append(record(turn, r, round_))
+        advance(label)
+    sync(device)
+    wall = time.perf_counter() - t0  # the last turn's stores run on, as they would in service
+    engine.idle()
+    return {
+        "wall_s": wall,
+        "turns_per_s": len(records) / wall,
+        "tier": dataclasses.asdict(tier_delta(host.stats, before)),
+        "gpu_evicted_blocks": engine.pool.evictions,
+        "late_stored_blocks": engine.late_stores,
+        "records": records,
+    }
+
+
+def _watch(host: HostTier, sink: list[tuple[str, Any]]) -> None:
+    """Keep every pending copy the backend hands out, to read its host enqueue time later."""
+    backend = host.worker.backend
+    submit = backend.submit
+
+    def watched(specs: Any, *args: Any, **kwargs: Any) -> Any:
+        pending = submit(specs, *args, **kwargs)
+        sink.append((specs[0].direction if specs else "none", pending))
+        return pending
+
+    backend.submit = watched  # type: ignore[method-assign]
+
+
+def _enqueue_ms(submitted: list[tuple[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per direction, medians of the host time enqueuing a copy and of its wait to start."""
+    out = {}
+    for direction in ("load", "store"):
+        got = [p for d, p in submitted if d == direction and hasattr(p, "enqueue_seconds")]
+        if got:
+            started = [p for p in got if p.started_at]
+            out[direction] = {
+                "count": float(len(got)),
+                "enqueue": 1e3 * float(np.median([p.enqueue_seconds for p in got])),
+                "queued": 1e3 * float(np.median([p.started_at - p.queued_at for p in started]))
+                if started
+                else 0.0,
+                "inline_share": float(np.mean([bool(getattr(p, "inline", False)) for p in got])),
+            }
+    return out
+
+
 def _line(name: str, i: int, one: dict[str, Any]) -> None:
     recs = one["records"]
 
-    def med(field: str) -> float:
-        values = sorted(r[field] for r in recs if r[field] is not None)
-        return float(values[len(values) // 2]) if values else 0.0
+    def med(values: list[float | None]) -> float:
+        known = sorted(v for v in values if v is not None)
+        return float(known[len(known) // 2]) if known else 0.0
 
     ttft = sorted(r["ttft_ms"] for r in recs)
+    steps = sorted({s for r in recs for s in r["host_ms"]})
+    host = ", ".join(f"{s} {med([r['host_ms'].get(s) for r in recs]):.2f}" for s in steps)
+    fields = ("prefill_ms", "load_ms", "load_exposed_ms")
+    device = ", ".join(f"{f[:-3]} {med([r[f] for r in recs]):.2f}" for f in fields)
     print(
-        f"round {i} {name:>16}: {one['turns_per_s']:6.2f} turns/s, TTFT p50 {med('ttft_ms'):6.1f} "
-        f"max {ttft[-1]:6.1f} ms; host before prefill {med('schedule_ms'):.2f}, enqueue "
-        f"{med('launch_ms'):.2f}; prefill {med('prefill_ms'):.2f}, load {med('load_ms'):.2f}, "
-        f"exposed {med('load_exposed_ms'):.2f} ms; stored {one['tier']['stores']}, late "
-        f"{one['late_stored_blocks']}",
+        f"round {i} {name:>14}: {one['turns_per_s']:6.2f} turns/s, TTFT p50 "
+        f"{med([r['ttft_ms'] for r in recs]):6.1f} max {ttft[-1]:6.1f} ms; host ms p50: {host}; "
+        f"device ms p50: {device}; stored {one['tier']['stores']}, late "
+        f"{one['late_stored_blocks']}; enqueue {one.get('enqueue_ms_p50')}",
         flush=True,
     )
 
