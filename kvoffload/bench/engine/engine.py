@@ -187,15 +187,20 @@ class Engine:
         logits = self._prefill(tokens, loaded * bs, blocks, load if layered else None)
         host_time.mark("launch")  # prefill enqueued (on a CPU: computed)
         if self.host is not None:
+            if layered and load is not None:
+                self.host.time_load(load)
             self._store_ahead()  # host work while the device computes
+        # The first token, then the load's result: the forward waited for every layer of the
+        # load, so once it is done the load is too, and checking it costs no host polling.
+        first = int(logits.argmax())
         if layered and load is not None and not self._finish_load(load):
             blocks, loaded = self._recompute_instead(req, blocks, gpu_hit, loaded)
             logits = self._prefill(tokens, loaded * bs, blocks)
+            first = int(logits.argmax())
         if cache and loaded > gpu_hit:
             self.pool.cache(blocks[gpu_hit:loaded], reusable[gpu_hit:loaded])
-        first = int(logits.argmax())
         ttft = time.perf_counter() - t0
-        host_time.mark("first_token")  # finishing the load, syncing on the first token
+        host_time.mark("first_token")  # syncing on the first token, checking the load
         sections = self.timer.collect()
         seq, out = tokens, []
         if len(answer):  # launched before the stores, so their host-side work overlaps it

@@ -96,15 +96,20 @@ class HostTier:
         that failed is noted and ends as a miss in ``finish_load``; the caller recomputes."""
         self._wait_on(load, layer=layer)
 
-    def finish_load(self, load: Load) -> bool:
-        """True once every block of ``load`` is in place; False means recompute them (the load
-        failed, or did not finish within ``load_timeout``: then its blocks may still be written
-        until ``settled(req_id)``)."""
-        if self.cuda and self._wait_on(load, stream=self._probe):
+    def time_load(self, load: Load) -> None:
+        """On a GPU, record ``load.end`` when the load's last byte lands (a side stream waits for
+        it): call right after enqueuing the work that reads the blocks. No-op on a CPU."""
+        if self.cuda and load.end is None and self._wait_on(load, stream=self._probe):
             import torch
 
             load.end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             load.end.record(self._probe)
+
+    def finish_load(self, load: Load) -> bool:
+        """True once every block of ``load`` is in place; False means recompute them (the load
+        failed, or did not finish within ``load_timeout``: then its blocks may still be written
+        until ``settled(req_id)``)."""
+        self.time_load(load)
         if self.worker.wait([load.job_id], self.load_timeout):
             self.worker.cancel(self.offloader.abort(load.req_id))
         self.poll()

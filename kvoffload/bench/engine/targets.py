@@ -46,7 +46,7 @@ class Target:
         if self.unit == "%":
             want, got = f"{sign} {100 * self.limit:.0f}%", f"{100 * (self.value or 0):+.1f}%"
         elif self.unit == "turns":
-            want, got = f"all {self.limit:.0f}", f"{self.value or 0:.0f}/{self.limit:.0f}"
+            want, got = "all", f"{self.value or 0:.0f}/{self.limit:.0f}"
         else:
             want, got = f"{sign} {self.limit:g}x", f"{self.value or 0:.2f}x"
         state = {True: "reached", False: "NOT reached", None: "not measured"}[self.reached]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import kvoffload as kvo
-from kvoffload.bench.engine.bench import Advance, pool_rounds, record, tier_delta
+from kvoffload.bench.engine.bench import Advance, freeze_heap, pool_rounds, record, tier_delta
 from kvoffload.bench.engine.config import model_config
 from kvoffload.bench.engine.engine import Engine, Offload
 from kvoffload.bench.engine.host_tier import HostTier
@@ -170,6 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for t in first:
                 e.run(t.prompt, t.answer)
             e.idle()
+        freeze_heap()
         rounds: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
         for i in range(args.rounds):
             for v in variants if i % 2 == 0 else variants[::-1]:
