@@ -39,6 +39,34 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
         assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_every_workload_runs_and_reports_its_targets(tmp_path, monkeypatch, capsys):
+    """All four workloads at micro shapes, the JSON written to a new file under
+    ./kvoffload-results (no --out), the tables within 80 columns."""
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "e2e", "--model", "micro", "--device", "cpu", "--no-plot"]
+    assert main([*argv, "--workloads", "chat,fits,docs,mixed", "--zero-reuse-rounds", "0"]) == 0
+    (out,) = (tmp_path / "kvoffload-results").glob("e2e_micro_cpu-*.json")
+    result = json.loads(out.read_text())
+    workloads = result["results"]["workloads"]
+    assert list(workloads) == ["chat", "fits", "docs", "mixed"]
+    assert [w["kind"] for w in result["config"]["workloads"]] == list(workloads)
+    fits = workloads["fits"]["modes"]
+    assert list(fits) == ["gpu", "kvoffload"] and len(fits["gpu"]["turns_per_s_rounds"]) == 3
+    assert fits["kvoffload"]["hit_ratio"]["host"] == 0.0  # the pool holds everything
+    assert fits["kvoffload"]["host"]["stored_blocks"] == 0  # and nothing is stored
+    docs = workloads["docs"]["modes"]["kvoffload"]["records"]
+    assert len(docs) == 12 and any(r["turn"] >= 2 for r in docs)
+    mixed = workloads["mixed"]["modes"]["gpu"]["records"]
+    assert sum(r["conversation"] == -1 for r in mixed) == 4  # a quarter unique
+    names = [t["name"] for t in result["results"]["targets"]]
+    assert "chat: restored p50 / gpu_all" in names and "fits: turns/s cost" in names
+    assert "docs: recompute / kvoffload p99" in names
+    text = capsys.readouterr().out
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert "fits: turns/s cost:" in text
+
+
 def _has_matplotlib():
     try:
         import matplotlib  # noqa: F401

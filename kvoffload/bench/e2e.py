@@ -426,11 +426,13 @@ def _print(result: dict[str, Any]) -> None:
     for kind, run in res["workloads"].items():
         which = "all requests" if kind == "fits" else "returning requests"
         table = Table(title=f"{kind}: TTFT ms, {which}")
-        for col in ("mode", "p50", "p90", "p99", "turns/s", "GPU", "host", "load GB/s", "hid"):
+        for col in ("mode", "p50", "p90", "p99", "turns/s", "GPU", "host", "waited", "hid"):
             table.add_column(col, justify="right")
         for mode, m in run["modes"].items():
             t = m["ttft_ms"] if kind == "fits" else m["ttft_ms_returning"]
-            gbps, ov = m["host"]["load_GBps"], m["overlap"]
+            ov = m["overlap"]
+            waited = ov["median_per_request_ms"]["exposed"] if ov else None
+            hidden = ov["hidden_share"] if ov else None
             table.add_row(
                 mode,
                 f"{t.get('p50', 0):.1f}",
@@ -439,11 +441,14 @@ def _print(result: dict[str, Any]) -> None:
                 f"{m['turns_per_s']:.2f}",
                 f"{100 * m['hit_ratio']['gpu']:.0f}%",
                 f"{100 * m['hit_ratio']['host']:.0f}%",
-                "-" if gbps is None else f"{gbps:.1f}",
-                "-" if not ov or ov["hidden_share"] is None else f"{100 * ov['hidden_share']:.0f}%",
+                "-" if waited is None else f"{waited:.1f}",
+                "-" if hidden is None else f"{100 * hidden:.0f}%",
             )
         console.print(table)
-    console.print("GPU/host: prompt tokens hit there; hid: share of load time under compute")
+    console.print(
+        "GPU/host: prompt tokens hit there; waited: ms a restored request's attention waited for "
+        "its load (median); hid: share of load time under prefill (GPU only)"
+    )
     zero = res["zero_reuse"]
     if zero:
         tps, over = zero["turns_per_s"], zero["overhead_turns_per_s"]

@@ -142,20 +142,22 @@ class Workload:
         return shape.answer_tokens
 
     def distinct_blocks(self, block_size: int) -> int:
-        """Full blocks of distinct KV the whole workload computes (its working set): shared
-        prefixes (the system prompt, a document) count once."""
+        """Full blocks of distinct KV the whole workload computes, i.e. the blocks a prefix cache
+        that never evicts ends up holding: shared prefixes (the system prompt, a document) count
+        once; docs counts every document, used or not."""
+        bs = block_size
         if self.docs is not None:
             d = self.docs
-            shared = d.system_tokens // block_size
-            per_doc = (d.system_tokens + d.document_tokens) // block_size - shared
-            per_request = -(-(d.request_tokens + d.answer_tokens) // block_size) - shared - per_doc
-            return shared + d.documents * per_doc + d.requests * per_request
+            shared = d.system_tokens // bs
+            per_doc = (d.system_tokens + d.document_tokens) // bs - shared
+            own = (d.request_tokens + d.answer_tokens) // bs - shared - per_doc
+            return shared + d.documents * per_doc + d.requests * own
         assert self.chat is not None
         c = self.chat
-        shared = c.system_tokens // block_size
-        total = shared + c.conversations * (-(-c.history_tokens // block_size) - shared)
+        shared = c.system_tokens // bs
+        total = shared + c.conversations * (c.history_tokens // bs - shared)
         if self.kind == "mixed":
-            total += self.unique_requests() * -(-self.mean_prompt_tokens() // block_size)
+            total += self.unique_requests() * ((self.mean_prompt_tokens() + c.answer_tokens) // bs)
         return total
 
     def history_blocks(self, block_size: int) -> int:
