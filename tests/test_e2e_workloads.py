@@ -38,13 +38,14 @@ def test_distinct_blocks_counts_the_working_set(workload):
 
 
 def test_chat_turns_extend_their_own_history():
-    w = Workload("chat", chat=ChatShape(2, 3, 32, 16, 8))
+    shape = ChatShape(2, 3, 32, 16, 8)
+    w = Workload("chat", chat=shape)
     turns = w.turns(1000, seed=1)
     assert [(t.conversation, t.index) for t in turns[:3]] == [(0, 1), (1, 1), (0, 2)]
     first, second = turns[0], turns[2]
     history = np.concatenate([first.prompt, first.answer])
     assert np.array_equal(second.prompt[: len(history)], history)
-    assert len(second.prompt) == w.chat.prompt_tokens(2)
+    assert len(second.prompt) == shape.prompt_tokens(2)
     assert not first.returning and second.returning
     assert w.requests() == len(turns) == 6
 
@@ -59,7 +60,7 @@ def test_docs_requests_share_their_document_and_count_its_uses():
         seen[t.conversation] = seen.get(t.conversation, 0) + 1
         assert t.index == seen[t.conversation]  # the how-many-th use of that document
         assert len(t.prompt) == shape.request_tokens
-    by_doc = {}
+    by_doc: dict[int, np.ndarray] = {}
     for t in turns:  # one document: the same system + document tokens every time
         by_doc.setdefault(t.conversation, t.prompt[:48])
         assert np.array_equal(by_doc[t.conversation], t.prompt[:48])
@@ -89,7 +90,7 @@ def test_workloads_reject_bad_shapes():
         DocShape(1, 16, 0, 0, 4, 4)
 
 
-def _records(mode_ttft: dict[tuple[int, int], tuple[float, int]]) -> list[dict]:
+def _records(mode_ttft: dict[tuple[int, int], tuple[float, int]]) -> list[dict[str, object]]:
     return [
         {"round": 0, "conversation": c, "turn": t, "ttft_ms": ms, "host_hit_tokens": host}
         for (c, t), (ms, host) in mode_ttft.items()
