@@ -3,8 +3,14 @@
 # transfer benchmark and the end-to-end TTFT benchmark (JSON + PNG), on the GPU machine. Run from
 # the repository root:
 #
-#   OUT=/some/dir bash benchmarks/gpu_run.sh            # everything (parts took 181 s + 278 s on an H100)
-#   OUT=/some/dir bash benchmarks/gpu_run.sh --quick    # transfer: one block size, fewer reps
+#   OUT=/some/dir bash benchmarks/gpu_run.sh            # everything
+#   OUT=/some/dir bash benchmarks/gpu_run.sh --quick    # transfer: fewer reps, 150 s sweep budget
+#   STEPS="transfer-tests calibrate transfer" OUT=... bash benchmarks/gpu_run.sh  # the data plane
+#
+# The data plane's share (H100, 2026-11-23): its GPU tests ~65 s (316 tests), calibrate (store,
+# load and both at once) under 150 s, the transfer benchmark's sweep stops taking new cases after
+# --time-budget-s (default 200 s) and then measures the link again, GEMM/launch stalls are inside
+# the first case; so under 8 minutes together.
 #   STEPS="tests e2e" OUT=... bash benchmarks/gpu_run.sh  # a subset (a device call is <= 10 min)
 #
 # STEPS (default "tests doctor transfer e2e"; "calibrate" alone writes the table only). Writes under $OUT: gpu_run.log (everything),
@@ -25,13 +31,16 @@ STEPS=${STEPS:-tests doctor transfer e2e}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 want tests && step timeout 360 python3 -m pytest tests/gpu -q -p no:cacheprovider -m gpu -rs
+want transfer-tests && step timeout 150 python3 -m pytest tests/gpu/test_transfer_backends.py \
+  tests/gpu/test_transfer_layers.py tests/gpu/test_transfer_ordering.py -q -p no:cacheprovider -m gpu -rs
 want doctor && step python3 -m kvoffload.cli doctor
 if want calibrate || want transfer; then
-  step timeout 120 python3 -m kvoffload.cli calibrate --pieces 4096,32768,262144,2097152 --blocks 16,128,512
+  step timeout 150 python3 -m kvoffload.cli calibrate --pieces 4096,32768,262144,2097152 --blocks 16,128,512
 fi
-want transfer && step timeout 420 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
+want transfer && step timeout 330 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
 # e2e: Llama-3-8B shapes on the chat workload (every mode) and the fitting one (gpu vs kvoffload,
 # 3 rounds), zero reuse, 3 sampled turns checked; then Qwen2.5-7B shapes with 32-token blocks.
+# Both took 226 s on the H100 (2026-11-23, run7 in docs/e2e.md).
 want e2e && step timeout 330 python3 -m kvoffload.cli bench e2e --workloads chat,fits --zero-reuse-rounds 4 --verify 3 --out "$OUT/e2e_gpu.json"
 want e2e && step timeout 200 python3 -m kvoffload.cli bench e2e --model qwen2.5-7b --block-size 32 --modes recompute,gpu_all,kvoffload --zero-reuse-rounds 0 --verify 2 --out "$OUT/e2e_gpu_qwen.json"
 echo "=== done, status $status" | tee -a "$LOG"

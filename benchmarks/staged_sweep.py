@@ -146,7 +146,7 @@ def slices_and_streams(sleeper: Sleeper, arena: HostArena, quick: bool) -> list[
                 row: dict[str, Any] = {"model": model, "layout": layout, "bs": bs, "blocks": n}
                 row["variant"] = name
                 row["slot_bytes"] = eng.kv.slot_bytes
-                row["slices"] = len(bk.load_slices[0])
+                row["slices"] = max(bk._plans[0])
                 nbytes = n * eng.kv.slot_bytes
                 for d in ("store", "load"):
                     if d == "store" and name.startswith(("S2", "S4", "S8D1")):
@@ -314,10 +314,10 @@ def host_contention(arena: HostArena, quick: bool) -> list[dict[str, Any]]:
         return (time.perf_counter() - t0) / steps * 1e6
 
     out = []
-    for kind in ("none", "new", "polling"):
+    for kind in ("none", "new", "thread", "polling"):
         bk = None
         if kind != "none":
-            bk = StagedBackend(eng.kv, arena)
+            bk = StagedBackend(eng.kv, arena, inline_bytes=0 if kind == "thread" else 64 << 20)
             if kind == "polling":
                 with_polling(bk)
         try:
@@ -342,6 +342,7 @@ def host_contention(arena: HostArena, quick: bool) -> list[dict[str, Any]]:
 
                 def side(b: CudaBackend | None = bk, stop: threading.Event = stop) -> None:
                     assert b is not None
+                    torch.cuda.set_device(0)
                     while not stop.is_set():
                         ps = [
                             b.submit(specs("store", 64, eng.pool, arena.num_slots)),
@@ -384,6 +385,42 @@ def host_contention(arena: HostArena, quick: bool) -> list[dict[str, Any]]:
     return out
 
 
+def profile_submits(arena: HostArena) -> dict[str, str]:
+    """cProfile of inline submits (the caller's host time), top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    eng = Engine("llama3-8b", "page", 16, 64)
+    out = {}
+    for method in ("staged", "dma"):
+        bk: CudaBackend = (
+            StagedBackend(eng.kv, arena) if method == "staged" else DmaBackend(eng.kv, arena)
+        )
+        try:
+            cases: list[tuple[Direction, int]] = [("store", 1), ("load", 16)]
+            for d, n in cases:
+                sp = specs(d, n, eng.pool, arena.num_slots)
+                for _ in range(5):
+                    bk.submit(sp).wait(10)
+                prof = cProfile.Profile()
+                t0 = time.perf_counter()
+                prof.enable()
+                for _ in range(100):
+                    p = bk.submit(sp, order_after=None)
+                    p.wait(10)
+                prof.disable()
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+                key = f"{method}_{d}_{n}"
+                out[key] = buf.getvalue()
+                log(f"profile {key} ({(time.perf_counter() - t0) * 1e4:.0f} us per submit+wait)")
+                log(buf.getvalue()[-4500:])
+        finally:
+            bk.close()
+    return out
+
+
 def main() -> None:
     path = sys.argv[1]
     quick = "--quick" in sys.argv
@@ -394,7 +431,12 @@ def main() -> None:
     log("link", {k: round(v["median"], 1) for k, v in out["link"]["GBps"].items()})
     arena = HostArena(2100, 2 << 20, pin=cuda_pin)
     t0 = time.perf_counter()
+    only = [a for a in sys.argv[2:] if not a.startswith("--")]
     try:
+        if only:
+            out["contention"] = host_contention(arena, quick)
+            out["profile"] = profile_submits(arena)
+            return
         out["contention"] = host_contention(arena, quick)
         log(f"[{time.perf_counter() - t0:.0f} s]")
         out["submit"] = submit_cost(arena)

@@ -3,7 +3,8 @@
 Synthetic engines with one piece size each (``--pieces``: bytes of one block of one region; the
 number of regions per block is chosen so a block is about 2 MiB) move ``--blocks`` blocks per
 transfer, both directions, through each method, timed end to end (from ``submit`` on an idle GPU
-to the copy's completion, host enqueue included: what an engine waiting on a load sees); the
+to the copy's completion, host enqueue included: what an engine waiting on a load sees), and a
+store and a load of the same size at once (direction ``both``, GB/s summed); the
 median GB/s of each point goes into the calibration table (``kvoffload.transfer.calibration``),
 saved per GPU model and driver. The planner (``backend="auto"``) then picks, per transfer, the
 method that was fastest at the nearest point.
@@ -70,22 +71,23 @@ def measure(args: argparse.Namespace) -> Any:
                     assert isinstance(backend, CudaBackend)
                     try:
                         for n in args.blocks:
-                            for direction in ("store", "load"):
-                                spec = [
-                                    TransferSpec.of(
-                                        direction,
-                                        rng.permutation(pool)[:n],
-                                        rng.permutation(pool)[:n],
-                                    )
-                                ]
+                            blocks, slots = rng.permutation(pool), rng.permutation(pool)
+                            store = [TransferSpec.of("store", blocks[:n], slots[:n])]
+                            load = [TransferSpec.of("load", blocks[n : 2 * n], slots[n : 2 * n])]
+                            for direction, jobs in (
+                                ("store", [store]),
+                                ("load", [load]),
+                                ("both", [store, load]),
+                            ):
                                 # lead=False: end to end. Timing the copies alone (lead=True)
                                 # hid dma's host cost of ~0.8 us per descriptor, so the planner
                                 # chose dma for 32 KiB pieces and the e2e benchmark's loads fell
                                 # from 46 to 22 GB/s on the H100 (2026-11-22).
                                 t = time_transfers(
-                                    sleeper, submitter(backend, spec), args.reps, lead=False
+                                    sleeper, submitter(backend, *jobs), args.reps, lead=False
                                 )
-                                gbps = n * kv.slot_bytes / statistics.median(t["gpu_s"]) / 1e9
+                                moved = len(jobs) * n * kv.slot_bytes
+                                gbps = moved / statistics.median(t["gpu_s"]) / 1e9
                                 entries.append(
                                     Measurement(method, direction, piece, n * regions, gbps)
                                 )

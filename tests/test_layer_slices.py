@@ -95,3 +95,34 @@ def test_slice_descriptors_together_move_a_whole_load(layout):
                 region.base + int(b) * region.block_stride
             )
             assert bytes(page) == host[s, off : off + region.page_bytes].tobytes()
+
+
+def test_a_load_gets_one_slice_per_slice_transfer_bytes_up_to_the_layouts_most():
+    """``CudaBackend._load_plan`` (pure bookkeeping) on a layout whose loads may take up to 6
+    slices: counts are powers of two or the most, one per ``min_slice_transfer_bytes``."""
+    from types import SimpleNamespace
+
+    from kvoffload.transfer.cuda.base import CudaBackend
+
+    tensors, block_dim = engine_tensors(
+        MODELS["qwen2.5-7b"], "kv_split", 8, 16, lambda s: np.zeros(s, dtype=np.uint16)
+    )
+    kv = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
+    group = kv.groups[0]
+    plans: dict[int, tuple[int, np.ndarray]] = {}
+    flat: list[range] = []
+    for c in (1, 2, 4, 6):
+        plans[c] = (len(flat), slice_of_layer(group.layer_starts, len(group.regions), c))
+        flat.extend(layer_slices(group.layer_starts, len(group.regions), c))
+    fake = SimpleNamespace(layout=kv, _plans=[plans], min_slice_transfer_bytes=kv.slot_bytes)
+
+    def plan(n: int) -> tuple[dict[int, tuple[int, int]], np.ndarray | None]:
+        return CudaBackend._load_plan(fake, [TransferSpec.of("load", range(n), range(n))])  # type: ignore[arg-type]
+
+    assert plan(1)[0] == {0: (0, 1)}
+    assert plan(3)[0] == {0: (1, 2)}  # room for 3 slices: the largest allowed count below
+    assert plan(5)[0] == {0: (3, 4)}
+    groups, owner = plan(100)
+    assert groups == {0: (7, 6)}
+    assert owner is not None and owner.max() == 5 and len(owner) == group.num_layers
+    assert CudaBackend._load_plan(fake, [TransferSpec.of("store", [1], [1])]) == ({}, None)  # type: ignore[arg-type]

@@ -97,3 +97,48 @@ def test_planned_backend_routes_to_the_chosen_backend_and_moves_bytes():
     finally:
         planned.close()
         arena.close()
+
+
+def test_with_the_other_direction_in_flight_the_both_rows_decide():
+    both = table(
+        ("staged", "load", 65536, 16384, 52.0),
+        ("dma", "load", 65536, 16384, 50.0),
+        ("staged", "both", 65536, 16384, 90.0),
+        ("dma", "both", 65536, 16384, 99.0),
+    )
+    planner = Planner(both)
+    assert planner.choose("load", 65536, 16384) == "staged"
+    assert planner.choose("load", 65536, 16384, concurrent=True) == "dma"
+    assert Planner(TABLE).choose("load", 4096, 9000, concurrent=True) == "dma"  # no both rows
+
+
+class Held:
+    """A pending that is done only once released."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+
+def test_planned_backend_sees_a_transfer_of_the_other_direction_in_flight():
+    _, kv, arena = cpu_engine()
+    both = table(
+        ("staged", "load", 4096, 6, 9.0),
+        ("dma", "load", 4096, 6, 8.0),
+        ("dma", "both", 4096, 6, 17.0),
+        ("staged", "both", 4096, 6, 15.0),
+    )
+    planned = PlannedBackend(kv, arena, Planner(both), lambda n, lay, a: HostBackend(lay, a))
+    try:
+        load = [TransferSpec.of("load", [4, 7], [1, 3])]
+        assert planned.choose(load) == "staged"
+        store = Held()
+        planned._last["store"] = store  # type: ignore[assignment]
+        assert planned.choose(load) == "dma"
+        store.finished = True
+        assert planned.choose(load) == "staged"
+    finally:
+        planned.close()
+        arena.close()

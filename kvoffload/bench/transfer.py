@@ -47,8 +47,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if present"
     )
-    g.add_argument("--block-sizes", type=_csv(int), default=[16, 48], help="GPU: tokens per block")
-    g.add_argument("--methods", type=_csv(str), default=["staged", "dma", "sm"], help="GPU methods")
+    g.add_argument(
+        "--cases",
+        default=None,
+        help="GPU: model:layout:block_size items, comma-separated (default: a sweep of pieces "
+        "2-256 KiB, slots 0.24-8 MiB, fp8 and bf16, K+V and K-only)",
+    )
+    g.add_argument(
+        "--gpu-blocks",
+        type=_csv(int),
+        default=[1, 3, 16, 256, 1000, 2048],
+        help="GPU: blocks per transfer (capped by --max-transfer-mib)",
+    )
+    g.add_argument("--max-transfer-mib", type=int, default=1024, help="GPU: largest transfer")
+    g.add_argument(
+        "--latency-reps", type=int, default=30, help="GPU: repetitions of transfers of <= 16 blocks"
+    )
+    g.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=200.0,
+        help="GPU: start no new case after this many seconds (skipped cases are listed)",
+    )
+    g.add_argument(
+        "--methods", type=_csv(str), default=["staged", "dma", "auto"], help="GPU methods"
+    )
     g.add_argument("--link-bytes", type=int, default=1 << 30, help="GPU: bytes per link copy")
     g.add_argument("--link-reps", type=int, default=5, help="GPU: timed link copies")
     g.add_argument(
@@ -56,13 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--gemms", type=int, default=8, help="GPU: GEMMs per window")
     g.add_argument(
-        "--both-layout", default="page", help="GPU: layout of the store+load-at-once and GEMM runs"
-    )
-    g.add_argument(
         "--binding-counts", type=_csv(int), default=[2048, 10000], help="GPU: descriptors per call"
     )
     g.add_argument("--plot", type=Path, default=None, help="GPU: PNG path (default: next to JSON)")
-    g.add_argument("--quick", action="store_true", help="GPU: one block size, fewer repetitions")
+    g.add_argument(
+        "--quick", action="store_true", help="GPU: fewer repetitions and a shorter time budget"
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -206,14 +228,17 @@ def run_gpu(args: argparse.Namespace) -> int:
     for m in args.methods:
         if m not in METHODS:
             raise SystemExit(f"--methods: expected names from {list(METHODS)}, got {m!r}")
-    if args.both_layout not in args.layouts:
-        raise SystemExit(
-            f"--both-layout: expected one of --layouts {args.layouts}, got {args.both_layout!r}"
-        )
+    from kvoffload.bench.transfer_gpu import CASES, parse_cases
+
+    args.cases = args.cases or CASES
+    parse_cases(args.cases)
+    if any(b <= 0 for b in args.gpu_blocks) or args.max_transfer_mib <= 0:
+        raise SystemExit("--gpu-blocks and --max-transfer-mib must be positive")
     if args.quick:
-        args.block_sizes = args.block_sizes[:1]
         args.reps = min(args.reps, 3)
+        args.latency_reps = min(args.latency_reps, 15)
         args.gemm_reps = min(args.gemm_reps, 4)
+        args.time_budget_s = min(args.time_budget_s, 150.0)
     result = {**measure(args), **machine_info()}
     result["targets"] = summarize(result)
     device = result["device"]
@@ -237,35 +262,52 @@ def _print_gpu(result: dict[str, Any]) -> None:
         )
     )
     table = Table(
-        title=f"GPU transfers on {result['device']}: share of the link, copies alone / end to end"
+        title=f"GPU transfers on {result['device']}: share of the link, copies alone / end to "
+        "end; p50 / p99 us of transfers of <= 16 blocks"
     )
-    for col in ("model", "layout", "bs", "blocks", "piece", "method", "store", "load", "submit us"):
+    cols = ("model", "layout", "bs", "blocks", "piece", "slot", "method", "store", "load")
+    for col in (*cols, "store us", "load us"):
         table.add_column(col, justify="left" if col in ("model", "layout", "method") else "right")
     limit = link_limit(result)
     d2h, h2d = limit["d2h"], limit["h2d"]
     for r in result["rows"]:
+        lat = ["", ""]
+        if "store_p50_us" in r and r["blocks"] <= 16:
+            lat = [f"{r[f'{d}_p50_us']:.0f} / {r[f'{d}_p99_us']:.0f}" for d in ("store", "load")]
         table.add_row(
             r["model"],
             r["layout"],
             str(r["block_size"]),
             str(r["blocks"]),
             f"{r['piece_bytes'] // 1024} KiB",
+            f"{r['slot_bytes'] // 1024} KiB",
             r["method"],
             f"{r['store_gpu_GBps'] / d2h:.0%} / {r['store_GBps'] / d2h:.0%}",
             f"{r['load_gpu_GBps'] / h2d:.0%} / {r['load_GBps'] / h2d:.0%}",
-            f"{r['store_submit_us']:.0f}/{r['store_enqueue_us']:.0f}",
+            *lat,
         )
     console.print(table)
     for b in result["store_and_load"]:
-        console.print(f"store+load at once {b['model']} {b['method']}: {b['GBps']:.1f} GB/s")
+        console.print(
+            f"store+load at once {b['model']} {b['layout']} bs{b['block_size']} {b['method']}: "
+            f"{b['GBps']:.1f} GB/s"
+        )
     if result["gemm"]:
         g = result["gemm"]
         console.print(
             f"GEMM slowdown (baseline noise {g['baseline_noise']:.1%}): "
             + ", ".join(f"{m} {v:+.1%}" for m, v in g["slowdown"].items())
         )
+    for m, st in (result.get("launch_stall") or {}).items():
+        console.print(
+            f"launch-bound Python thread, {m} transfers every step: {st['slowdown']:+.1%} per step "
+            f"(noise {st['noise']:.1%}), host CPU {st['host_cpu_us_per_transfer']:.0f} us per "
+            "transfer"
+        )
+    if result.get("skipped_cases"):
+        console.print(f"skipped (time budget): {', '.join(result['skipped_cases'])}")
     console.print(f"binding host us: {result['binding_host_us']}")
+    console.print(f"target reached? (bench transfer, {result['seconds']:.0f} s)")
     for t in result["targets"]:
-        mark = "reached" if t["reached_all"] else "NOT reached"
-        extra = f" (min {t['min']:.3f}, worst {t['worst_config']})" if "min" in t else ""
-        console.print(f"{t['target']}: {t['median']:.3f}{extra} -> {mark}")
+        mark = {True: "reached", False: "NOT reached", None: "-"}[t["reached"]]
+        console.print(f"  {t['target']}: {t['measured']} -> {mark}")

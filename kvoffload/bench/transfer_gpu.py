@@ -13,6 +13,7 @@ cuda-python. Every transfer's bytes are checked after its round trip.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -22,17 +23,27 @@ import torch
 
 from kvoffload.bench.common import progress
 from kvoffload.bench.gpu_timing import Sleeper, measure_link, spread, time_transfers
-from kvoffload.bench.shapes import MODELS, engine_tensors
+from kvoffload.bench.shapes import LAYOUTS, MODELS, engine_tensors
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.base import CudaBackend
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.spec import TransferSpec
 
-METHODS = ("staged", "dma", "sm")
+METHODS = ("staged", "dma", "sm", "auto")
+LATENCY_BLOCKS = 16  # transfers up to this many blocks also get a p50/p99 latency
+# (model, layout, block size) cases of the sweep: pieces of 2 KiB (fp8 at TP8) to 256 KiB, slots
+# of 243 KiB to 8 MiB, K+V and K-only layouts.
+CASES = (
+    "llama3-8b:page:16,llama3-70b-tp8-fp8:kv_split:16,deepseek-v2-lite-mla:page:16,"
+    "qwen2.5-7b:kv_split:32,llama3-70b-tp8-fp8:page:16,llama3-8b:kv_split:16,"
+    "llama3-8b:cross_layer:16,llama3-8b:page:64,qwen2.5-7b:page:16,llama3-70b-tp8:kv_split:16,"
+    "llama3-70b-tp8-fp8:kv_split:32,deepseek-v2-lite-mla:page:8"
+)
 
 
-def make(method: str, kv: KVLayout, arena: HostArena) -> CudaBackend:
+def make(method: str, kv: KVLayout, arena: HostArena) -> Any:
+    from kvoffload.transfer.backend import make_backend
     from kvoffload.transfer.cuda.dma import DmaBackend
     from kvoffload.transfer.cuda.sm import SmBackend
     from kvoffload.transfer.cuda.staged import StagedBackend
@@ -43,6 +54,8 @@ def make(method: str, kv: KVLayout, arena: HostArena) -> CudaBackend:
         return DmaBackend(kv, arena, merge=False)  # one descriptor per piece, as vLLM does
     if method == "sm":
         return SmBackend(kv, arena)
+    if method == "auto":  # the planner, as users get it (calibration table if one was made)
+        return make_backend("auto", kv, arena)
     raise ValueError(f"expected a method in {METHODS}, got {method!r}")
 
 
@@ -135,7 +148,13 @@ def measure_config(
     n: int,
     reps: int,
     rng: np.random.Generator,
+    latency_reps: int = 30,
 ) -> list[dict[str, Any]]:
+    """Store then load ``n`` random blocks to random slots with each backend, timed end to end
+    and copies alone (``time_transfers``); transfers of up to ``LATENCY_BLOCKS`` blocks are
+    repeated ``latency_reps`` times for p50/p99. Every row is checked byte for byte: the stored
+    slots against ``Engine.slot_images`` (the host backend's layout rule, built by torch), the
+    loaded blocks against their sources."""
     rows = []
     group = engine.kv.groups[0]
     nbytes = n * group.slot_bytes
@@ -151,9 +170,13 @@ def measure_config(
                 times[direction, lead] = time_transfers(
                     sleeper,
                     submitter(backend, spec),
-                    reps,
+                    latency_reps if n <= LATENCY_BLOCKS and not lead else reps,
                     lead=lead,
                 )
+            if direction == "store":
+                stored = torch.from_numpy(arena.slots[slots, : group.slot_bytes]).cuda()
+                if not torch.equal(stored, engine.slot_images(src)):
+                    raise RuntimeError(f"{method}: stored slots differ from the oracle")
         if not engine.same_blocks(src, dst):
             raise RuntimeError(f"{method}: round trip corrupted bytes")
         row: dict[str, Any] = {
@@ -168,6 +191,8 @@ def measure_config(
             # GBps: end to end, from submit on an idle GPU to the copy's completion event.
             row[f"{direction}_GBps"] = nbytes / statistics.median(e2e["gpu_s"]) / 1e9
             row[f"{direction}_GBps_spread"] = spread([nbytes / x / 1e9 for x in e2e["gpu_s"]])
+            row[f"{direction}_p50_us"] = float(np.percentile(e2e["gpu_s"], 50)) * 1e6
+            row[f"{direction}_p99_us"] = float(np.percentile(e2e["gpu_s"], 99)) * 1e6
             # gpu_GBps: the copies alone, the host's enqueue hidden behind a GPU sleep.
             row[f"{direction}_gpu_GBps"] = nbytes / statistics.median(gpu["gpu_s"]) / 1e9
             row[f"{direction}_submit_us"] = (
@@ -495,76 +520,174 @@ def measure_host_costs(reps: int = 200) -> dict[str, float]:
     return out
 
 
+def measure_launch_stall(
+    engine: Engine, arena: HostArena, backend: Any, reps: int, steps: int = 100
+) -> dict[str, Any]:
+    """The launch-thread half of the slowdown: a launch-bound Python "model" (``steps`` steps of
+    100 tiny kernels each, so the GPU waits on the host) timed on the host clock, alone, beside an
+    idle backend, and submitting a 2-block store and a 2-block load per step (as an engine would),
+    in repeated interleaved windows; the GPU itself is nearly idle, so what it shows is host time
+    and GIL. Also the host CPU time the process spends per step."""
+    x = torch.zeros(1024, device="cuda")
+    pool = min(engine.pool, arena.num_slots) - 4
+
+    def window(submit: bool) -> tuple[float, float]:
+        pend = []
+        torch.cuda.synchronize()
+        c0, t0 = time.process_time(), time.perf_counter()
+        for i in range(steps):
+            for _ in range(100):
+                x.add_(1.0)
+            if submit:
+                b = (4 * i) % pool
+                pend.append(backend.submit([TransferSpec.of("store", [b, b + 1], [b, b + 1])]))
+                pend.append(
+                    backend.submit([TransferSpec.of("load", [b + 2, b + 3], [b + 2, b + 3])])
+                )
+        torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        for p in pend:
+            p.wait(30)
+        return wall / steps * 1e6, cpu / steps * 1e6
+
+    window(True)  # warm-up
+    alone, busy, cpu_alone, cpu_busy = [], [], [], []
+    for _ in range(reps):
+        a, ca = window(False)
+        b, cb = window(True)
+        alone.append(a)
+        busy.append(b)
+        cpu_alone.append(ca)
+        cpu_busy.append(cb)
+    base = statistics.median(alone)
+    return {
+        "step_alone_us": spread(alone),
+        "step_with_transfers_us": spread(busy),
+        "noise": (max(alone) - min(alone)) / base,
+        "slowdown": statistics.median(busy) / base - 1,
+        "host_cpu_us_per_transfer": (statistics.median(cpu_busy) - statistics.median(cpu_alone))
+        / 2,
+    }
+
+
+def parse_cases(text: str) -> list[tuple[str, str, int]]:
+    out = []
+    for item in text.split(","):
+        try:
+            model, layout, bs = item.split(":")
+            out.append((model, layout, int(bs)))
+        except ValueError:
+            raise SystemExit(
+                f"--cases: expected model:layout:block_size items, got {item!r}"
+            ) from None
+        if model not in MODELS or layout not in LAYOUTS:
+            raise SystemExit(
+                f"--cases: expected a model in {sorted(MODELS)} and a layout in "
+                f"{sorted(LAYOUTS)}, got {item!r}"
+            )
+    return out
+
+
 def run_gpu(args: Any) -> dict[str, Any]:
-    """The whole GPU benchmark; returns the JSON-ready result."""
+    """The whole GPU benchmark; returns the JSON-ready result. The sweep stops taking new cases
+    once ``args.time_budget_s`` has passed (the skipped ones are listed)."""
+    began = time.perf_counter()
     torch.cuda.init()
     result: dict[str, Any] = {"benchmark": "transfer", **gpu_info()}
     sleeper = Sleeper()
     rng = np.random.default_rng(0)
     result["link"] = measure_link(sleeper, args.link_bytes, args.link_reps)
-    max_blocks = max(args.blocks)
-    pool = 2 * max_blocks + 8
-    slot = max(MODELS[m].block_bytes(bs) for m in args.models for bs in args.block_sizes)
-    arena = HostArena(2 * max_blocks + 8, slot, pin=cuda_pin)
+    cases = parse_cases(args.cases)
+    cap = args.max_transfer_mib << 20
+
+    def counts(model: str, bs: int) -> list[int]:
+        slot = MODELS[model].block_bytes(bs)
+        return sorted({min(n, max(1, cap // slot)) for n in args.gpu_blocks})
+
     fill = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda").cpu().numpy()
-    flat = arena.slots.reshape(-1)
-    for off in range(0, len(flat), len(fill)):
-        part = flat[off : off + len(fill)]
-        part[:] = fill[: len(part)]
+
+    def make_arena(slots: int, slot: int) -> HostArena:
+        arena = HostArena(slots, slot, pin=cuda_pin)
+        flat = arena.slots.reshape(-1)
+        for off in range(0, len(flat), len(fill)):
+            part = flat[off : off + len(fill)]
+            part[:] = fill[: len(part)]
+        return arena
+
     rows: list[dict[str, Any]] = []
     both: list[dict[str, Any]] = []
-    configs = [(m, lay, bs) for m in args.models for lay in args.layouts for bs in args.block_sizes]
-    gemm_done = None
+    skipped: list[str] = []
+    gemm_done = stall = None
     with progress() as bar:
-        task = bar.add_task("GPU transfers", total=len(configs) * len(args.blocks))
-        for model, layout, bs in configs:
-            engine = Engine(model, layout, bs, pool)
+        task = bar.add_task("GPU transfers", total=len(cases))
+        for case_index, (model, layout, bs) in enumerate(cases):
+            if time.perf_counter() - began > args.time_budget_s:
+                skipped.append(f"{model}:{layout}:{bs}")
+                bar.advance(task)
+                continue
+            ns = counts(model, bs)
+            engine = Engine(model, layout, bs, 2 * max(ns) + 8)
+            arena = make_arena(2 * max(ns) + 8, engine.kv.slot_bytes)  # one case's slot size
             backends = {m: make(m, engine.kv, arena) for m in args.methods}
             try:
-                for n in args.blocks:
+                for n in ns:
                     bar.update(task, description=f"{model} {layout} bs{bs} x{n}")
-                    for row in measure_config(sleeper, engine, arena, backends, n, args.reps, rng):
+                    for row in measure_config(
+                        sleeper, engine, arena, backends, n, args.reps, rng, args.latency_reps
+                    ):
                         rows.append({"model": model, "layout": layout, "block_size": bs, **row})
-                    bar.advance(task)
-                if layout == args.both_layout and bs == args.block_sizes[0]:
-                    for m, bk in backends.items():
-                        runs = [
-                            measure_both(sleeper, engine, arena, bk, max_blocks, args.reps, rng)
-                            for _ in range(5)
-                        ]
-                        both.append(
-                            {
-                                "model": model,
-                                "layout": layout,
-                                "block_size": bs,
-                                "blocks": max_blocks,
-                                "method": m,
-                                "GBps": statistics.median(runs),
-                                "runs_GBps": runs,
-                            }
-                        )
-                if (model, layout, bs) == (args.models[0], args.both_layout, args.block_sizes[0]):
-                    result["submit_parts"] = measure_submit_parts(engine, arena)
-                if (
-                    args.gemm_reps > 0
-                    and gemm_done is None
-                    and (model, layout, bs)
-                    == (args.models[0], args.both_layout, args.block_sizes[0])
-                ):
-                    bar.update(task, description="GEMM interference")
-                    gemm_done = measure_gemm(
-                        engine, arena, backends, max_blocks, args.gemm_reps, args.gemms, rng
+                n_both = min(512, max(ns))
+                for m, bk in backends.items():
+                    if m == "sm":
+                        continue
+                    runs = [
+                        measure_both(sleeper, engine, arena, bk, n_both, args.reps, rng)
+                        for _ in range(3)
+                    ]
+                    both.append(
+                        {
+                            "model": model,
+                            "layout": layout,
+                            "block_size": bs,
+                            "blocks": n_both,
+                            "method": m,
+                            "GBps": statistics.median(runs),
+                            "runs_GBps": runs,
+                        }
                     )
+                if case_index == 0:
+                    result["submit_parts"] = measure_submit_parts(engine, arena)
+                    if args.gemm_reps > 0:
+                        bar.update(task, description="GEMM interference, launch stalls")
+                        gemm_done = measure_gemm(
+                            engine,
+                            arena,
+                            {m: b for m, b in backends.items() if m != "auto"},
+                            min(512, max(ns)),
+                            args.gemm_reps,
+                            args.gemms,
+                            rng,
+                        )
+                        stall = {
+                            m: measure_launch_stall(engine, arena, b, max(3, args.gemm_reps // 2))
+                            for m, b in backends.items()
+                            if m in ("staged", "dma")
+                        }
             finally:
                 for bk in backends.values():
                     bk.close()
+                arena.close()
                 del engine
                 torch.cuda.empty_cache()
-    arena.close()
+            bar.advance(task)
+            print(f"[{time.perf_counter() - began:.0f} s] {model} {layout} bs{bs} done", flush=True)
     result["rows"] = rows
     result["store_and_load"] = both
     result["gemm"] = gemm_done
+    result["launch_stall"] = stall
+    result["skipped_cases"] = skipped
     result["link_after"] = measure_link(sleeper, args.link_bytes, args.link_reps)
     result["binding_host_us"] = measure_binding(tuple(args.binding_counts))
     result["host_call_us"] = measure_host_costs()
+    result["seconds"] = time.perf_counter() - began
     return result

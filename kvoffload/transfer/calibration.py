@@ -21,7 +21,7 @@ FORMAT = 1
 @dataclass(frozen=True)
 class Measurement:
     method: str  # "staged", "dma", "sm"
-    direction: str  # "store" or "load"
+    direction: str  # "store", "load", or "both" (a store and a load at once, GB/s summed)
     piece_bytes: int  # bytes of one (block, region) piece
     pieces: int  # pieces per transfer (blocks x regions)
     gbps: float  # median GB/s (1e9 bytes/s) of whole transfers

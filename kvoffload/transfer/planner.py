@@ -3,6 +3,10 @@
 A transfer is characterised by its direction, its piece size (bytes of one block of one region)
 and its piece count (blocks x regions). The planner takes the measured point nearest to it (in
 log2 of piece size and of count) and picks the candidate method with the highest GB/s there.
+When a transfer of the other direction is still in flight, it looks at the table's ``both`` rows
+instead (a store and a load of that shape at once, GB/s summed), where they were measured: on the
+H100 ``dma`` moved 99 GB/s both ways on 64 KiB pieces against 90 for ``staged``, while on 2 KiB
+pieces ``staged`` moved 91 against 15 (2026-11-23).
 Candidates are ``staged`` and ``dma`` by default: ``sm`` is fast but occupies SMs for the whole
 transfer and slows the model beside it, so it is chosen only when asked for.
 
@@ -44,26 +48,32 @@ class Planner:
             raise ValueError("expected at least one candidate method, got none")
         self.table = table
         self.candidates = tuple(candidates)
-        self._cache: dict[tuple[str, int, int], str] = {}
+        self._cache: dict[tuple[str, int, int, bool], str] = {}
 
-    def choose(self, direction: str, piece_bytes: int, pieces: int) -> str:
+    def choose(
+        self, direction: str, piece_bytes: int, pieces: int, concurrent: bool = False
+    ) -> str:
+        """The method for a ``direction`` transfer of ``pieces`` pieces of ``piece_bytes``;
+        ``concurrent``: a transfer of the other direction is in flight."""
         if piece_bytes <= 0 or pieces <= 0:
             raise ValueError(
                 f"expected piece_bytes > 0 and pieces > 0, got {piece_bytes}, {pieces}"
             )
-        key = (direction, piece_bytes, pieces)
+        key = (direction, piece_bytes, pieces, concurrent)
         if key not in self._cache:
             self._cache[key] = self._choose(*key)
         return self._cache[key]
 
-    def _choose(self, direction: str, piece_bytes: int, pieces: int) -> str:
+    def _choose(self, direction: str, piece_bytes: int, pieces: int, concurrent: bool) -> str:
         if self.table is None:
             return self._default(piece_bytes)
-        rows = [
-            e
-            for e in self.table.entries
-            if e.direction == direction and e.method in self.candidates
-        ]
+        rows = []
+        for want in ("both", direction) if concurrent else (direction,):
+            rows = [
+                e for e in self.table.entries if e.direction == want and e.method in self.candidates
+            ]
+            if rows:
+                break
         if not rows:
             return self._default(piece_bytes)
 
@@ -103,12 +113,17 @@ class PlannedBackend(CopyBackend):
         self.planner = planner
         self._make = make
         self.backends: dict[str, CopyBackend] = {}
+        self._last: dict[str, Pending] = {}  # per direction, the latest transfer submitted
 
     def choose(self, specs: Sequence[TransferSpec]) -> str:
         if not specs:
             return self.planner.choose("store", 1, 1)
         piece, pieces = transfer_shape(self.layout, specs)
-        return self.planner.choose(specs[0].direction, piece, pieces)
+        direction = specs[0].direction
+        other = self._last.get("load" if direction == "store" else "store")
+        # transfers of one direction finish in order, so the latest one tells
+        concurrent = other is not None and not other.done()
+        return self.planner.choose(direction, piece, pieces, concurrent)
 
     def submit(self, specs: Sequence[TransferSpec], **options: Any) -> Pending:
         specs = list(specs)
@@ -116,7 +131,10 @@ class PlannedBackend(CopyBackend):
         name = self.choose(specs)
         if name not in self.backends:
             self.backends[name] = self._make(name, self.layout, self.arena)
-        return self.backends[name].submit(specs, **options)
+        pending = self.backends[name].submit(specs, **options)
+        if specs:
+            self._last[specs[0].direction] = pending
+        return pending
 
     def close(self) -> None:
         for backend in self.backends.values():

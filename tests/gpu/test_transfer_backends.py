@@ -83,6 +83,9 @@ BACKENDS = {
     "sm-odd": lambda kv, a: SmBackend(kv, a, config=SmConfig(programs=5, chunk_bytes=1024)),
     "staged": lambda kv, a: StagedBackend(kv, a),
     "staged-sync": lambda kv, a: StagedBackend(kv, a, submit_thread=False),
+    # enqueued in the caller's thread whenever the lane is idle (the default hands every job over)
+    "staged-inline": lambda kv, a: StagedBackend(kv, a, inline_bytes=1 << 40),
+    "dma-inline": lambda kv, a: DmaBackend(kv, a, inline_bytes=1 << 40),
     # Two blocks per area, two areas: a 13-block transfer wraps the ring several times.
     "staged-wrap": lambda kv, a: StagedBackend(
         kv,

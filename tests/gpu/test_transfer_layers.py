@@ -38,11 +38,19 @@ BACKENDS = {
             dma_streams=2,
             layer_slice_bytes=8,
             max_layer_slices=1024,
+            layer_slice_transfer_bytes=1,
         ),
     ),
-    "dma": lambda kv, a: DmaBackend(kv, a),
-    "sm": lambda kv, a: SmBackend(kv, a),
+    "dma": lambda kv, a: sliced(DmaBackend(kv, a)),
+    "sm": lambda kv, a: sliced(SmBackend(kv, a)),
 }
+
+
+def sliced(backend):
+    """Slice even these small test loads by layer (by default a load is cut into at most one
+    slice per ``SLICE_TRANSFER_BYTES``)."""
+    backend.min_slice_transfer_bytes = 1
+    return backend
 
 
 @pytest.fixture(scope="module", params=[(m, lay) for m in MODELS for lay in LAYOUTS], ids=str)
@@ -89,6 +97,20 @@ def test_wait_on_a_layer_orders_the_stream_after_that_layer(engine, name):
             assert np.array_equal(got_bytes.reshape(len(dest), -1), want), f"layer {layer}"
         if name == "staged-fine":
             assert len(pending.layer_events) == group.num_layers  # a slice per layer
+    finally:
+        backend.close()
+
+
+def test_a_small_load_is_one_slice_and_a_layer_wait_waits_for_all_of_it(engine):
+    _tensors, _block_dim, kv, arena = engine
+    backend = StagedBackend(kv, arena)
+    try:
+        pending = backend.submit([TransferSpec.of("load", [1, 2], [1, 2])])
+        assert len(pending.layer_events) == 1  # 2 blocks are far below SLICE_TRANSFER_BYTES
+        side = torch.cuda.Stream()
+        pending.wait_on(side, layer=kv.groups[0].num_layers - 1)
+        side.synchronize()
+        assert pending.wait(5) and pending.error() is None
     finally:
         backend.close()
 

@@ -171,7 +171,7 @@ def test_calibrate_writes_a_table_the_auto_backend_uses(engine, tmp_path, monkey
         pieces=[4096, 1 << 20], blocks=[4], methods=["staged", "dma"], reps=1, out=None
     )
     table = measure(args)
-    assert len(table.entries) == 2 * 2 * 2  # pieces x methods x directions
+    assert len(table.entries) == 2 * 2 * 3  # pieces x methods x (store, load, both)
     assert all(e.gbps > 0 for e in table.entries)
     save(table)
     cached = load_cached(table.device, table.driver)

@@ -6,15 +6,19 @@ blocks only after the compute enqueued before it wrote them, and a load overwrit
 after the work enqueued before it stopped reading them. Completion: each transfer's ``CudaPending``
 carries an event recorded after its last copy (``wait_on(stream)`` makes an engine stream wait).
 
-Loads are copied layer-major: a group's layers are cut into ``_slice_count`` slices of
-consecutive layers (``chunks.layer_slices``); every load spec's slice 0 is enqueued, then an event
-is recorded, then slice 1, and so on, so ``wait_on(stream, layer=i)`` waits only for the slice
-holding layer i (``CudaPending.layer_events``). Stores are copied whole.
+Loads are copied layer-major: a group's layers are cut into slices of consecutive layers
+(``chunks.layer_slices``); every load spec's slice 0 is enqueued, then an event is recorded, then
+slice 1, and so on, so ``wait_on(stream, layer=i)`` waits only for the slice holding layer i
+(``CudaPending.layer_events``). Stores are copied whole. How many slices: at most
+``_slice_count(group)`` (a property of the layout), and at most one per
+``min_slice_transfer_bytes`` of the submit's loads, rounded down to a power of two: each slice
+costs the host ~0.2 ms of Python per spec (H100 VM, cProfile of 16-block loads in 8 slices: 1.6 ms
+of host time for 0.6 ms of link time), so small loads go in one piece.
 
 Submission (``submitter.Submitter``, one per direction, FIFO): a transfer of at most
-``inline_bytes`` is enqueued in the caller's thread when its direction is idle (no thread
-hand-off, the GPU starts at once); a larger one, or one arriving while another is being enqueued,
-goes to the direction's thread, which sleeps when idle. ``submit_thread=False`` always enqueues
+``inline_bytes`` (default 0) is enqueued in the caller's thread when its direction is idle (no
+thread hand-off); a larger one, or one arriving while another is being enqueued, goes to the
+direction's thread, which sleeps when idle (no polling). ``submit_thread=False`` always enqueues
 in the caller's thread. The host time of each transfer's enqueue is in
 ``CudaPending.enqueue_seconds``. Stores and loads run on separate streams, so they overlap;
 transfers of one direction run in submission order. A submit mixing both directions goes to the
@@ -43,9 +47,16 @@ from kvoffload.transfer.spec import TransferSpec
 
 # Transfers up to this many bytes are enqueued in the caller's thread when their direction is idle;
 # larger ones by the direction's thread (the caller then pays only validation and a hand-off).
-INLINE_BYTES = 64 << 20
+# Default 0, every transfer to the thread: on the H100 VM a Python loop launching kernels and
+# submitting a 2-block store and load per step ran 3,952 / 6,057 us per step with inline enqueue
+# against 1,765-3,941 with a thread (two runs, benchmarks/staged_sweep.py, docs/transfer.md): the
+# thread's driver calls run while the caller goes on, inline ones stall it.
+INLINE_BYTES = 0
 # At most this many layer slices (events) per load by default; each costs a little host time.
 MAX_LAYER_SLICES = 8
+# A load is cut into at most one slice per this many bytes (~0.6 ms of link time per slice against
+# ~0.2 ms of host time to enqueue one, measured on the H100 VM).
+SLICE_TRANSFER_BYTES = 32 << 20
 
 
 class Lane:
@@ -106,15 +117,22 @@ class CudaBackend(CopyBackend):
             self.lanes = {
                 d: Lane(device, self.lane_streams, self.lane_tails[d]) for d in ("store", "load")
             }
-        # Layer slices of loads, per group: the regions of each slice, and each layer's slice.
-        self.load_slices = [
-            layer_slices(g.layer_starts, len(g.regions), self._slice_count(g))
-            for g in layout.groups
-        ]
-        self._layer_slice = [
-            slice_of_layer(g.layer_starts, len(g.regions), len(parts))
-            for g, parts in zip(layout.groups, self.load_slices, strict=True)
-        ]
+        # Layer slices of loads, per group: for each allowed slice count (powers of two up to
+        # the most, and the most), where its slices start in ``load_parts`` (the regions of every
+        # slice of every count, flat) and which slice holds each layer.
+        self.load_parts: list[list[range]] = []
+        self._plans: list[dict[int, tuple[int, np.ndarray]]] = []
+        for g in layout.groups:
+            most = self._slice_count(g)
+            counts = sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {most})
+            flat: list[range] = []
+            plans = {}
+            for c in counts:
+                plans[c] = (len(flat), slice_of_layer(g.layer_starts, len(g.regions), c))
+                flat.extend(layer_slices(g.layer_starts, len(g.regions), c))
+            self.load_parts.append(flat)
+            self._plans.append(plans)
+        self.min_slice_transfer_bytes = SLICE_TRANSFER_BYTES
         self._events = EventPool()
         self._order_events: collections.deque[int] = collections.deque()
         self._closed = False
@@ -140,7 +158,9 @@ class CudaBackend(CopyBackend):
         self.validate(specs)
         import torch
 
-        layer_slice = self._load_layer_slice(specs)
+        plan, layer_slice = self._load_plan(specs)
+        if not cu.current_context():  # a thread that has not touched CUDA yet
+            torch.cuda.set_device(self.device)  # makes the device's primary context current
         if torch.cuda.current_device() == self.device.index:  # the usual case: skip the switch
             order = self._order_event(order_after)
             pending = CudaPending(self._events, layer_slice)
@@ -148,6 +168,7 @@ class CudaBackend(CopyBackend):
             with torch.cuda.device(self.device):
                 order = self._order_event(order_after)
                 pending = CudaPending(self._events, layer_slice)
+        pending.plan = plan
         if self._submitters is not None:
             first = specs[0].direction if specs else "store"
             mixed = any(s.direction != first for s in specs)
@@ -177,7 +198,7 @@ class CudaBackend(CopyBackend):
     # -- for subclasses --------------------------------------------------------------------------
     def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None) -> None:
         """Enqueue ``spec`` on ``lane``: all its regions (``part`` None: stores), or those of
-        layer slice ``part`` (``self.load_slices[spec.group][part]``: loads)."""
+        one layer slice (``self.load_parts[spec.group][part]``: loads)."""
         raise NotImplementedError
 
     def _slice_count(self, group: LayerGroup) -> int:
@@ -213,19 +234,29 @@ class CudaBackend(CopyBackend):
         except IndexError:
             return cu.event_create()
 
-    def _load_layer_slice(self, specs: list[TransferSpec]) -> np.ndarray | None:
-        """Each layer's slice index for a submit's loads (over several groups: the latest slice
-        holding that layer in any of them), or None when it has no loads."""
-        groups = {s.group for s in specs if s.direction == "load"}
-        if not groups:
-            return None
-        if len(groups) == 1:
-            return self._layer_slice[groups.pop()]
-        maps = [self._layer_slice[g] for g in groups]
+    def _load_plan(
+        self, specs: list[TransferSpec]
+    ) -> tuple[dict[int, tuple[int, int]], np.ndarray | None]:
+        """For a submit's loads: per group (first index in ``load_parts``, slice count), and each
+        layer's slice index (over several groups: the latest slice holding that layer in any of
+        them); None when it has no loads."""
+        loads = [s for s in specs if s.direction == "load"]
+        if not loads:
+            return {}, None
+        nbytes = sum(len(s) for s in loads) * self.layout.slot_bytes
+        room = max(1, nbytes // self.min_slice_transfer_bytes)
+        plan, maps = {}, []
+        for g in {s.group for s in loads}:
+            count = max(c for c in self._plans[g] if c <= room or c == 1)
+            first, layer_slice = self._plans[g][count]
+            plan[g] = (first, count)
+            maps.append(layer_slice)
+        if len(maps) == 1:
+            return plan, maps[0]
         out = np.zeros(max(len(m) for m in maps), dtype=np.int64)
         for m in maps:
             np.maximum(out[: len(m)], m, out=out[: len(m)])
-        return out
+        return plan, out
 
     def _run(self, specs: list[TransferSpec], order: int | None, pending: CudaPending) -> None:
         t0 = pending.started_at = time.perf_counter()
@@ -254,8 +285,9 @@ class CudaBackend(CopyBackend):
                     lane_for("load")
                     for k, event in enumerate(pending.layer_events):
                         for spec in loads:  # layer-major across the specs of one submit
-                            if k < len(self.load_slices[spec.group]):
-                                self._enqueue(spec, lane, k)
+                            first, count = pending.plan[spec.group]
+                            if k < count:
+                                self._enqueue(spec, lane, first + k)
                         cu.event_record(event, lane.tail)
         except Exception as err:  # noqa: BLE001 (reported through the Pending, not swallowed)
             error = err

@@ -41,7 +41,7 @@ class DmaBackend(CudaBackend):
 
     def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None) -> None:
         group = self.layout.groups[spec.group]
-        regions = range(len(group.regions)) if part is None else self.load_slices[spec.group][part]
+        regions = range(len(group.regions)) if part is None else self.load_parts[spec.group][part]
         n = len(spec) * len(regions)
         if n == 0:
             return

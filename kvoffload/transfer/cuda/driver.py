@@ -242,6 +242,14 @@ def event_done(event: int) -> bool:
     return True
 
 
+def current_context() -> int:
+    """The calling thread's current CUDA context handle, 0 when it has none (a thread that has
+    made no CUDA call yet)."""
+    out = _P()
+    _check(_fn("cuCtxGetCurrent", _P)(ctypes.byref(out)), "cuCtxGetCurrent")
+    return int(out.value or 0)
+
+
 def stream_wait_event(stream: int, event: int) -> None:
     """Work enqueued on ``stream`` after this waits for ``event``'s last record."""
     _check(_fn("cuStreamWaitEvent", _P, _P, ctypes.c_uint)(stream, event, 0), "cuStreamWaitEvent")

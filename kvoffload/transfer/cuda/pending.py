@@ -85,7 +85,7 @@ class CudaPending(Pending):
         self.enqueue_seconds = 0.0  # host time spent enqueuing the copies (submitter side)
         self.queued_at = time.perf_counter()  # when submit handed it over
         self.started_at = 0.0  # when the submitter started enqueuing it
-        self.inline = False  # enqueued in the caller's thread
+        self.plan: dict[int, tuple[int, int]] = {}  # per group of a load: its layer slices
 
     # -- submitter side --------------------------------------------------------------------------
     def mark_enqueued(self, error: BaseException | None, seconds: float) -> None:

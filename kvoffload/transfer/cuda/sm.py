@@ -80,7 +80,7 @@ class SmBackend(CudaBackend):
         # per group, per layer slice of a load: that slice's columns of the region table
         self._slice_regions = [
             [table[:, p.start : p.stop].contiguous() for p in parts]
-            for table, parts in zip(self._regions, self.load_slices, strict=True)
+            for table, parts in zip(self._regions, self.load_parts, strict=True)
         ]
         self._index = BufferRing(self.device, with_device=True)
 

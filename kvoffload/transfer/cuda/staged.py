@@ -19,9 +19,10 @@ Loads go layer-major (``base``): per slice of consecutive layers, one descriptor
 that slice's bytes (contiguous inside the host slot, since a slot holds the regions back to back in
 layer order) into a staging area laid out per slice, then the scatter of that slice; the slice's
 event is recorded after its last scatter. The slice count (``_slice_count``) keeps each
-descriptor at least ``layer_slice_bytes`` (the copy engines lose ~0.6 us per descriptor: 256 KiB
-descriptors ran at 0.88 of the link on the H100, 1 MiB ones at 0.95 in a probe of one batch call
-of many equal descriptors, see docs/transfer.md), at most ``max_layer_slices``.
+descriptor at least ``layer_slice_bytes`` (one descriptor per block and slice; the driver costs
+~0.8 us of host time per descriptor and the copy engines lose a little per descriptor), at most
+``max_layer_slices``: measured on the H100, 8 slices of 256 KiB moved a 512-block load of 2 MiB
+slots as fast as one slice (see ``StagedConfig`` and docs/transfer.md); smaller slots load in one.
 
 Staging memory is ``2 * staging_bytes`` of device memory (one ring per direction, so stores and
 loads overlap); each ring area holds at least one block.
@@ -36,7 +37,7 @@ import numpy as np
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.base import INLINE_BYTES, CudaBackend, Lane
+from kvoffload.transfer.cuda.base import INLINE_BYTES, SLICE_TRANSFER_BYTES, CudaBackend, Lane
 from kvoffload.transfer.cuda.buffers import Buffer, BufferRing
 from kvoffload.transfer.cuda.chunks import chunk_blocks, coalesce, slice_count, tile
 from kvoffload.transfer.cuda.sm import check_kernel_shape, check_words
@@ -60,12 +61,18 @@ class StagedConfig:
     programs: int = 16
     chunk_bytes: int = 32768
     num_warps: int = 8
-    # DMA streams per direction; consecutive chunks alternate between them.
+    # DMA streams per direction; consecutive chunks alternate between them. Two gained nothing on
+    # the H100 (2 MiB, 320 KiB and 486 KiB slots, same probe), so one.
     dma_streams: int = 1
     # A load's layer slices: each at least this many bytes per block (one descriptor per block and
-    # slice), at most ``max_layer_slices`` slices.
-    layer_slice_bytes: int = 1 << 20
+    # slice), at most ``max_layer_slices`` slices. On the H100 (2026-11-23, benchmarks/
+    # staged_sweep.py) 512-block loads moved 52.6 GB/s end to end in 8 slices of 256 KiB against
+    # 52.5 in one (Llama-3-8B, 2 MiB slots; Qwen2.5-7B at 32-token blocks 51.7 in 7 against 52.1),
+    # with layer 0 usable after 2.8 of 19.8 ms.
+    layer_slice_bytes: int = 256 << 10
     max_layer_slices: int = 8
+    # ... and at most one slice per this many bytes of the load (see ``base``).
+    layer_slice_transfer_bytes: int = SLICE_TRANSFER_BYTES
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -76,6 +83,7 @@ class StagedConfig:
             "dma_streams",
             "layer_slice_bytes",
             "max_layer_slices",
+            "layer_slice_transfer_bytes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -153,7 +161,7 @@ class StagedBackend(CudaBackend):
         # with offsets counted from the slice's start (the staging area holds slices back to back)
         self._slice_spans: list[list[tuple[int, int]]] = []
         self._slice_regions: list[list[Any]] = []
-        for g, table, parts in zip(layout.groups, self._regions, self.load_slices, strict=True):
+        for g, table, parts in zip(layout.groups, self._regions, self.load_parts, strict=True):
             offsets = [*g.offsets, g.slot_bytes]
             spans = [(offsets[p.start], offsets[p.stop] - offsets[p.start]) for p in parts]
             self._slice_spans.append(spans)
@@ -164,6 +172,7 @@ class StagedBackend(CudaBackend):
                 tables.append(t.contiguous())
             self._slice_regions.append(tables)
         self._index = BufferRing(self.device, with_device=True)
+        self.min_slice_transfer_bytes = config.layer_slice_transfer_bytes
 
     def _slice_count(self, group: LayerGroup) -> int:
         return slice_count(

@@ -1,8 +1,8 @@
-"""FIFO submission of one direction's transfers: inline when the lane is idle, else a thread.
+"""FIFO submission of one direction's transfers: on a thread that sleeps when idle, or inline.
 
-A job is enqueued in the caller's thread when nothing of that direction is queued or being
-enqueued and it is small (``inline_bytes``), so the GPU starts at once and no thread is woken. A
-large job, or one arriving while another is being enqueued, goes to the lane's thread, which
+A job may be enqueued in the caller's thread when nothing of that direction is queued or being
+enqueued and the backend allows it (``inline_bytes``; the default sends every job to the thread,
+see ``base.INLINE_BYTES`` for the measurement). Other jobs go to the lane's thread, which
 sleeps on a condition when it has nothing to do: an idle backend costs no host time at all (no
 polling). An earlier version polled its queue every 100 us for 50 ms after each job to spare the
 caller the wake-up; while an engine ran that meant ~10,000 wake-ups a second, each taking the GIL
