@@ -67,6 +67,18 @@ def test_every_workload_runs_and_reports_its_targets(tmp_path, monkeypatch, caps
     assert "fits: turns/s cost:" in text
 
 
+def test_modes_left_out_read_not_measured_never_nan(tmp_path, capsys):
+    """``--modes gpu,kvoffload`` has no recompute or gpu_all to compare with: the targets that
+    need them say so (the summary once printed "p50 nanx")."""
+    pytest.importorskip("torch")
+    argv = ["bench", "e2e", "--model", "micro", "--device", "cpu", "--no-plot"]
+    argv += ["--modes", "gpu,kvoffload", "--zero-reuse-rounds", "0", "--verify", "0"]
+    assert main([*argv, "--out", str(tmp_path / "e.json")]) == 0
+    text = capsys.readouterr().out
+    assert "nan" not in text.lower()
+    assert "chat: recompute / kvoffload p50: - (target >= 6x): not measured" in text
+
+
 def _has_matplotlib():
     try:
         import matplotlib  # noqa: F401
