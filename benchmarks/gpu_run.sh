@@ -14,7 +14,7 @@
 #   STEPS="tests e2e" OUT=... bash benchmarks/gpu_run.sh  # a subset (a device call is <= 10 min)
 #
 # STEPS (default "tests doctor transfer e2e"; "calibrate" alone writes the table only). Writes under $OUT: gpu_run.log (everything),
-# transfer_gpu.json/.png, e2e_gpu.json/.png. Extra arguments go to `kvoffload bench transfer`.
+# transfer_gpu.json/.png, e2e_gpu.json/.png, e2e_gpu_qwen.json/.png. Extra arguments go to `kvoffload bench transfer`.
 # Exit status: non-zero if any step failed.
 set -o pipefail
 OUT=${OUT:-benchmarks/results/gpu_run}
@@ -38,6 +38,10 @@ if want calibrate || want transfer; then
   step timeout 150 python3 -m kvoffload.cli calibrate --pieces 4096,32768,262144,2097152 --blocks 16,128,512
 fi
 want transfer && step timeout 330 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
-want e2e && step timeout 400 python3 -m kvoffload.cli bench e2e --zero-reuse-rounds 4 --verify 3 --out "$OUT/e2e_gpu.json"
+# e2e: Llama-3-8B shapes on the chat workload (every mode) and the fitting one (gpu vs kvoffload,
+# 3 rounds), zero reuse, 3 sampled turns checked; then Qwen2.5-7B shapes with 32-token blocks.
+# Both took 226 s on the H100 (2026-11-23, run7 in docs/e2e.md).
+want e2e && step timeout 330 python3 -m kvoffload.cli bench e2e --workloads chat,fits --zero-reuse-rounds 4 --verify 3 --out "$OUT/e2e_gpu.json"
+want e2e && step timeout 200 python3 -m kvoffload.cli bench e2e --model qwen2.5-7b --block-size 32 --modes recompute,gpu_all,kvoffload --zero-reuse-rounds 0 --verify 2 --out "$OUT/e2e_gpu_qwen.json"
 echo "=== done, status $status" | tee -a "$LOG"
 exit $status

@@ -29,3 +29,75 @@ def test_bad_arguments_exit_with_a_message(capsys):
 
     with pytest.raises(SystemExit, match="--models: expected names"):
         main(["bench", "transfer", "--models", "gpt-5"])
+
+
+def _options(parser, path=()):
+    """(command path, action) for every option of every command."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, (*path, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_every_option_of_every_command_has_help():
+    from kvoffload.cli import build_parser
+
+    missing = [f"{' '.join(p)} {a.dest}" for p, a in _options(build_parser()) if not a.help]
+    assert missing == []
+
+
+def test_help_is_plain_text_with_defaults(capsys):
+    import pytest
+
+    from kvoffload.cli import COMMANDS
+
+    for path in [(), ("bench",), *COMMANDS]:
+        with pytest.raises(SystemExit) as done:
+            main([*path, "--help"])
+        assert done.value.code == 0
+        text = capsys.readouterr().out
+        assert "``" not in text, f"raw RST backticks in kvoffload {' '.join(path)} --help"
+        if path == ("bench", "e2e"):
+            assert "--block-size BLOCK_SIZE" in text and "(default: 16)" in text
+            assert "time to first token" in text  # the module docstring as the description
+        if path == ("bench", "store"):
+            assert "(default: arc,lru)" in text  # a list default, shown as the user types it
+
+
+def test_bench_tables_fit_80_columns_without_cutting_cells(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["bench", "store", "--resident", "3000", "--reps", "2", "--out", str(out)]) == 0
+    argv = ["bench", "transfer", "--models", "qwen2.5-7b", "--layouts", "kv_split,page"]
+    assert main([*argv, "--blocks", "3", "--reps", "1", "--out", str(tmp_path / "t.json")]) == 0
+    text = capsys.readouterr().out
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_results_go_to_a_new_file_outside_the_repository(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from kvoffload.bench.common import RESULTS_DIR, default_out
+
+    monkeypatch.chdir(tmp_path)
+    first = default_out("e2e_tiny", "cpu AMD EPYC 7B13")
+    assert first.parent == tmp_path / RESULTS_DIR
+    assert first.name.startswith("e2e_tiny_cpu-amd-epyc-7b13_") and first.suffix == ".json"
+    first.parent.mkdir()
+    first.write_text("{}")
+    second = default_out("e2e_tiny", "cpu AMD EPYC 7B13")
+    assert second != first and not second.exists()  # a run never replaces an earlier one
+    repo = Path(__file__).resolve().parents[1]
+    assert repo / "benchmarks" / "results" not in first.parents
+
+
+def test_the_progress_bar_shows_time_left():
+    from rich.progress import TimeRemainingColumn
+
+    from kvoffload.bench.common import progress
+
+    assert any(isinstance(c, TimeRemainingColumn) for c in progress().columns)

@@ -16,8 +16,8 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
     assert main([*argv, "--zero-reuse-rounds", "1", "--zero-reuse-turns", "4"]) == 0
     result = json.loads(out.read_text())
     assert result["device"]["name"].startswith("cpu")
-    modes = result["results"]["modes"]
-    assert list(modes) == ["recompute", "gpu", "kvoffload"]
+    modes = result["results"]["workloads"]["chat"]["modes"]
+    assert list(modes) == ["recompute", "gpu", "gpu_all", "kvoffload"]
     for run in modes.values():
         assert run["turns"] == 4 * 3 and len(run["records"]) == 12
         assert run["ttft_ms"]["p50"] > 0 and run["turns_per_s"] > 0
@@ -34,9 +34,49 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
     assert set(zero["overhead_turns_per_s"]) == {"kvoffload", "kvoffload_store_all"}
     assert [c["ok"] for c in result["results"]["verify"]] == [True, True]
     text = capsys.readouterr().out
-    assert "TTFT per mode" in text and "zero reuse" in text
+    assert "chat: TTFT ms" in text and "zero reuse" in text and "targets:" in text
     if _has_matplotlib():
         assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_every_workload_runs_and_reports_its_targets(tmp_path, monkeypatch, capsys):
+    """All four workloads at micro shapes, the JSON written to a new file under
+    ./kvoffload-results (no --out), the tables within 80 columns."""
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "e2e", "--model", "micro", "--device", "cpu", "--no-plot"]
+    assert main([*argv, "--workloads", "chat,fits,docs,mixed", "--zero-reuse-rounds", "0"]) == 0
+    (out,) = (tmp_path / "kvoffload-results").glob("e2e_micro_cpu-*.json")
+    result = json.loads(out.read_text())
+    workloads = result["results"]["workloads"]
+    assert list(workloads) == ["chat", "fits", "docs", "mixed"]
+    assert [w["kind"] for w in result["config"]["workloads"]] == list(workloads)
+    fits = workloads["fits"]["modes"]
+    assert list(fits) == ["gpu", "kvoffload"] and len(fits["gpu"]["turns_per_s_rounds"]) == 3
+    assert fits["kvoffload"]["hit_ratio"]["host"] == 0.0  # the pool holds everything
+    assert fits["kvoffload"]["host"]["stored_blocks"] == 0  # and nothing is stored
+    docs = workloads["docs"]["modes"]["kvoffload"]["records"]
+    assert len(docs) == 12 and any(r["turn"] >= 2 for r in docs)
+    mixed = workloads["mixed"]["modes"]["gpu"]["records"]
+    assert sum(r["conversation"] == -1 for r in mixed) == 4  # a quarter unique
+    names = [t["name"] for t in result["results"]["targets"]]
+    assert "chat: restored p50 / gpu_all" in names and "fits: turns/s cost" in names
+    assert "docs: recompute / kvoffload p99" in names
+    text = capsys.readouterr().out
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert "fits: turns/s cost:" in text
+
+
+def test_modes_left_out_read_not_measured_never_nan(tmp_path, capsys):
+    """``--modes gpu,kvoffload`` has no recompute or gpu_all to compare with: the targets that
+    need them say so (the summary once printed "p50 nanx")."""
+    pytest.importorskip("torch")
+    argv = ["bench", "e2e", "--model", "micro", "--device", "cpu", "--no-plot"]
+    argv += ["--modes", "gpu,kvoffload", "--zero-reuse-rounds", "0", "--verify", "0"]
+    assert main([*argv, "--out", str(tmp_path / "e.json")]) == 0
+    text = capsys.readouterr().out
+    assert "nan" not in text.lower()
+    assert "chat: recompute / kvoffload p50: - (target >= 6x): not measured" in text
 
 
 def _has_matplotlib():
@@ -52,17 +92,16 @@ def test_bad_workload_exits_with_a_message():
         main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--turns", "0"])
     with pytest.raises(SystemExit, match="GPU pool of at least"):
         main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--gpu-blocks", "3"])
-    with pytest.raises(SystemExit, match="expected modes"):
+    with pytest.raises(SystemExit, match="--modes: expected distinct names"):
         main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--modes", "disk"])
 
 
-def test_outside_a_checkout_it_says_how_to_get_one(monkeypatch, tmp_path):
-    import kvoffload
-    from kvoffload.bench import e2e
+def test_the_model_runner_ships_in_the_package():
+    """``pip install .`` (not editable) installs the runner: it is a package under kvoffload."""
+    import setuptools  # type: ignore[import-untyped]
 
-    monkeypatch.setattr(kvoffload, "__file__", str(tmp_path / "site" / "kvoffload" / "__init__.py"))
-    with pytest.raises(SystemExit, match="pip install -e"):
-        e2e.checkout()
+    packages = setuptools.find_packages(".", include=["kvoffload*"])
+    assert "kvoffload.bench.engine" in packages
 
 
 def test_the_command_module_does_not_import_torch():

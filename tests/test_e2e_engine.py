@@ -2,6 +2,7 @@
 modes, and the rule that a block being stored is not reused."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -9,15 +10,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kvoffload as kvo  # noqa: E402
-from benchmarks.engine.attention import paged_attend, sdpa  # noqa: E402
-from benchmarks.engine.block_pool import BlockPool, PoolExhausted  # noqa: E402
-from benchmarks.engine.config import model_config  # noqa: E402
-from benchmarks.engine.engine import Engine  # noqa: E402
-from benchmarks.engine.host_tier import HostTier  # noqa: E402
-from benchmarks.engine.kv_cache import PagedKVCache  # noqa: E402
-from benchmarks.engine.model import Model  # noqa: E402
-from benchmarks.engine.timing import SectionTimer  # noqa: E402
-from benchmarks.engine.workload import ChatShape, chat_turns  # noqa: E402
+from kvoffload.bench.engine.attention import paged_attend, sdpa  # noqa: E402
+from kvoffload.bench.engine.block_pool import BlockPool, PoolExhausted  # noqa: E402
+from kvoffload.bench.engine.config import model_config  # noqa: E402
+from kvoffload.bench.engine.engine import Engine, Offload, TurnResult  # noqa: E402
+from kvoffload.bench.engine.host_tier import HostTier  # noqa: E402
+from kvoffload.bench.engine.kv_cache import PagedKVCache  # noqa: E402
+from kvoffload.bench.engine.model import Model  # noqa: E402
+from kvoffload.bench.engine.timing import SectionTimer  # noqa: E402
+from kvoffload.bench.engine.workload import ChatShape, chat_turns  # noqa: E402
 from kvoffload.transfer import backend as backends  # noqa: E402
 from kvoffload.transfer.host import HostBackend  # noqa: E402
 
@@ -83,7 +84,7 @@ def test_paged_attention_equals_dense_causal_attention_on_scattered_blocks():
 
 
 def test_rope_rotates_halves():
-    from benchmarks.engine.model import rope
+    from kvoffload.bench.engine.model import rope
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 3, 8, generator=gen)
@@ -104,15 +105,19 @@ def test_chunked_prefill_matches_one_pass(model):
     assert whole.computed_tokens == chunked.computed_tokens == 150
 
 
-def test_modes_reuse_what_they_should(model):
+@pytest.mark.parametrize("store", ["evict", "behind"])
+def test_modes_reuse_what_they_should(model, store):
     shape = ChatShape(conversations=3, turns=3, system_tokens=32, user_tokens=32, answer_tokens=16)
     turns = chat_turns(shape, MICRO.vocab, seed=0)
-    cache = PagedKVCache(MICRO, 2 * -(-shape.history_tokens // 16), 16, torch.device("cpu"))
+    pool = 2 * -(-shape.history_tokens // 16)
+    cache = PagedKVCache(MICRO, 4 * pool, 16, torch.device("cpu"))
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=64))
     try:
-        hits = {}
-        for mode in ("recompute", "gpu", "kvoffload"):
-            engine = Engine(model, cache, mode, host if mode == "kvoffload" else None, 64)
+        hits, evicted = {}, {}
+        for mode in ("recompute", "gpu", "gpu_all", "kvoffload"):
+            tier = host if mode == "kvoffload" else None
+            blocks = 4 * pool if mode == "gpu_all" else pool
+            engine = Engine(model, cache, mode, tier, 64, Offload(store=store), blocks)
             runs = [engine.run(t.prompt, t.answer) for t in turns]
             engine.idle()
             hits[mode] = (
@@ -120,6 +125,7 @@ def test_modes_reuse_what_they_should(model):
                 sum(r.host_hit_tokens for r in runs),
                 sum(r.computed_tokens for r in runs),
             )
+            evicted[mode] = engine.pool.evictions
             assert engine.pool.num_free == engine.pool.num_blocks  # every block given back
         total = sum(len(t.prompt) for t in turns)
         assert hits["recompute"] == (0, 0, total)
@@ -128,7 +134,11 @@ def test_modes_reuse_what_they_should(model):
         # and kvoffload loads it back instead of recomputing it
         assert hits["kvoffload"][1] > 0
         assert hits["kvoffload"][2] < hits["gpu"][2]
-        assert sum(hits["kvoffload"]) == sum(hits["gpu"]) == total
+        # gpu_all never evicts: every full block computed before is a GPU hit, the ideal that
+        # kvoffload's GPU and host hits together reach here
+        assert evicted["gpu_all"] == 0 and evicted["gpu"] > 0
+        assert hits["gpu_all"][0] == hits["kvoffload"][0] + hits["kvoffload"][1]
+        assert sum(hits["kvoffload"]) == sum(hits["gpu"]) == sum(hits["gpu_all"]) == total
         assert host.stats.stores > 0 and host.stats.failures == 0
         assert host.stats.store_bytes == host.stats.stores * cache.block_bytes
     finally:
@@ -151,7 +161,8 @@ def test_blocks_being_stored_are_not_reused_until_the_store_settles(model, monke
     cache = PagedKVCache(MICRO, 8, 16, torch.device("cpu"))
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=16))
     try:
-        engine = Engine(model, cache, "kvoffload", host, 64, admission="all")
+        behind = Offload(admission="all", store="behind")
+        engine = Engine(model, cache, "kvoffload", host, 64, behind)
         prompt = np.arange(80) % MICRO.vocab
         engine.run(prompt)  # 5 blocks, 5 full ones being stored
         assert engine.pool.num_free == 3  # held while their store is in flight
@@ -167,34 +178,98 @@ def test_blocks_being_stored_are_not_reused_until_the_store_settles(model, monke
         host.close()
 
 
-def test_reuse_admission_stores_only_what_recurs(model):
+def test_evict_policy_stores_nothing_while_the_pool_has_room(model):
+    cache = PagedKVCache(MICRO, 64, 16, torch.device("cpu"))
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=64))
+    try:
+        engine = Engine(model, cache, "kvoffload", host, 64, Offload(admission="all"))
+        rng = np.random.default_rng(8)
+        system = rng.integers(0, MICRO.vocab, 64)
+        for _ in range(4):  # 4 requests of 6 blocks each after a shared 4-block prefix: 24 blocks
+            engine.run(np.concatenate([system, rng.integers(0, MICRO.vocab, 24)]))
+        engine.idle()
+        assert host.stats.stores == 0 and engine.late_stores == 0
+        assert engine.pool.num_free == 64
+        # when the pool is emptied, admitted blocks go to host first, so nothing is lost
+        engine.drop_gpu_cache()
+        assert host.stats.stores == 4 + 4 * 1  # the shared prefix, then each request's own block
+        again = engine.run(np.concatenate([system, rng.integers(0, MICRO.vocab, 24)]))
+        assert again.host_hit_tokens == 64 and again.gpu_hit_tokens == 0
+    finally:
+        host.close()
+
+
+def test_evict_policy_stores_ahead_and_never_reuses_a_block_being_stored(model, monkeypatch):
+    """A pool of 12 blocks cycled by 3-block requests: blocks are stored once they near the head
+    of the free queue; while their store is held back, allocation waits for it instead of
+    overwriting them, and every block comes back from host later, bit-exact."""
+    monkeypatch.setitem(backends.BACKENDS, "host", GatedBackend)
+    GatedBackend.gate.set()
+    cache = PagedKVCache(MICRO, 12, 16, torch.device("cpu"))
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=64))
+    try:
+        engine = Engine(model, cache, "kvoffload", host, 64, Offload(admission="all"))
+        rng = np.random.default_rng(9)
+        prompts = [rng.integers(0, MICRO.vocab, 40) for _ in range(8)]  # 2 full blocks + 1
+        first = engine.run(prompts[0])
+        second = engine.run(prompts[1])
+        assert host.stats.stores == 0  # the pool still has fresh blocks ahead of them
+        GatedBackend.gate.clear()  # stores now stay in flight until the gate opens
+        done = threading.Event()
+
+        def rest():
+            for p in prompts[2:]:
+                engine.run(p)
+            done.set()
+
+        worker = threading.Thread(target=rest)
+        worker.start()
+        assert not done.wait(1.0)  # blocked: the next blocks to reuse are being stored
+        stored = {b for blocks in engine._storing.values() for b in blocks}
+        assert stored and stored <= {*first.blocks, *second.blocks}  # the oldest requests'
+        assert engine.pool.num_free > 0  # free blocks exist, but they are being read
+        GatedBackend.gate.set()
+        worker.join(30)
+        assert done.is_set()
+        engine.idle()
+        assert host.stats.stores >= 2 and host.stats.failures == 0
+        back = engine.run(prompts[0])  # evicted from the GPU long ago: from host
+        assert back.host_hit_tokens == 32 and back.gpu_hit_tokens == 0
+        torch.testing.assert_close(back.logits, first.logits, rtol=0, atol=0)
+    finally:
+        GatedBackend.gate.set()
+        host.close()
+
+
+@pytest.mark.parametrize("store", ["evict", "behind"])
+def test_reuse_admission_stores_only_what_recurs(model, store):
     cache = PagedKVCache(MICRO, 16, 16, torch.device("cpu"))
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=16))
     try:
-        engine = Engine(model, cache, "kvoffload", host, 64)  # admission="reuse"
+        engine = Engine(model, cache, "kvoffload", host, 64, Offload(store=store))
         rng = np.random.default_rng(5)
         first, answer = rng.integers(0, MICRO.vocab, 40), rng.integers(0, MICRO.vocab, 8)
         engine.run(first, answer)  # shares nothing: not stored
         engine.run(rng.integers(0, MICRO.vocab, 40))
-        engine.idle()
+        engine.drop_gpu_cache()
         assert host.stats.stores == 0
         # a continuation of the first request is admitted, even with its prefix gone from the GPU
-        engine.drop_gpu_cache()
         follow = engine.run(np.concatenate([first, answer, rng.integers(0, MICRO.vocab, 30)]))
-        engine.idle()
+        engine.drop_gpu_cache()
         assert follow.gpu_hit_tokens == 0 and host.stats.stores == 4  # 78 tokens: 4 full blocks
     finally:
         host.close()
 
 
-def test_an_admitted_request_stores_the_prefix_it_reused_from_the_gpu(model):
+@pytest.mark.parametrize("store", ["evict", "behind"])
+def test_an_admitted_request_stores_the_prefix_it_reused_from_the_gpu(model, store):
     """A conversation's first turn is not admitted; its second reuses that turn's blocks from the
     GPU cache and is admitted: the host must then get the reused prefix too, or later host hits
     stop at its hole."""
     cache = PagedKVCache(MICRO, 16, 32, torch.device("cpu"))  # 16 blocks of 32 tokens
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=32))
     try:
-        engine = Engine(model, cache, "kvoffload", host, 64)  # admission="reuse"
+        engine = Engine(model, cache, "kvoffload", host, 64, Offload(store=store))
         rng = np.random.default_rng(6)
         first, answer = rng.integers(0, MICRO.vocab, 48), rng.integers(0, MICRO.vocab, 16)
         engine.run(first, answer)  # 2 full blocks on the GPU, none on host
@@ -202,17 +277,119 @@ def test_an_admitted_request_stores_the_prefix_it_reused_from_the_gpu(model):
         assert host.stats.stores == 0
         second = np.concatenate([first, answer, rng.integers(0, MICRO.vocab, 32)])
         turn = engine.run(second)
-        engine.idle()
-        assert turn.gpu_hit_tokens == 64 and host.stats.stores == 3  # 2 reused + 1 new
         engine.drop_gpu_cache()
+        assert turn.gpu_hit_tokens == 64 and host.stats.stores == 3  # 2 reused + 1 new
         again = engine.run(np.concatenate([second, rng.integers(0, MICRO.vocab, 8)]))
         assert again.gpu_hit_tokens == 0 and again.host_hit_tokens == 96
     finally:
         host.close()
 
 
+def test_none_admission_stores_nothing(model):
+    cache = PagedKVCache(MICRO, 16, 16, torch.device("cpu"))
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=16))
+    try:
+        engine = Engine(model, cache, "kvoffload", host, 64, Offload(admission="none"))
+        prompt = np.arange(70) % MICRO.vocab
+        engine.run(prompt)
+        engine.run(prompt)
+        engine.drop_gpu_cache()
+        again = engine.run(prompt)
+        assert host.stats.stores == 0 and again.host_hit_tokens == 0
+    finally:
+        host.close()
+
+
+class HeldLayer(HostBackend):
+    """Loads really move bytes, layer by layer, but stop before layer ``hold`` until released."""
+
+    hold = 1
+    reached = threading.Event()
+    release = threading.Event()
+
+    def _copy_region(self, spec, r):
+        if spec.direction == "load" and r == self.layout.groups[spec.group].layer_starts[self.hold]:
+            self.reached.set()
+            assert self.release.wait(30)
+        super()._copy_region(spec, r)
+
+
+def test_layered_restore_starts_prefill_before_the_load_has_arrived(model, monkeypatch):
+    """Layer 0's attention runs while layer 1's blocks are still held back; the result equals a
+    restore that waits for the whole load first, bit for bit."""
+    monkeypatch.setitem(backends.BACKENDS, "host", HeldLayer)
+    HeldLayer.release.set()
+    cache = PagedKVCache(MICRO, 32, 16, torch.device("cpu"))
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=32))
+    try:
+        prompt = np.random.default_rng(10).integers(0, MICRO.vocab, 100)  # 6 full blocks
+        store = Engine(model, cache, "kvoffload", host, 64, Offload(admission="all"))
+        store.run(prompt[:90])
+        store.drop_gpu_cache()
+        blocking = Engine(model, cache, "kvoffload", host, 64, Offload(load="blocking"))
+        want = blocking.run(prompt, cache=False)
+        assert want.host_hit_tokens == 80 and want.layer_waits == []
+        HeldLayer.reached.clear()
+        HeldLayer.release.clear()
+        waited = []
+        real = host.wait_layer
+
+        def wait_layer(load, layer):
+            real(load, layer)
+            waited.append(layer)
+
+        monkeypatch.setattr(host, "wait_layer", wait_layer)
+        layered = Engine(model, cache, "kvoffload", host, 64, Offload(load="layered"))
+        out: dict[str, TurnResult] = {}
+        runner = threading.Thread(target=lambda: out.update(r=layered.run(prompt, cache=False)))
+        runner.start()
+        assert HeldLayer.reached.wait(30)
+        deadline = time.monotonic() + 30
+        while not waited and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert waited == [0]  # layer 0 read its blocks; layer 1 waits for the held copy
+        HeldLayer.release.set()
+        runner.join(30)
+        got = out["r"]
+        assert waited[:2] == [0, 1] and len(got.layer_waits) == MICRO.layers
+        assert got.host_hit_tokens == 80
+        assert torch.equal(got.logits, want.logits) and got.first_token == want.first_token
+    finally:
+        HeldLayer.release.set()
+        host.close()
+
+
+class FailingLoads(HostBackend):
+    def _copy_region(self, spec, r):
+        if spec.direction == "load" and r == self.layout.groups[spec.group].layer_starts[1]:
+            raise OSError("injected load failure")
+        super()._copy_region(spec, r)
+
+
+@pytest.mark.parametrize("load", ["layered", "blocking"])
+def test_a_failed_load_is_recomputed(model, monkeypatch, load):
+    monkeypatch.setitem(backends.BACKENDS, "host", FailingLoads)
+    cache = PagedKVCache(MICRO, 32, 16, torch.device("cpu"))
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=32))
+    try:
+        prompt = np.random.default_rng(11).integers(0, MICRO.vocab, 100)
+        engine = Engine(model, cache, "kvoffload", host, 64, Offload(admission="all", load=load))
+        engine.run(prompt[:90])
+        engine.drop_gpu_cache()
+        got = engine.run(prompt)
+        assert got.host_hit_tokens == 0 and got.computed_tokens == 100
+        assert host.stats.failures == 5  # the 5 full blocks of the failed load
+        want = Engine(model, cache, "recompute", None, 64).run(prompt)
+        assert torch.equal(got.logits, want.logits)
+        engine.idle()
+        assert engine.pool.num_free == 32  # the failed load's blocks came back too
+    finally:
+        host.close()
+
+
 def test_decode_attention_equals_sdpa():
-    from benchmarks.engine.attention import decode_attention
+    from kvoffload.bench.engine.attention import decode_attention
 
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(1, 8, 16, generator=gen).bfloat16()
@@ -232,7 +409,15 @@ def test_engine_rejects_bad_input(model):
     with pytest.raises(ValueError, match="host tier exactly"):
         Engine(model, cache, "kvoffload")
     with pytest.raises(ValueError, match="admission"):
-        Engine(model, cache, "gpu", admission="some")
+        Offload(admission="some")
+    with pytest.raises(ValueError, match="store in"):
+        Offload(store="later")
+    with pytest.raises(ValueError, match="load in"):
+        Offload(load="lazy")
+    with pytest.raises(ValueError, match="store_lead > 0"):
+        Offload(store_lead=0)
+    with pytest.raises(ValueError, match="pool_blocks in"):
+        Engine(model, cache, "gpu", pool_blocks=5)
     engine = Engine(model, cache, "gpu")
     with pytest.raises(ValueError, match="non-empty 1-D prompt"):
         engine.run([])

@@ -1,18 +1,18 @@
 """The e2e correctness check on CPU: first-token logits with the prefix restored from kvoffload's
 host tier equal, bit for bit, those with the same prefix computed on the device, and 16 greedy
-tokens after them are identical (``benchmarks/engine/verify.py``)."""
+tokens after them are identical (``kvoffload/bench/engine/verify.py``)."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import kvoffload as kvo  # noqa: E402
-from benchmarks.engine.config import model_config  # noqa: E402
-from benchmarks.engine.host_tier import HostTier  # noqa: E402
-from benchmarks.engine.kv_cache import PagedKVCache  # noqa: E402
-from benchmarks.engine.model import Model  # noqa: E402
-from benchmarks.engine.verify import check_turn  # noqa: E402
-from benchmarks.engine.workload import ChatShape  # noqa: E402
+from kvoffload.bench.engine.config import model_config  # noqa: E402
+from kvoffload.bench.engine.host_tier import HostTier  # noqa: E402
+from kvoffload.bench.engine.kv_cache import PagedKVCache  # noqa: E402
+from kvoffload.bench.engine.model import Model  # noqa: E402
+from kvoffload.bench.engine.verify import check_turn  # noqa: E402
+from kvoffload.bench.engine.workload import ChatShape  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -51,13 +51,13 @@ def test_a_wrong_restore_is_caught(monkeypatch):
     chat = ChatShape(1, 2, 48, 24, 24)
     cache = PagedKVCache(config, 24, 16, torch.device("cpu"))
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=24))
-    real_load = host.load
+    real_load = host.start_load
 
     def corrupting_load(req_id, keys, blocks):
         host.local.arena.slots[:] ^= 0x40  # flip one bit of every byte held on host
         return real_load(req_id, keys, blocks)
 
-    monkeypatch.setattr(host, "load", corrupting_load)
+    monkeypatch.setattr(host, "start_load", corrupting_load)
     try:
         check = check_turn(model, cache, host, chat, 2, seed=3, chunk_tokens=64)
     finally:

@@ -40,7 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[10_000, 1_000_000],
         help="resident block counts (comma separated)",
     )
-    p.add_argument("--policies", type=lambda s: s.split(","), default=sorted(POLICIES))
+    p.add_argument(
+        "--policies",
+        type=lambda s: s.split(","),
+        default=sorted(POLICIES),
+        help="eviction policies (comma separated)",
+    )
     p.add_argument("--reps", type=int, default=30, help="timed repetitions per operation")
     p.add_argument("--out", type=Path, default=None, help="JSON result path")
 

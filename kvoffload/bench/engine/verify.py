@@ -12,20 +12,21 @@ the prefix at all.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from benchmarks.engine.config import ModelConfig
-from benchmarks.engine.engine import Engine, TurnResult
-from benchmarks.engine.host_tier import HostTier
-from benchmarks.engine.kv_cache import PagedKVCache
-from benchmarks.engine.model import Model
-from benchmarks.engine.workload import ChatShape, chat_turns
+from kvoffload.bench.engine.config import ModelConfig
+from kvoffload.bench.engine.engine import Engine, Offload, TurnResult
+from kvoffload.bench.engine.host_tier import HostTier
+from kvoffload.bench.engine.kv_cache import PagedKVCache
+from kvoffload.bench.engine.model import Model
+from kvoffload.bench.engine.workload import ChatShape, chat_turns
 
 if TYPE_CHECKING:
-    from benchmarks.engine.bench import Advance, BenchConfig
+    from kvoffload.bench.engine.bench import Advance, BenchConfig
 
 DECODE_STEPS = 16
 
@@ -38,8 +39,10 @@ def check_turn(
     turn: int,
     seed: int,
     chunk_tokens: int,
+    offload: Offload | None = None,
 ) -> dict[str, Any]:
-    """Restore-vs-GPU check of ``turn`` (>= 2) of a fresh conversation shaped like ``chat``.
+    """Restore-vs-GPU check of ``turn`` (>= 2) of a fresh conversation shaped like ``chat``,
+    restoring the way ``offload`` says (layer by layer by default; every block is admitted).
 
     Besides logits and tokens it compares the KV itself, position by position: the restored
     prefix, the suffix prefilled on top of it and the KV written by the decode steps; and it runs
@@ -49,7 +52,8 @@ def check_turn(
         raise ValueError(f"expected a turn in [2, {chat.turns}], got {turn}")
     one = ChatShape(1, turn, chat.system_tokens, chat.user_tokens, chat.answer_tokens)
     turns = chat_turns(one, model.config.vocab, seed)
-    engine = Engine(model, cache, "kvoffload", host, chunk_tokens, admission="all")
+    stores = dataclasses.replace(offload or Offload(), admission="all")
+    engine = Engine(model, cache, "kvoffload", host, chunk_tokens, stores)
     for t in turns[:-1]:
         engine.run(t.prompt, t.answer)
     engine.idle()
@@ -129,12 +133,14 @@ def verify_samples(
     advance: Advance,
 ) -> list[dict[str, Any]]:
     """``cfg.verify`` sampled turns, spread over 2..T, each on its own fresh conversation."""
-    if not cfg.verify or cfg.chat.turns < 2:
+    chat = cfg.workloads[0].workload.verify_shape()
+    if not cfg.verify or chat.turns < 2:
         return []
-    picks = np.linspace(2, cfg.chat.turns, cfg.verify).round().astype(int)
+    picks = np.linspace(2, chat.turns, cfg.verify).round().astype(int)
     out = []
     for i, turn in enumerate(picks):
         seed = cfg.seed + 5000 + i
-        out.append(check_turn(model, cache, host, cfg.chat, int(turn), seed, cfg.chunk_tokens))
+        check = check_turn(model, cache, host, chat, int(turn), seed, cfg.chunk_tokens, cfg.offload)
+        out.append(check)
         advance("verify")
     return out

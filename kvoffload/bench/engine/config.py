@@ -26,11 +26,6 @@ class ModelConfig:
             )
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of every layer, bf16."""
-        return 2 * self.layers * self.kv_heads * self.head_size * 2
-
-    @property
     def params(self) -> int:
         attn = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_size
         attn += self.heads * self.head_size * self.hidden

@@ -1,6 +1,7 @@
 """A Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) in plain torch.
 
-Weights are seeded random bf16 (nothing is downloaded): the cost of a forward pass and the bytes of
+Weights are seeded random numbers in the compute dtype (bf16, or float32 on CPUs without bf16
+arithmetic: see ``dtype.py``; nothing is downloaded): the cost of a forward pass and the bytes of
 its KV cache are those of the real model; the tokens it produces mean nothing. Attention over the
 KV cache is not done here: ``forward`` calls ``attend(layer, q, k, v)``, which stores ``k, v`` in
 the engine's paged cache and returns the attention output (see ``attention.py``).
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks.engine.config import ModelConfig
+from kvoffload.bench.engine.config import ModelConfig
 
 # (layer, q [n, heads, head], k [n, kv_heads, head], v) -> [n, heads, head]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -32,19 +33,24 @@ class Layer:
 
 
 class Model:
-    def __init__(self, config: ModelConfig, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(
+        self, config: ModelConfig, device: str = "cpu", seed: int = 0, dtype: str = "bfloat16"
+    ) -> None:
+        if dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"expected dtype 'bfloat16' or 'float32', got {dtype!r}")
         self.config = config
         self.device = torch.device(device)
+        self.dtype: torch.dtype = getattr(torch, dtype)
         gen = torch.Generator(self.device).manual_seed(seed)
         c = config
         q_kv = (c.heads + 2 * c.kv_heads) * c.head_size
 
         def weight(rows: int, cols: int, std: float | None = None) -> torch.Tensor:
             w = torch.randn(rows, cols, generator=gen, device=self.device, dtype=torch.float32)
-            return w.mul_(std if std is not None else cols**-0.5).to(torch.bfloat16)
+            return w.mul_(std if std is not None else cols**-0.5).to(self.dtype)
 
         def ones(n: int) -> torch.Tensor:
-            return torch.ones(n, device=self.device, dtype=torch.bfloat16)
+            return torch.ones(n, device=self.device, dtype=self.dtype)
 
         self.embed = weight(c.vocab, c.hidden, 1.0)
         self.layers = [

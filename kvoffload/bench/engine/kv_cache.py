@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.engine.config import ModelConfig
+from kvoffload.bench.engine.config import ModelConfig
 
 
 class PagedKVCache:
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
@@ -22,7 +27,7 @@ class PagedKVCache:
         self.head_size = config.head_size
         shape = (2, num_blocks, block_size, config.kv_heads, config.head_size)
         self.tensors = [
-            torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(config.layers)
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.layers)
         ]
 
     @property

@@ -8,6 +8,7 @@ request's blocks are freed last block first, so the tail of a prefix is evicted 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -21,12 +22,16 @@ class PoolExhausted(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"expected num_blocks > 0, got {num_blocks}")
+    """Blocks ``first .. first + num_blocks - 1`` of the KV cache (two pools with disjoint ranges
+    can share one cache)."""
+
+    def __init__(self, num_blocks: int, first: int = 0) -> None:
+        if num_blocks <= 0 or first < 0:
+            raise ValueError(f"expected num_blocks > 0 and first >= 0, got {num_blocks}, {first}")
         self.num_blocks = num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._refs = [0] * num_blocks
+        self.first = first
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(first, first + num_blocks))
+        self._refs = dict.fromkeys(range(first, first + num_blocks), 0)
         self._key_of: dict[int, BlockKey] = {}
         self._block_of: dict[BlockKey, int] = {}
         self.evictions = 0  # cached blocks whose KV was overwritten
@@ -38,6 +43,14 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self._block_of)
+
+    def head(self, n: int) -> list[int]:
+        """The next ``n`` free blocks ``allocate`` would take (fewer if fewer are free)."""
+        return list(itertools.islice(self._free, n))
+
+    def key_of(self, block: int) -> BlockKey | None:
+        """The key whose KV ``block`` caches, or None."""
+        return self._key_of.get(block)
 
     def match(self, keys: Sequence[BlockKey]) -> list[int]:
         """Take the blocks caching the leading ``keys`` (a reference each)."""
@@ -73,7 +86,7 @@ class BlockPool:
 
     def release(self, blocks: Sequence[int]) -> None:
         for block in reversed(blocks):
-            if self._refs[block] <= 0:
+            if self._refs.get(block, 0) <= 0:
                 raise ValueError(f"release: expected a block in use, got free block {block}")
             self._refs[block] -= 1
             if self._refs[block] == 0:

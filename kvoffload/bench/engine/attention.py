@@ -8,13 +8,15 @@ TTFT (see docs/e2e.md for the measured numbers), so SDPA's FlashAttention kernel
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from benchmarks.engine.kv_cache import PagedKVCache
-from benchmarks.engine.model import Attend
-from benchmarks.engine.timing import SectionTimer
+from kvoffload.bench.engine.kv_cache import PagedKVCache
+from kvoffload.bench.engine.model import Attend
+from kvoffload.bench.engine.timing import SectionTimer
 
 
 def paged_attend(
@@ -23,9 +25,11 @@ def paged_attend(
     start: int,
     positions: torch.Tensor,
     timer: SectionTimer,
+    before_read: Callable[[int], None] | None = None,
 ) -> Attend:
     """An ``attend`` for tokens at ``positions`` (= start .. start + n - 1) of one request whose
-    blocks are ``table`` (int64, on the cache's device)."""
+    blocks are ``table`` (int64, on the cache's device). ``before_read(layer)`` runs right before
+    a layer's attention reads the cache: a layer-by-layer restore waits there for that layer."""
     bs = cache.block_size
     slots = table[positions // bs] * bs + positions % bs
     n = positions.shape[0]
@@ -33,6 +37,8 @@ def paged_attend(
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache.write(layer, slots, k, v)
+        if before_read is not None:
+            before_read(layer)
         with timer.section("gather"):
             kc, vc = cache.gather(layer, table, length)
         with timer.section("sdpa"):
