@@ -19,7 +19,7 @@ from kvoffload.bench.engine.kv_cache import PagedKVCache  # noqa: E402
 from kvoffload.bench.engine.model import Model  # noqa: E402
 from kvoffload.bench.engine.timing import SectionTimer  # noqa: E402
 from kvoffload.bench.engine.workload import ChatShape, chat_turns  # noqa: E402
-from kvoffload.transfer import backend as backends  # noqa: E402
+from kvoffload.transfer import registry as backends  # noqa: E402
 from kvoffload.transfer.host import HostBackend  # noqa: E402
 
 MICRO = model_config("micro")

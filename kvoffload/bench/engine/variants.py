@@ -42,7 +42,7 @@ from kvoffload.bench.engine.kv_cache import PagedKVCache
 from kvoffload.bench.engine.model import Model
 from kvoffload.bench.engine.timing import sync
 from kvoffload.bench.engine.workload import Turn, Workload
-from kvoffload.transfer.backend import BACKENDS, register_backend
+from kvoffload.transfer.registry import BACKENDS, register_backend
 
 OFFLOADS = {
     "evict": Offload(store="evict"),
