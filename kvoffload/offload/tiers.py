@@ -129,22 +129,28 @@ class TierMover:
 
 def build_mover(layout: KVLayout, config: OffloadConfig, arena: HostArena) -> TierMover | None:
     """The lower tiers ``config`` names (disk first, then Valkey), or None when it names none."""
-    fingerprint = layout.fingerprint(config.model_id)
+    tiers = build_tiers(config, layout.fingerprint(config.model_id), arena.slot_bytes)
+    return TierMover(arena, tiers, config.tier_threads) if tiers else None
+
+
+def build_tiers(config: OffloadConfig, fingerprint: str, block_bytes: int) -> list[Tier]:
+    """The lower tiers ``config`` names, disk first, for blocks of ``block_bytes`` under
+    ``fingerprint`` (also used by the vLLM adapter, whose host rows have no ``KVLayout``)."""
     tiers: list[Tier] = []
     if config.disk_path is not None:
         tiers.append(
-            DiskTier(config.disk_path, fingerprint, arena.slot_bytes, config.disk_capacity_bytes)
+            DiskTier(config.disk_path, fingerprint, block_bytes, config.disk_capacity_bytes)
         )
     if config.valkey_url is not None:
         tiers.append(
             ValkeyTier(
                 config.valkey_url,
                 fingerprint,
-                arena.slot_bytes,
+                block_bytes,
                 ttl_s=config.valkey_ttl_s,
                 max_value_bytes=config.valkey_max_value_bytes,
                 timeout_s=config.valkey_timeout_s,
                 pool_size=config.valkey_pool_size,
             )
         )
-    return TierMover(arena, tiers, config.tier_threads) if tiers else None
+    return tiers

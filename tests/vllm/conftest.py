@@ -11,3 +11,16 @@ import os
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _close_engine_sims():
+    yield
+    if "tests.vllm.harness" in __import__("sys").modules:
+        from tests.vllm.harness import OPEN
+
+        while OPEN:
+            OPEN.pop().close()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvoffload.integrations.vllm.engine import TransferEngine
-from kvoffload.integrations.vllm.manager import KVOffloadManager
+from kvoffload.integrations.vllm.manager import KVOffloadManager, KVOffloadTieringManager
 from kvoffload.integrations.vllm.spec import KVOffloadSpec
 from kvoffload.transfer.backend import BackendFactory
 
@@ -79,6 +81,7 @@ NUM_LAYERS = 4
 HEADS, HEAD_DIM = 2, 16  # page = 2 heads * 16 tokens * (16 + 16) * 4 bytes = 4 KiB per layer
 SAMPLED = 7  # the fake model always samples this token
 PAGE_BYTES = HEADS * BLOCK * 2 * HEAD_DIM * 4
+OPEN: list[EngineSim] = []  # closed after each test (conftest.py): shared regions, tier threads
 
 
 def write_model(directory: Path, sliding_window: int | None) -> Path:
@@ -132,12 +135,14 @@ class EngineSim:
     connector_module: str | None = None
     kv_load_failure_policy: str = "recompute"
     max_model_len: int = 1024
+    spec: tuple[str, str] = ("KVOffloadSpec", "kvoffload.integrations.vllm")
+    kv_offloading_size: float | None = None  # vLLM's --kv-offloading-size, in GiB
 
     def __post_init__(self) -> None:
         model = write_model(self.tmp_path / "model", self.sliding_window)
         extra = {
-            "spec_name": "KVOffloadSpec",
-            "spec_module_path": "kvoffload.integrations.vllm",
+            "spec_name": self.spec[0],
+            "spec_module_path": self.spec[1],
             "cpu_bytes_to_use": 1 << 20,
             **self.extra_config,
         }
@@ -160,13 +165,14 @@ class EngineSim:
                 block_size=BLOCK,
                 enable_prefix_caching=True,
                 num_gpu_blocks_override=self.num_gpu_blocks,
+                kv_offloading_size=self.kv_offloading_size,
             ),
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=KVTransferConfig(
                 kv_connector=self.connector,
                 kv_connector_module_path=self.connector_module,
                 kv_role="kv_both",
-                engine_id="kvoffload-test",
+                engine_id=f"kvoffload-test-{uuid.uuid4().hex[:12]}",
                 kv_load_failure_policy=self.kv_load_failure_policy,  # type: ignore[arg-type]
                 kv_connector_extra_config=extra,
             ),
@@ -177,6 +183,7 @@ class EngineSim:
         config.cache_config.num_gpu_blocks = self.kv_config.num_blocks
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(BLOCK, sha256)
+        OPEN.append(self)
         with set_current_vllm_config(config):
             self.scheduler = Scheduler(
                 vllm_config=config,
@@ -189,8 +196,8 @@ class EngineSim:
             self.worker_connector = connector_cls(config, KVConnectorRole.WORKER, self.kv_config)
             worker = self.worker_connector.connector_worker
             assert worker is not None
-            assert isinstance(worker.spec, KVOffloadSpec)
-            worker.spec.backend_factory = self.backend_factory
+            if isinstance(worker.spec, KVOffloadSpec):
+                worker.spec.backend_factory = self.backend_factory
             self.kv_caches = allocate_kv_cache(
                 self.kv_config, torch.device("cpu"), KVCacheLayout.LBHNC
             )
@@ -232,10 +239,22 @@ class EngineSim:
         return connector
 
     @property
-    def manager(self) -> KVOffloadManager:
+    def manager(self) -> KVOffloadTieringManager:
         manager = self.scheduler_connector.scheduler.manager
-        assert isinstance(manager, KVOffloadManager)
+        assert isinstance(manager, KVOffloadTieringManager)
         return manager
+
+    @property
+    def host(self) -> KVOffloadManager:
+        return self.manager.host
+
+    def close(self) -> None:
+        """Shut both connector halves down (tier threads, the shared host region), as far as the
+        constructor got."""
+        if hasattr(self, "worker_connector"):
+            self.worker_connector.shutdown()
+        if hasattr(self, "scheduler"):
+            self.scheduler_connector.shutdown()
 
     @property
     def worker_spec(self) -> KVOffloadSpec:
@@ -264,13 +283,18 @@ class EngineSim:
             self.scheduler.has_requests() or self.scheduler_connector.has_pending_push_work()
         )
 
-    def run(self, max_steps: int = 200) -> int:
-        """Step until no request is left and no transfer is in flight; returns steps taken."""
+    def run(self, max_steps: int = 200, max_seconds: float = 30.0) -> int:
+        """Step until no request is left and no transfer is in flight; returns steps taken.
+        A step that scheduled nothing (a request waiting on a lower tier) sleeps 2 ms."""
+        deadline = time.monotonic() + max_seconds
         for steps in range(1, max_steps + 1):
-            self.step()
+            if not self.step():
+                time.sleep(0.002)
             if not self.busy():
                 return steps
-        raise AssertionError(f"engine still busy after {max_steps} steps")
+            if time.monotonic() > deadline:
+                break
+        raise AssertionError(f"engine still busy after {steps} steps")
 
     def scribble(self, seed: int = 0) -> None:
         """Overwrite the whole KV cache with random bytes (GPU memory reused by others)."""
@@ -292,9 +316,16 @@ class EngineSim:
         assert worker is not None
         return worker.engine
 
-    def step(self, drain: bool = True) -> None:
+    def drain(self) -> None:
+        """Wait for the worker's copies (when the worker is ours; vLLM's own copies at once)."""
+        spec = self.worker_connector.connector_worker.spec  # type: ignore[union-attr]
+        if isinstance(spec, KVOffloadSpec):
+            self.engine.drain()
+
+    def step(self, drain: bool = True) -> bool:
         """One engine step; ``drain`` lets this step's copies finish before results are read
-        (a GPU that kept up), otherwise they complete whenever their thread gets to them."""
+        (a GPU that kept up), otherwise they complete whenever their thread gets to them.
+        Returns whether the step scheduled any token."""
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         assert isinstance(meta, OffloadingConnectorMetadata)
@@ -319,7 +350,7 @@ class EngineSim:
             wc.start_load_kv(None)  # type: ignore[arg-type]
         wc.wait_for_save()
         if drain:
-            self.engine.drain()
+            self.drain()
         results = wc.get_transfer_results(out.finished_req_ids)
         kv_out = KVConnectorOutput(
             finished_sending=results.finished_sending,
@@ -353,6 +384,7 @@ class EngineSim:
             stats = engine_out.scheduler_stats
             if stats is not None and stats.kv_connector_stats:
                 self.stats_payloads.append(stats.kv_connector_stats)
+        return bool(out.num_scheduled_tokens)
 
     def _forward(self, scheduled: dict[str, int]) -> None:
         """Write the known page of every block that became full in this step."""

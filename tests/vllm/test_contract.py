@@ -32,7 +32,7 @@ def assert_released(sim: EngineSim) -> None:
     """Nothing in flight, nothing being written, no chunk pinned by a reader."""
     assert not sim.busy()
     assert sim.engine.in_flight() == 0
-    index = sim.manager.tier.index
+    index = sim.host.tier.index
     index.check_invariants()
     assert index.num_writing == 0
     readable = index.num_readable
@@ -48,12 +48,12 @@ def test_stored_prefix_is_a_full_hit_on_the_next_request(tmp_path: Path) -> None
     p = prompt(100, 5)
     first = sim.add(p)
     sim.run()
-    assert sim.manager.tier.stats.stores == 5  # every full prompt block, none of the tail
+    assert sim.host.tier.stats.stores == 5  # every full prompt block, none of the tail
     sim.drop_gpu_prefix_cache()
     second = sim.add(p)
     sim.run()
     assert loaded_blocks(sim, second) == [([5], [0])]
-    assert sim.manager.tier.stats.hits == 5
+    assert sim.host.tier.stats.hits == 5
     assert sim.outputs[second] == sim.outputs[first] == [7, 7]
     assert_released(sim)
 
@@ -68,7 +68,7 @@ def test_partial_hit_loads_the_shared_prefix_and_stores_the_rest(tmp_path: Path)
     second = sim.add(diverging)
     sim.run()
     assert loaded_blocks(sim, second) == [([3], [0])]
-    assert sim.manager.tier.stats.stores == 5 + 3  # its own 3 new blocks, not the hit
+    assert sim.host.tier.stats.stores == 5 + 3  # its own 3 new blocks, not the hit
     sim.drop_gpu_prefix_cache()
     third = sim.add(diverging)
     sim.run()
@@ -105,7 +105,7 @@ def test_failed_load_is_reported_and_the_blocks_recomputed(tmp_path: Path) -> No
     assert second in sim.failed_recving
     assert loaded_blocks(sim, second) == []
     assert sim.outputs[second] == sim.outputs[first]
-    stats = sim.manager.tier.stats
+    stats = sim.host.tier.stats
     assert stats.misses == 2  # the failed chunks were dropped: the retry looked them up again
     if VLLM_VERSION >= (0, 33):
         assert stats.stores == 10  # and stored what it recomputed
@@ -129,7 +129,7 @@ def test_failed_store_never_becomes_a_hit(tmp_path: Path) -> None:
     sim.add(p)
     sim.run()
     assert faults.failed == ["store"]
-    assert sim.manager.tier.index.num_readable == 0
+    assert sim.host.tier.index.num_readable == 0
     sim.drop_gpu_prefix_cache()
     second = sim.add(p)
     sim.run()
@@ -164,7 +164,7 @@ def test_preemption_releases_what_it_held(tmp_path: Path) -> None:
     preempted = [r for r in (a, b) if sim.preemptions.get(r)]
     assert preempted, "the test did not preempt anything"
     assert len(sim.outputs[a]) == len(sim.outputs[b]) == 60
-    assert sim.manager.tier.stats.stores >= 6  # both prompts' full blocks
+    assert sim.host.tier.stats.stores >= 6  # both prompts' full blocks
     assert_released(sim)
 
 
@@ -204,7 +204,7 @@ def test_sliding_window_model_groups(tmp_path: Path) -> None:
 
 def test_eviction_under_a_small_cpu_bytes_to_use(tmp_path: Path) -> None:
     sim = EngineSim(tmp_path, extra_config={"cpu_bytes_to_use": 8 * CHUNK_BYTES})
-    tier = sim.manager.tier
+    tier = sim.host.tier
     assert tier.num_chunks == 8
     old = prompt(100, 5)
     new = prompt(600, 5)
@@ -231,7 +231,7 @@ def test_blocks_per_chunk_two(tmp_path: Path) -> None:
     p = prompt(100, 6)
     sim.add(p)
     sim.run()
-    assert sim.manager.tier.stats.stores == 3
+    assert sim.host.tier.stats.stores == 3
     sim.drop_gpu_prefix_cache()
     short = sim.add([*p[: 3 * BLOCK], 5, 6])  # blocks 0-2 from host (chunk 1 half used)
     sim.run()
@@ -248,6 +248,8 @@ def test_metrics_reach_vllm_connector_stats(tmp_path: Path) -> None:
         OffloadingConnectorStats,
     )
 
+    from kvoffload.integrations.vllm.spec import KVOffloadSpec
+
     sim = EngineSim(tmp_path)
     p = prompt(100, 5)
     sim.add(p)
@@ -262,9 +264,18 @@ def test_metrics_reach_vllm_connector_stats(tmp_path: Path) -> None:
     assert flat["vllm:kv_offload_store_bytes"] == 5 * CHUNK_BYTES
     assert flat["vllm:kv_offload_load_bytes"] == 5 * CHUNK_BYTES
     assert flat["vllm:kv_offload_load_time"] > 0
-    assert flat["kvoffload:stored_chunks"] == 5
-    assert flat["kvoffload:loaded_chunks"] == 5
-    assert flat["kvoffload:lookup_hits"] == 5
+    assert flat["vllm:kvoffload_host_stored_chunks"] == 5
+    assert flat["vllm:kvoffload_host_loaded_chunks"] == 5
+    assert flat["vllm:kv_offload_tiering_chunk_hits:('0:primary',)"] == 5  # vLLM's own counter
+    # every name we report is declared, so vLLM's Prometheus logger registers it
+    extra = sim.config.kv_transfer_config.kv_connector_extra_config  # type: ignore[union-attr]
+    declared = KVOffloadSpec.build_metric_definitions(extra)
+    reported = {name.split(":(")[0].removesuffix("_count").removesuffix("_sum") for name in flat}
+    assert {n for n in reported if "kvoffload" in n or "tiering" in n} <= set(declared)
+    if VLLM_VERSION >= (0, 33):  # vllm:kv_offload_config_info
+        (info,) = sim.manager.config_info()
+        assert info["kvoffload_host_chunks"] == (1 << 20) // CHUNK_BYTES
+        assert set(info) <= set(KVOffloadSpec.config_info_keys(extra))
 
 
 @pytest.mark.parametrize(
