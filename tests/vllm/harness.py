@@ -208,6 +208,7 @@ class EngineSim:
         self.stored_jobs = 0
         self.failed_recving: set[str] = set()
         self.outputs: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[bytes]] = {}  # per request, kept after it finished
         self.stats_payloads: list[dict[str, Any]] = []  # vLLM's connector stats, per step
         self.preemptions: dict[str, int] = {}
         self._next_id = 0
@@ -271,6 +272,7 @@ class EngineSim:
         request = Request(req_id, prompt, params, None, block_hasher=self._hasher)
         self.scheduler.add_request(request)
         self.outputs[req_id] = []
+        self.block_hashes[req_id] = list(request.block_hashes)
         return req_id
 
     def abort(self, req_id: str) -> None:

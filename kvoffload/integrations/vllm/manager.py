@@ -4,7 +4,8 @@
 ``TieringOffloadingManager`` (cascade of every stored chunk to the secondary tiers, promotion on
 a lookup that misses the host, async lookups, backpressure, its ``vllm:kv_offload_tiering_*``
 metrics) over ``KVOffloadManager``, our host tier (``HostTier``: kvoffload's ``BlockIndex`` and
-eviction policy) in the place of vLLM's CPU primary tier. With no secondary tier configured it is the same manager with none.
+eviction policy) in the place of vLLM's CPU primary tier. Without secondary tiers it is the same
+manager with none.
 
 ``KVOffloadManager`` maps every ``OffloadingManager`` call one to one onto ``HostTier`` (see
 ``tier.py`` for the rules), plus the calls vLLM's tiering manager makes on its primary tier
