@@ -205,6 +205,7 @@ class EngineSim:
         self.groups = [g.layer_names for g in self.kv_config.kv_cache_groups]
         self.loads: dict[int, LoadRecord] = {}
         self.verified_loads: list[LoadRecord] = []
+        self.invalid_loads: list[LoadRecord] = []  # reported as invalid blocks
         self.stored_jobs = 0
         self.failed_recving: set[str] = set()
         self.outputs: dict[str, list[int]] = {}
@@ -364,8 +365,10 @@ class EngineSim:
         )
         wc.clear_connector_metadata()
         self.failed_recving |= results.failed_recving
+        invalid = set(kv_out.invalid_block_ids or ())
         if kv_out.kv_connector_worker_meta is not None:
-            self._verify_loads(kv_out.kv_connector_worker_meta.completed_jobs)  # type: ignore[attr-defined]
+            completed = kv_out.kv_connector_worker_meta.completed_jobs  # type: ignore[attr-defined]
+            self._verify_loads(completed, invalid)
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -378,11 +381,11 @@ class EngineSim:
             sampled_token_ids=sampled,
             kv_connector_output=kv_out,
         )
-        for req_id, tokens in zip(req_ids, sampled, strict=True):
-            self.outputs[req_id].extend(tokens)
         for req_id, request in self.scheduler.requests.items():
             self.preemptions[req_id] = request.num_preemptions
         for engine_out in self.scheduler.update_from_output(out, runner_out).values():
+            for output in engine_out.outputs:  # what vLLM kept (it drops a failed step's sample)
+                self.outputs[output.request_id].extend(output.new_token_ids)
             stats = engine_out.scheduler_stats
             if stats is not None and stats.kv_connector_stats:
                 self.stats_payloads.append(stats.kv_connector_stats)
@@ -411,10 +414,15 @@ class EngineSim:
     def page(self, layer: str, block_id: int) -> np.ndarray:
         return np.array(self.kv_caches[layer][block_id].view(torch.int8).reshape(-1).numpy())
 
-    def _verify_loads(self, completed: dict[int, int]) -> None:
+    def _verify_loads(self, completed: dict[int, int], invalid: set[int]) -> None:
+        """Check every completed load, except those reported failed (a failed request, or
+        invalid blocks: vLLM recomputes them)."""
         for job_id in completed:
             record = self.loads.pop(job_id, None)
             if record is None or record.req_id in self.failed_recving:
+                continue
+            if invalid.intersection(record.block_ids):
+                self.invalid_loads.append(record)
                 continue
             request = self.scheduler.requests[record.req_id]
             offset = 0

@@ -293,3 +293,142 @@ def test_bad_options_fail_when_vllm_builds_the_connector(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         EngineSim(tmp_path, extra_config=extra)
+
+
+# -- sync loads (vLLM 0.33): a failed one on a model with two KV-cache groups --------------------
+
+SYNC = {"sync_load_budget_bytes": 1 << 20}
+needs_sync = pytest.mark.skipif(VLLM_VERSION < (0, 33), reason="vLLM 0.32 has no sync loads")
+
+
+@needs_sync
+def test_failed_sync_load_on_a_two_group_model_is_retried_through_a_second_path(
+    tmp_path: Path,
+) -> None:
+    faults = FaultPlan()
+    sim = EngineSim(
+        tmp_path,
+        sliding_window=2 * BLOCK,
+        max_model_len=512,
+        extra_config=SYNC,
+        backend_factory=faults.factory,
+        **RECOVERING,
+    )
+    assert len(sim.groups) == 2
+    p = prompt(100, 6)
+    first = sim.add(p)
+    sim.run()
+    sim.drop_gpu_prefix_cache()
+    faults.loads = 1
+    second = sim.add(p)
+    sim.run()
+    assert faults.failed == ["load"]  # the first copy failed, the retry did not
+    ((record,),) = [[r for r in sim.verified_loads if r.req_id == second]]
+    assert record.sync  # a load the step waited on, its bytes checked
+    assert sim.outputs[second] == sim.outputs[first]
+    assert_released(sim)
+
+
+@needs_sync
+def test_sync_load_failing_twice_on_a_two_group_model_stops_before_the_step(
+    tmp_path: Path,
+) -> None:
+    """vLLM 0.33 cannot recompute it (invalid_block_ids need one group): loud, never wrong KV."""
+    faults = FaultPlan()
+    sim = EngineSim(
+        tmp_path,
+        sliding_window=2 * BLOCK,
+        max_model_len=512,
+        extra_config=SYNC,
+        backend_factory=faults.factory,
+        **RECOVERING,
+    )
+    p = prompt(100, 6)
+    sim.add(p)
+    sim.run()
+    sim.drop_gpu_prefix_cache()
+    faults.loads = 2
+    sim.add(p)
+    with pytest.raises(RuntimeError, match="sync_load_budget_bytes to 0"):
+        sim.run()
+
+
+@needs_sync
+def test_sync_load_failing_twice_on_one_group_is_recomputed(tmp_path: Path) -> None:
+    faults = FaultPlan()
+    sim = EngineSim(tmp_path, extra_config=SYNC, backend_factory=faults.factory, **RECOVERING)
+    p = prompt(100, 5)
+    first = sim.add(p)
+    sim.run()
+    sim.drop_gpu_prefix_cache()
+    faults.loads = 2
+    second = sim.add(p)
+    sim.run()
+    assert faults.failed == ["load", "load"]
+    assert loaded_blocks(sim, second) == []
+    assert [r.req_id for r in sim.invalid_loads] == [second]  # invalid blocks: recomputed
+    assert sim.outputs[second] == sim.outputs[first]
+    assert_released(sim)
+
+
+# -- vLLM's own flags and sizing ---------------------------------------------------------------
+
+
+def test_kv_offloading_size_flag_combines_with_our_connector(tmp_path: Path) -> None:
+    from kvoffload.integrations.vllm.connector import KVOffloadConnector
+
+    sim = EngineSim(tmp_path, kv_offloading_size=1 / 1024, **RECOVERING)  # 1 MiB
+    kv = sim.config.kv_transfer_config
+    assert kv is not None and kv.kv_connector == "OffloadingConnector"  # vLLM renamed it
+    assert type(sim.scheduler_connector) is KVOffloadConnector
+    assert sim.host.tier.num_chunks == (1 << 20) // CHUNK_BYTES
+    p = prompt(100, 5)
+    sim.add(p)
+    sim.run()
+    sim.drop_gpu_prefix_cache()
+    second = sim.add(p)
+    sim.run()
+    assert loaded_blocks(sim, second) == [([5], [0])]
+
+
+def test_cpu_bytes_to_use_counts_every_rank_like_vllms_own_spec() -> None:
+    import dataclasses
+
+    from vllm.v1.kv_offload import config as oc
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    from kvoffload.integrations.vllm.spec import KVOffloadSpec
+
+    def fill(cls: Any, **values: Any) -> Any:  # vLLM 0.32 and 0.33 differ in optional fields
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+
+    parallel = fill(
+        oc.OffloadingParallelConfig,
+        rank=0,
+        world_size=4,
+        tp_size=4,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        data_parallel_size=1,
+        data_parallel_rank_local=None,
+        is_parallelism_agnostic=True,
+    )
+    config = fill(
+        oc.OffloadingConfig,
+        groups=(
+            fill(oc.OffloadingGroupConfig, tokens_per_block=16, layer_names=("l0",), group_id=0),
+        ),
+        worker_kv_bytes_per_block=64 << 10,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": 64 << 20},
+        engine_id="sizing",
+        model=fill(oc.OffloadingModelConfig, name="m", dtype="bfloat16"),
+        cache=fill(oc.OffloadingCacheConfig, tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=parallel,
+    )
+    ours = KVOffloadSpec(config)
+    assert ours.num_chunks == (64 << 20) // (4 * (64 << 10)) == 256
+    assert ours.region_bytes <= 64 << 20  # the total across the 4 ranks, not per rank
+    assert ours.num_chunks == CPUOffloadingSpec(config).num_chunks

@@ -64,7 +64,8 @@ class _Job:
     nbytes: int
     blocks: np.ndarray
     specs: list[TransferSpec]
-    retried: str | None = None  # the first attempt's error, when a retry succeeded
+    retried: bool = False  # a failed expedited load gets one retry
+    first_error: str | None = None  # the first attempt's error, when the retry succeeded
 
 
 class TransferEngine:
@@ -142,7 +143,7 @@ class TransferEngine:
         jobs = {j: self._jobs[j] for j in job_ids if j in self._jobs}
         wait_futures([job.future for job in jobs.values()])
         for job_id, job in jobs.items():
-            if job.lane == "expedited" and job.future.exception() is not None:
+            if job.lane == "expedited" and not job.retried and job.future.exception() is not None:
                 self._jobs[job_id] = self._retry(job)
 
     def error(self, job_id: int) -> str | None:
@@ -195,9 +196,9 @@ class TransferEngine:
                 RuntimeError(f"{first}; retried through a fallback: {_message(error)}")
             )
             log.warning("expedited load failed twice (%s)", future.exception())
-            return replace(job, future=future)
+            return replace(job, future=future, retried=True)
         log.warning("expedited load failed (%s); the fallback copy succeeded", first)
-        return replace(job, future=future, retried=first)
+        return replace(job, future=future, retried=True, first_error=first)
 
     def _fallback_backend(self) -> CopyBackend:
         if self._fallback_name is None:
