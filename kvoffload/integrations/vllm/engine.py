@@ -210,7 +210,7 @@ class TransferEngine:
         if error is None:
             seconds = job.future.result()
             return JobDone(
-                job_id, job.direction, True, job.nbytes, seconds, job.blocks, job.retried
+                job_id, job.direction, True, job.nbytes, seconds, job.blocks, job.first_error
             )
         return JobDone(job_id, job.direction, False, 0, 0.0, job.blocks, _message(error))
 
