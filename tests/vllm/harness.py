@@ -130,6 +130,7 @@ class EngineSim:
     sliding_window: int | None = None
     num_gpu_blocks: int = 80
     max_num_batched_tokens: int = 512
+    max_num_seqs: int = 8
     backend_factory: BackendFactory | None = None
     connector: str = "OffloadingConnector"
     connector_module: str | None = None
@@ -156,7 +157,7 @@ class EngineSim:
                 max_model_len=max_len,
             ),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=8,
+                max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_len,
                 is_encoder_decoder=False,
@@ -206,6 +207,7 @@ class EngineSim:
         self.loads: dict[int, LoadRecord] = {}
         self.verified_loads: list[LoadRecord] = []
         self.invalid_loads: list[LoadRecord] = []  # reported as invalid blocks
+        self.scheduler_seconds: list[float] = []  # per step: schedule() + update_from_output()
         self.stored_jobs = 0
         self.failed_recving: set[str] = set()
         self.outputs: dict[str, list[int]] = {}
@@ -329,7 +331,9 @@ class EngineSim:
         """One engine step; ``drain`` lets this step's copies finish before results are read
         (a GPU that kept up), otherwise they complete whenever their thread gets to them.
         Returns whether the step scheduled any token."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
+        scheduled = time.perf_counter() - start
         meta = out.kv_connector_metadata
         assert isinstance(meta, OffloadingConnectorMetadata)
         for job_id, job in meta.load_jobs.items():
@@ -383,7 +387,10 @@ class EngineSim:
         )
         for req_id, request in self.scheduler.requests.items():
             self.preemptions[req_id] = request.num_preemptions
-        for engine_out in self.scheduler.update_from_output(out, runner_out).values():
+        start = time.perf_counter()
+        engine_outs = self.scheduler.update_from_output(out, runner_out)
+        self.scheduler_seconds.append(scheduled + time.perf_counter() - start)
+        for engine_out in engine_outs.values():
             for output in engine_out.outputs:  # what vLLM kept (it drops a failed step's sample)
                 self.outputs[output.request_id].extend(output.new_token_ids)
             stats = engine_out.scheduler_stats
