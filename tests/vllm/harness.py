@@ -137,6 +137,8 @@ class EngineSim:
     kv_load_failure_policy: str = "recompute"
     max_model_len: int = 1024
     spec: tuple[str, str] = ("KVOffloadSpec", "kvoffload.integrations.vllm")
+    # Called after vLLM's per-layer wait (wait_for_layer_load), before the layer's "attention".
+    on_layer: Any = None
     kv_offloading_size: float | None = None  # vLLM's --kv-offloading-size, in GiB
 
     def __post_init__(self) -> None:
@@ -352,6 +354,10 @@ class EngineSim:
         wc.bind_connector_metadata(meta)
         if out.has_sync_kv_loads:
             wc.start_load_kv(None)  # type: ignore[arg-type]
+            for layer in self.kv_caches:  # the forward pass, layer by layer, as vLLM's attention
+                wc.wait_for_layer_load(layer)
+                if self.on_layer is not None:
+                    self.on_layer(layer)
         self._forward(out.num_scheduled_tokens)
         if not out.has_sync_kv_loads:
             wc.start_load_kv(None)  # type: ignore[arg-type]

@@ -7,13 +7,16 @@ checked byte for byte against what the fake model wrote when the block was first
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 
+from kvoffload.transfer.host import HostBackend
 from tests.vllm.faults import FaultPlan
 from tests.vllm.harness import BLOCK, NUM_LAYERS, PAGE_BYTES, VLLM_VERSION, EngineSim
 
@@ -432,3 +435,70 @@ def test_cpu_bytes_to_use_counts_every_rank_like_vllms_own_spec() -> None:
     assert ours.num_chunks == (64 << 20) // (4 * (64 << 10)) == 256
     assert ours.region_bytes <= 64 << 20  # the total across the 4 ranks, not per rank
     assert ours.num_chunks == CPUOffloadingSpec(config).num_chunks
+
+
+class HeldLoads(HostBackend):
+    """The host backend, whose loads stop before layer ``hold`` until ``release`` (once armed)."""
+
+    hold = 1
+
+    def __init__(self, layout: Any, arena: Any, gate: threading.Event, armed: list[bool]) -> None:
+        super().__init__(layout, arena)
+        self.gate, self.armed = gate, armed
+
+    def _copy_region(self, spec: Any, r: int) -> None:
+        if self.armed[0] and spec.direction == "load" and r == self.hold:
+            assert self.gate.wait(30), "layer 1 was never released"
+        super()._copy_region(spec, r)
+
+
+@needs_sync
+def test_per_layer_sync_load_runs_layer_0_while_layer_1_is_still_copying(tmp_path: Path) -> None:
+    from tests.vllm.harness import page_pattern
+
+    gate, armed = threading.Event(), [False]
+    seen: dict[str, tuple[bool, bool]] = {}  # layer -> (its pages loaded, next layer's loaded)
+
+    def sync_pages_ok(layer: str) -> bool:
+        ok = True
+        for record in [r for r in sim.loads.values() if r.sync]:
+            hashes = sim.block_hashes[record.req_id]
+            for k, block in enumerate(record.block_ids):
+                want = page_pattern(hashes[record.block_indices[0] + k], layer)
+                ok &= bool(np.array_equal(sim.page(layer, block), want))
+        return ok
+
+    def on_layer(layer: str) -> None:
+        layers = list(sim.kv_caches)
+        nxt = layers[layers.index(layer) + 1] if layer != layers[-1] else None
+        seen[layer] = (sync_pages_ok(layer), nxt is not None and sync_pages_ok(nxt))
+        gate.set()  # layer 0's attention has run: let the copy go on
+
+    sim = EngineSim(
+        tmp_path,
+        extra_config={**SYNC, "per_layer_loads": True},
+        backend_factory=lambda layout, arena: HeldLoads(layout, arena, gate, armed),
+        on_layer=on_layer,
+        **RECOVERING,
+    )
+    p = prompt(100, 5)
+    first = sim.add(p)
+    sim.run()
+    sim.drop_gpu_prefix_cache()
+    armed[0] = True
+    second = sim.add(p)
+    sim.run()
+    layers = list(sim.kv_caches)
+    assert seen[layers[0]] == (True, False)  # layer 0 in place while layer 1 was held back
+    assert all(seen[layer][0] for layer in layers)  # every layer in place before its attention
+    ((record,),) = [[r for r in sim.verified_loads if r.req_id == second]]
+    assert record.sync and sim.outputs[second] == sim.outputs[first]
+    assert_released(sim)
+
+
+def test_per_layer_loads_ask_vllm_for_piecewise_cuda_graphs() -> None:
+    from kvoffload.integrations.vllm.connector import KVOffloadConnector
+
+    assert KVOffloadConnector.requires_piecewise_for_cudagraph({**SYNC, "per_layer_loads": True})
+    assert not KVOffloadConnector.requires_piecewise_for_cudagraph({"per_layer_loads": True})
+    assert not KVOffloadConnector.requires_piecewise_for_cudagraph(SYNC)

@@ -14,6 +14,11 @@ adds the missing path through vLLM's public connector hooks, with ``KVOffloadSpe
   scheduler raises); there a sync load that failed twice raises here instead, with the reason (the
   step would otherwise run on KV that was never loaded). Failed job ids of either direction travel
   back in ``KVOffloadWorkerMetadata``.
+- ``per_layer_loads`` (with ``sync_load_budget_bytes`` > 0): vLLM's wait for the step's sync loads
+  returns at once, and ``wait_for_layer_load`` (called by vLLM's attention before each layer)
+  waits for that layer only (``TransferEngine.wait_layer``), so the forward pass overlaps the rest
+  of the load. A layer that failed is retried (whole) before its attention runs. vLLM then runs
+  PIECEWISE CUDA graphs (``requires_piecewise_for_cudagraph``).
 - scheduler side: the chunks of a failed job (named by the keys our manager put into the job's
   host spec, recorded when vLLM builds the step's metadata) are reported to the manager before
   vLLM retires the job: a failed store then completes as failed (never readable, never written to
@@ -57,6 +62,7 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvoffload.integrations.vllm.manager import HostChunksSpec, KVOffloadTieringManager
+from kvoffload.integrations.vllm.options import LAYER_KEY
 from kvoffload.integrations.vllm.spec import KVOffloadSpec
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 
@@ -86,6 +92,11 @@ class KVOffloadConnector(OffloadingConnector):
             super().__init__(vllm_config, role, kv_cache_config)
         self._num_groups = len(kv_cache_config.kv_cache_groups)
         self._num_workers = vllm_config.parallel_config.world_size
+        self._per_layer = self.requires_piecewise_for_cudagraph(
+            vllm_config.kv_transfer_config.kv_connector_extra_config  # type: ignore[union-attr]
+        )
+        self._layer_of: dict[str, int] = {}  # layer name -> its index in its offloaded group
+        self._layer_jobs: list[int] = []  # this step's sync loads, waited for layer by layer
         # worker side
         self._loads: dict[int, _Load] = {}  # load job id -> its request, while in flight
         self._failed_jobs: set[int] = set()
@@ -95,10 +106,20 @@ class KVOffloadConnector(OffloadingConnector):
         self._job_keys: dict[int, tuple[bool, tuple[OffloadKey, ...]]] = {}
         self._reports: Counter[int] = Counter()
         if self.connector_worker is not None:
-            if not isinstance(self.connector_worker.spec, KVOffloadSpec):
-                raise ValueError(_NEEDS_SPEC.format(type(self.connector_worker.spec).__name__))
+            spec = self.connector_worker.spec
+            if not isinstance(spec, KVOffloadSpec):
+                raise ValueError(_NEEDS_SPEC.format(type(spec).__name__))
+            for group in spec.config.groups:
+                self._layer_of.update((name, j) for j, name in enumerate(group.layer_names))
         elif not isinstance(self.scheduler.manager, KVOffloadTieringManager):
             raise ValueError(_NEEDS_SPEC.format(type(self.scheduler.manager).__name__))
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Per-layer waits run between attention layers: not inside a full CUDA graph."""
+        return bool(extra_config.get(LAYER_KEY)) and bool(
+            extra_config.get("sync_load_budget_bytes", 0)
+        )
 
     # -- worker side --------------------------------------------------------------------------
 
@@ -115,13 +136,41 @@ class KVOffloadConnector(OffloadingConnector):
             self._loads[job_id] = load
             if load.sync:
                 sync.append(job_id)
+        if self._per_layer and sync:  # submitted now, waited for by each layer's attention
+            worker = self._worker()
+            worker.defer_waits = True
+            try:
+                super().start_load_kv(forward_context, **kwargs)
+            finally:
+                worker.defer_waits = False
+            self._layer_jobs = sync
+            return
         super().start_load_kv(forward_context, **kwargs)  # waits for (and retries) sync loads
-        if self._num_groups > 1:  # a failed sync load cannot be recomputed: stop before the step
-            errors = [e for e in map(self._worker().engine.error, sync) if e is not None]
-            if errors:
-                raise RuntimeError(_SYNC_FAILED.format(self._num_groups, "; ".join(errors)))
+        self._stop_if_failed(sync)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_of.get(layer_name)
+        if not self._layer_jobs or layer is None:
+            return
+        engine = self._worker().engine
+        for job_id in self._layer_jobs:
+            if not engine.wait_layer(job_id, layer):
+                engine.wait([job_id])  # the copy failed: retried once, whole, before this layer
+                self._stop_if_failed([job_id])
+
+    def _stop_if_failed(self, sync: list[int]) -> None:
+        """On a model with several KV-cache groups a failed sync load cannot be recomputed: stop
+        before attention reads it (one group: reported as invalid blocks after the step)."""
+        if self._num_groups == 1:
+            return
+        errors = [e for e in map(self._worker().engine.error, sync) if e is not None]
+        if errors:
+            raise RuntimeError(_SYNC_FAILED.format(self._num_groups, "; ".join(errors)))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._layer_jobs:  # every layer has been waited for; let the jobs finish
+            self._worker().engine.wait(self._layer_jobs)
+            self._layer_jobs = []
         sending, recving = self.get_finished(finished_req_ids)
         self._collect_failures()
         failed = self._failed_recving & set(recving or ())

@@ -13,6 +13,10 @@ needs:
   zeroing) to its destination blocks. CPU tensors are written synchronously, so nothing to wait.
 - ``get_finished`` reports each job once, with the bytes it moved and the seconds its copy took;
   a copy that fails is reported ``ok=False`` with the error, never raised.
+- ``wait_layer`` returns once one layer of a job has arrived (an index into its layer group's
+  layers, ``LayerGroup``), so the engine's attention for layer i can run while later layers are
+  still copying; it needs a backend that copies loads layer by layer (``host`` does; the GPU
+  backends wait for the whole copy until they move loads layer-major).
 - ``wait`` blocks until the given jobs finished (their bytes are in place). An expedited load
   (one the engine's step waits on: vLLM's sync loads) that failed is retried there once, at once,
   through a second copy path (``fallback``: another backend instance, ``host`` on CPU, ``dma`` on
@@ -36,7 +40,13 @@ import numpy as np
 from kvoffload.config import OffloadConfig
 from kvoffload.integrations.vllm.plan import plan_transfers
 from kvoffload.store.arena import HostArena, PinFn
-from kvoffload.transfer.backend import BackendFactory, CopyBackend, make_backend
+from kvoffload.transfer.backend import (
+    HOST_WAIT_ON_TIMEOUT,
+    BackendFactory,
+    CopyBackend,
+    Pending,
+    make_backend,
+)
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import Direction, TransferSpec
 
@@ -61,6 +71,7 @@ class _Job:
     direction: Direction
     lane: str
     future: Future[float]
+    started: Future[Pending]  # the backend's handle on the copy, once the lane submitted it
     nbytes: int
     blocks: np.ndarray
     specs: list[TransferSpec]
@@ -129,9 +140,10 @@ class TransferEngine:
         self.backend.validate(specs)
         nbytes = sum(len(s) * self.layout.groups[s.group].slot_bytes for s in specs)
         lane = "store" if direction == "store" else "expedited" if expedited else "load"
-        future = self._lanes[lane].submit(self._run, self.backend, specs, self._fence())
+        started: Future[Pending] = Future()
+        future = self._lanes[lane].submit(self._run, self.backend, specs, self._fence(), started)
         blocks = np.asarray(gpu_blocks, dtype=np.int64).reshape(-1)
-        self._jobs[job_id] = _Job(direction, lane, future, nbytes, blocks, specs)
+        self._jobs[job_id] = _Job(direction, lane, future, started, nbytes, blocks, specs)
 
     def get_finished(self) -> list[JobDone]:
         """Jobs finished since the last call, in submission order; never blocks."""
@@ -145,6 +157,21 @@ class TransferEngine:
         for job_id, job in jobs.items():
             if job.lane == "expedited" and not job.retried and job.future.exception() is not None:
                 self._jobs[job_id] = self._retry(job)
+
+    def wait_layer(self, job_id: int, layer: int, stream: object = None) -> bool:
+        """Return once ``layer`` of ``job_id``'s copy has arrived (on a GPU, ``stream``, None for
+        the current one, waits for it instead of the host); True also for a job unknown or done.
+        False when the copy failed: ``wait`` then retries an expedited load."""
+        job = self._jobs.get(job_id)
+        if job is None or not job.specs:
+            return True
+        if job.future.done():
+            return job.future.exception() is None
+        try:
+            job.started.result(HOST_WAIT_ON_TIMEOUT).wait_on(stream, layer)
+        except Exception:  # noqa: BLE001 (the copy failed: reported by the return value)
+            return False
+        return True
 
     def error(self, job_id: int) -> str | None:
         """Why a finished job that is not yet collected failed; None if it succeeded, is still
@@ -170,17 +197,32 @@ class TransferEngine:
             self._fallback.close()
         self.arena.close()
 
-    def _run(self, backend: CopyBackend, specs: list[TransferSpec], fence: Fence | None) -> float:
-        if fence is not None:
-            fence()
-        start = time.perf_counter()
-        if specs:
+    def _run(
+        self,
+        backend: CopyBackend,
+        specs: list[TransferSpec],
+        fence: Fence | None,
+        started: Future[Pending] | None = None,
+    ) -> float:
+        """One job on a lane (or a retry in the caller's thread): fence, submit, wait."""
+        try:
+            if fence is not None:
+                fence()
+            start = time.perf_counter()
+            if not specs:  # nothing to move (wait_layer does not ask for ``started``)
+                return 0.0
             with self._backend_lock:
                 pending = backend.submit(specs)
-            pending.wait()
-            error = pending.error()
-            if error is not None:
-                raise error
+        except BaseException as error:
+            if started is not None:
+                started.set_exception(error)
+            raise
+        if started is not None:
+            started.set_result(pending)
+        pending.wait()
+        failure = pending.error()
+        if failure is not None:
+            raise failure
         return time.perf_counter() - start
 
     def _retry(self, job: _Job) -> _Job:

@@ -40,6 +40,7 @@ VLLM_KEYS = frozenset(
 )
 CAPACITY_KEY = "cpu_bytes_to_use"
 HOST_KEYS = ("eviction_policy", "backend", "pin_memory")
+LAYER_KEY = "per_layer_loads"  # KVOffloadConnector: sync loads waited for layer by layer
 MODULE = "kvoffload.integrations.vllm"
 DISK_TIER, VALKEY_TIER = "KVOffloadDiskTier", "KVOffloadValkeyTier"
 LOCALITIES = ("LOCAL", "REMOTE")
@@ -66,6 +67,7 @@ class VllmOptions:
     config: OffloadConfig  # host_capacity_bytes is cpu_bytes_to_use
     cpu_bytes_to_use: int  # host RAM for offloaded KV, all workers together
     tiers: tuple[dict[str, Any], ...]  # secondary_tiers entries for our flat tier keys
+    per_layer_loads: bool = False  # a sync load's layer i is waited for by layer i's attention
 
 
 @dataclass(frozen=True)
@@ -87,9 +89,13 @@ def parse_options(extra_config: Mapping[str, Any]) -> VllmOptions:
             f"pages), got {extra_config['canonical_layout']!r}"
         )
     capacity = _capacity(extra_config.get(CAPACITY_KEY))
-    ours = {k: v for k, v in extra_config.items() if k not in VLLM_KEYS and k != CAPACITY_KEY}
+    per_layer = extra_config.get(LAYER_KEY, False)
+    if not isinstance(per_layer, bool):
+        raise ValueError(f"expected {LAYER_KEY} to be true or false, got {per_layer!r}")
+    mine = (CAPACITY_KEY, LAYER_KEY)
+    ours = {k: v for k, v in extra_config.items() if k not in VLLM_KEYS and k not in mine}
     tier_keys = {k for keys in TIER_KEYS.values() for k in keys}
-    accepted = (CAPACITY_KEY, *HOST_KEYS, *sorted(tier_keys))
+    accepted = (*mine, *HOST_KEYS, *sorted(tier_keys))
     _check_known(ours, accepted, f"kv_connector_extra_config (besides vLLM's {sorted(VLLM_KEYS)})")
     host = {k: v for k, v in ours.items() if k in HOST_KEYS}
     config = OffloadConfig.from_dict({**host, "host_capacity_bytes": capacity})
@@ -106,7 +112,7 @@ def parse_options(extra_config: Mapping[str, Any]) -> VllmOptions:
         )
     for entry in tiers:
         parse_tier_options(entry["type"], _entry_options(entry), default_model_id="check")
-    return VllmOptions(config, capacity, tuple(tiers))
+    return VllmOptions(config, capacity, tuple(tiers), per_layer)
 
 
 def parse_tier_options(tier: str, options: Mapping[str, Any], default_model_id: str) -> TierOptions:

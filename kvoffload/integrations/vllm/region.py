@@ -174,4 +174,5 @@ class RowArena(HostArena):
         self.base_address = array.ctypes.data
 
     def close(self) -> None:
-        return
+        """Drop the view, so the buffer's owner can unmap it (vLLM closes its region's mmap)."""
+        self.slots = np.empty((0, self.slot_bytes), dtype=np.uint8)

@@ -223,6 +223,7 @@ class _KVOffloadTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self.mover.close()
+        self.mover.arena.close()
 
     # -- metrics ------------------------------------------------------------------------------
 

@@ -53,6 +53,9 @@ class KVOffloadWorker(OffloadingWorker):
             layout, num_chunks, blocks_per_chunk, config, backend_factory, arena
         )
         self.recovering = False  # set by KVOffloadConnector
+        # Set by KVOffloadConnector around vLLM's submission of sync loads that it then waits
+        # for layer by layer (per_layer_loads): vLLM's wait for them returns at once.
+        self.defer_waits = False
         self._done: list[JobDone] = []
 
     def submit_store(
@@ -88,7 +91,8 @@ class KVOffloadWorker(OffloadingWorker):
         return done
 
     def wait(self, job_ids: set[int]) -> None:
-        self.engine.wait(job_ids)
+        if not self.defer_waits:
+            self.engine.wait(job_ids)
 
     def shutdown(self) -> None:
         self.engine.close()
