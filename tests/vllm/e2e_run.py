@@ -80,6 +80,7 @@ def main(model: str, spec: dict[str, Any]) -> dict[str, Any]:
             for m in llm.get_metrics()
             if ("kvoffload" in m.name or "tiering" in m.name) and hasattr(m, "value")
         }
+    llm.llm_engine.engine_core.shutdown()  # workers, shared memory (TP>1 leaves /dev/shm files)
     return out
 
 
