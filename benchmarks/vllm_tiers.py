@@ -12,7 +12,9 @@ primary buffer of random rows, on the same directory's filesystem. Each tier at 
 buffered I/O, checksums), and our disk tier with 8 threads (``ours_disk_8t``). Per row size (one
 chunk = one host row, every rank's shard):
 
-- ``write_MBps``: ``--mib`` of 16-chunk store jobs submitted at once, until the last result;
+- ``write_MBps``: ``--mib`` of 16-chunk store jobs submitted at once, until the last result (ours
+  writes into the page cache, no ``fsync``: the kernel writes back later; ``fs`` with ``O_DIRECT``
+  waits for the device);
 - ``hit_ms``: one-chunk promotion jobs one after another, submit to result (p50/p99), after one
   warm-up pass: warm (just written: the page cache for buffered I/O) and cold (our disk's pages
   dropped first with ``posix_fadvise(DONTNEED)``; ``fs`` with ``O_DIRECT`` is always cold);
@@ -25,9 +27,13 @@ Part ``steps``: vLLM's real scheduler and offloading connector (``tests/vllm/har
 model, CPU KV caches, 16 KiB rows) with 100 requests running at once, host tier 1024 chunks: 100
 prompts of 5 blocks stored and decoded 16 tokens (``fill``), then the same 100 again after the GPU
 prefix cache and the host tier are reset (``reuse``: every hit is a lookup and a promotion from the
-lower tier; with none, everything is recomputed). Reported: the scheduler's own
-time per step (``schedule()`` + ``update_from_output()``), p50 / p99 / mean, per phase, with no
-lower tier and with each tier, under vLLM's ``TieringOffloadingSpec`` and under ``KVOffloadSpec``.
+lower tier; with none, everything is recomputed). Reported: the scheduler's own time per step
+(``schedule()`` + ``update_from_output()``), p50 / p99 / max / mean and the total per round, per
+phase, with no lower tier and with each tier, under vLLM's ``TieringOffloadingSpec`` and under
+``KVOffloadSpec``.
+
+Every measurement runs ``--rounds`` times, the variants interleaved within each round; the tiers
+report the median round.
 """
 
 from __future__ import annotations
@@ -103,6 +109,13 @@ def tier_entries(root: Path, server: LocalServer) -> dict[str, dict[str, Any]]:
             "disk_path": str(root / "ours"),
             "disk_capacity_bytes": 8 << 30,
         },
+        "ours_disk_8t": {  # more threads (vLLM's fs tier runs 16 readers and 16 writers)
+            "type": "KVOffloadDiskTier",
+            "module_path": MODULE,
+            "disk_path": str(root / "ours8"),
+            "disk_capacity_bytes": 8 << 30,
+            "tier_threads": 8,
+        },
         "ours_valkey": {
             "type": "KVOffloadValkeyTier",
             "module_path": MODULE,
@@ -169,6 +182,7 @@ def drop_page_cache(tier: Any) -> None:
     inner = getattr(tier, "tier", None)
     if isinstance(inner, DiskTier):
         for fd in inner._fds:
+            os.fsync(fd)  # dirty pages are not dropped: write them back first
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
@@ -222,6 +236,26 @@ def _key(text: str) -> bytes:
     return bytes(make_offload_key(hashlib.sha256(text.encode()).digest(), 0))
 
 
+def _tier_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median round of each figure, and every round's value."""
+
+    def med(get: Any) -> float:
+        return float(statistics.median(get(r) for r in rounds))
+
+    return {
+        "rounds": len(rounds),
+        "chunks": rounds[0]["chunks"],
+        "o_direct": rounds[0]["o_direct"],
+        "write_MBps": med(lambda r: r["write_MBps"]),
+        "read_MBps": med(lambda r: r["read_MBps"]),
+        "hit_ms_warm": {q: med(lambda r, q=q: r["hit_ms_warm"][q]) for q in ("p50", "p99")},
+        "hit_ms_cold": {q: med(lambda r, q=q: r["hit_ms_cold"][q]) for q in ("p50", "p99")},
+        "lookup_resolve_ms": med(lambda r: r["lookup_resolve_ms"]),
+        "lookup_call_us": med(lambda r: r["lookup_call_us"]),
+        "per_round": rounds,
+    }
+
+
 def _steps_summary(rounds: list[dict[str, list[Any]]]) -> dict[str, Any]:
     """Per phase: step-time percentiles over every round's steps, and per-round medians."""
     out: dict[str, Any] = {}
@@ -231,6 +265,7 @@ def _steps_summary(rounds: list[dict[str, list[Any]]]) -> dict[str, Any]:
             "steps_per_round": [r[phase][1] for r in rounds],
             "sched_ms_p50": statistics.median(ms),
             "sched_ms_p99": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+            "sched_ms_max": ms[-1],
             "sched_ms_mean": statistics.fmean(ms),
             "sched_ms_total_per_round": statistics.median(sum(r[phase][0]) for r in rounds),
             "wall_s_per_round": statistics.median(r[phase][2] for r in rounds),
@@ -261,6 +296,7 @@ def step_variants(
         "our_spec/none": (ours, {"backend": "host"}),
         "our_spec/ours_disk": (ours, {"backend": "host", "disk_path": str(root / "ours")}),
         "our_spec/ours_valkey": (ours, {"backend": "host", "valkey_url": server.url}),
+        "our_spec/vllm_fs": (ours, {"backend": "host", "secondary_tiers": [entries["vllm_fs"]]}),
     }
 
 
@@ -314,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="65536,2097152", help="chunk (row) sizes in bytes")
     p.add_argument("--mib", type=int, default=128, help="MiB written and read per tier and size")
     p.add_argument("--parts", default="tiers,steps")
-    p.add_argument("--rounds", type=int, default=5, help="repetitions of the steps workload")
+    p.add_argument("--rounds", type=int, default=3, help="repetitions of every measurement")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     import vllm
@@ -325,10 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     with server_and_dir() as (server, root):
         result["directory_fs"] = _fs_type(root)
         if "tiers" in parts:
-            for row in (int(r) for r in args.rows.split(",")):
-                for name, entry in tier_entries(root / f"r{row}", server).items():
-                    console.print(f"tiers: {name} rows of {row} B")
-                    result["tiers"][f"{name}/{row}"] = bench_tier(name, entry, row, args.mib)
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for r in range(args.rounds):  # tiers interleaved within each round
+                for row in (int(x) for x in args.rows.split(",")):
+                    for name, entry in tier_entries(root / f"t{r}" / f"r{row}", server).items():
+                        console.print(f"tiers: round {r + 1}/{args.rounds} {name} rows of {row} B")
+                        runs.setdefault(f"{name}/{row}", []).append(
+                            bench_tier(name, entry, row, args.mib)
+                        )
+            result["tiers"] = {key: _tier_summary(rs) for key, rs in runs.items()}
         if "steps" in parts:
             rounds: dict[str, list[dict[str, list[Any]]]] = {}
             for r in range(args.rounds):  # variants interleaved within each round

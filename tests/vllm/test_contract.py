@@ -502,3 +502,17 @@ def test_per_layer_loads_ask_vllm_for_piecewise_cuda_graphs() -> None:
     assert KVOffloadConnector.requires_piecewise_for_cudagraph({**SYNC, "per_layer_loads": True})
     assert not KVOffloadConnector.requires_piecewise_for_cudagraph({"per_layer_loads": True})
     assert not KVOffloadConnector.requires_piecewise_for_cudagraph(SYNC)
+
+
+def test_a_vllm_outside_the_tested_range_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+
+    import kvoffload.integrations.vllm as adapter
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    adapter.check_vllm_version.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"supports vLLM 0\.32, 0\.33.*got vLLM 0\.34\.0"):
+            adapter.KVOffloadSpec  # noqa: B018 (the attribute access is the import)
+    finally:
+        adapter.check_vllm_version.cache_clear()

@@ -91,9 +91,10 @@ class Lookups:
 
 
 def settle(sim: EngineSim, timeout: float = 20.0) -> None:
-    """Step until the lower tier has written everything it was given."""
+    """Step until the lower tiers have written everything they were given."""
     deadline = time.monotonic() + timeout
-    while lower_tier(sim).has_pending_work():
+    manager = sim.scheduler_connector.scheduler.manager
+    while any(t.has_pending_work() for t in manager.secondary_tiers):  # type: ignore[attr-defined]
         sim.step()
         assert time.monotonic() < deadline, "the lower tier did not settle"
         time.sleep(0.005)
@@ -101,6 +102,11 @@ def settle(sim: EngineSim, timeout: float = 20.0) -> None:
 
 def store_then_evict(sim: EngineSim, start: int = 100) -> list[int]:
     """Run prefix ``start`` (stored, cascaded down), then two others that push it out of host."""
+    lower_tier(sim)  # one of ours
+    return store_then_evict_any(sim, start)
+
+
+def store_then_evict_any(sim: EngineSim, start: int = 100) -> list[int]:
     p = prompt(start)
     sim.add(p)
     sim.run()
@@ -331,3 +337,19 @@ def test_failed_store_is_never_written_down(tmp_path: Path) -> None:
     assert faults.failed == ["store"]
     assert lower_tier(sim).tier.num_blocks == 0  # type: ignore[attr-defined]
     assert sim.host.tier.index.num_readable == 0
+
+
+def test_our_spec_takes_vllms_own_fs_tier_too(tmp_path: Path) -> None:
+    """secondary_tiers entries other than ours run under KVOffloadSpec as under vLLM's spec."""
+    extra = {
+        "cpu_bytes_to_use": 8 * CHUNK_BYTES,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs")}],
+    }
+    sim = make_sim(tmp_path, OURS_SPEC, extra)
+    (tier,) = sim.scheduler_connector.scheduler.manager.secondary_tiers  # type: ignore[attr-defined]
+    assert type(tier).__name__ == "FileSystemTierManager"
+    p = store_then_evict_any(sim)
+    again = sim.add(p)
+    sim.run()
+    assert loaded(sim, again) == [([5], [0])]
+    assert sim.outputs[again] == sim.outputs["r0"]
