@@ -39,7 +39,6 @@ report the median round.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import mmap
 import os
@@ -66,37 +65,11 @@ POLL_S = 0.0002
 
 def offloading_spec(row_bytes: int) -> Any:
     """A real vLLM OffloadingSpec for one worker whose chunk is ``row_bytes`` (what tiers read)."""
-    from vllm.v1.kv_offload import config as oc
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-    def make(cls: Any, **values: Any) -> Any:  # vLLM 0.32 and 0.33 differ in optional fields
-        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+    from tests.vllm.harness import offloading_config
 
-    parallel = make(
-        oc.OffloadingParallelConfig,
-        rank=0,
-        world_size=1,
-        tp_size=1,
-        pp_size=1,
-        pcp_size=1,
-        dcp_size=1,
-        data_parallel_index=0,
-        data_parallel_size=1,
-        data_parallel_rank_local=None,
-        is_parallelism_agnostic=True,
-    )
-    group = make(oc.OffloadingGroupConfig, tokens_per_block=16, layer_names=("l",), group_id=0)
-    config = make(
-        oc.OffloadingConfig,
-        groups=(group,),
-        worker_kv_bytes_per_block=row_bytes,
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": 1 << 30},
-        engine_id="bench",
-        model=make(oc.OffloadingModelConfig, name="bench/model", dtype="bfloat16"),
-        cache=make(oc.OffloadingCacheConfig, tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=parallel,
-    )
+    config = offloading_config(world_size=1, block_bytes=row_bytes, cpu_bytes=1 << 30)
     return CPUOffloadingSpec(config)
 
 

@@ -106,6 +106,43 @@ def write_model(directory: Path, sliding_window: int | None) -> Path:
     return directory
 
 
+def offloading_config(world_size: int, block_bytes: int, cpu_bytes: int) -> Any:
+    """A vLLM ``OffloadingConfig`` for one full-attention group without an engine (sizing tests,
+    tier benchmarks): ``world_size`` workers of ``block_bytes`` per block, one block per chunk."""
+    import dataclasses
+
+    from vllm.v1.kv_offload import config as oc
+
+    def make(cls: Any, **values: Any) -> Any:  # vLLM 0.32 and 0.33 differ in optional fields
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+
+    parallel = make(
+        oc.OffloadingParallelConfig,
+        rank=0,
+        world_size=world_size,
+        tp_size=world_size,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        data_parallel_size=1,
+        data_parallel_rank_local=None,
+        is_parallelism_agnostic=True,
+    )
+    group = make(oc.OffloadingGroupConfig, tokens_per_block=16, layer_names=("l0",), group_id=0)
+    return make(
+        oc.OffloadingConfig,
+        groups=(group,),
+        worker_kv_bytes_per_block=block_bytes,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": cpu_bytes},
+        engine_id="no-engine",
+        model=make(oc.OffloadingModelConfig, name="test/model", dtype="bfloat16"),
+        cache=make(oc.OffloadingCacheConfig, tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=parallel,
+    )
+
+
 def page_pattern(block_hash: bytes, layer: str) -> np.ndarray:
     """The bytes the fake model writes for one block of one layer."""
     seed = hashlib.blake2b(block_hash + layer.encode(), digest_size=64).digest()

@@ -304,24 +304,31 @@ SYNC = {"sync_load_budget_bytes": 1 << 20}
 needs_sync = pytest.mark.skipif(VLLM_VERSION < (0, 33), reason="vLLM 0.32 has no sync loads")
 
 
+def sync_sim(tmp_path: Path, groups: int) -> tuple[EngineSim, FaultPlan, list[int], str]:
+    """A recovering engine with sync loads (two groups: a sliding-window model) whose prompt is
+    stored and dropped from the GPU cache, ready to be loaded again; and its first request."""
+    faults = FaultPlan()
+    window: dict[str, Any] = {"sliding_window": 2 * BLOCK, "max_model_len": 512}
+    sim = EngineSim(
+        tmp_path,
+        extra_config=SYNC,
+        backend_factory=faults.factory,
+        **(window if groups == 2 else {}),
+        **RECOVERING,
+    )
+    assert len(sim.groups) == groups
+    p = prompt(100, 6 if groups == 2 else 5)
+    first = sim.add(p)
+    sim.run()
+    sim.drop_gpu_prefix_cache()
+    return sim, faults, p, first
+
+
 @needs_sync
 def test_failed_sync_load_on_a_two_group_model_is_retried_through_a_second_path(
     tmp_path: Path,
 ) -> None:
-    faults = FaultPlan()
-    sim = EngineSim(
-        tmp_path,
-        sliding_window=2 * BLOCK,
-        max_model_len=512,
-        extra_config=SYNC,
-        backend_factory=faults.factory,
-        **RECOVERING,
-    )
-    assert len(sim.groups) == 2
-    p = prompt(100, 6)
-    first = sim.add(p)
-    sim.run()
-    sim.drop_gpu_prefix_cache()
+    sim, faults, p, first = sync_sim(tmp_path, groups=2)
     faults.loads = 1
     second = sim.add(p)
     sim.run()
@@ -337,19 +344,7 @@ def test_sync_load_failing_twice_on_a_two_group_model_stops_before_the_step(
     tmp_path: Path,
 ) -> None:
     """vLLM 0.33 cannot recompute it (invalid_block_ids need one group): loud, never wrong KV."""
-    faults = FaultPlan()
-    sim = EngineSim(
-        tmp_path,
-        sliding_window=2 * BLOCK,
-        max_model_len=512,
-        extra_config=SYNC,
-        backend_factory=faults.factory,
-        **RECOVERING,
-    )
-    p = prompt(100, 6)
-    sim.add(p)
-    sim.run()
-    sim.drop_gpu_prefix_cache()
+    sim, faults, p, _ = sync_sim(tmp_path, groups=2)
     faults.loads = 2
     sim.add(p)
     with pytest.raises(RuntimeError, match="sync_load_budget_bytes to 0"):
@@ -358,12 +353,7 @@ def test_sync_load_failing_twice_on_a_two_group_model_stops_before_the_step(
 
 @needs_sync
 def test_sync_load_failing_twice_on_one_group_is_recomputed(tmp_path: Path) -> None:
-    faults = FaultPlan()
-    sim = EngineSim(tmp_path, extra_config=SYNC, backend_factory=faults.factory, **RECOVERING)
-    p = prompt(100, 5)
-    first = sim.add(p)
-    sim.run()
-    sim.drop_gpu_prefix_cache()
+    sim, faults, p, first = sync_sim(tmp_path, groups=1)
     faults.loads = 2
     second = sim.add(p)
     sim.run()
@@ -395,42 +385,12 @@ def test_kv_offloading_size_flag_combines_with_our_connector(tmp_path: Path) -> 
 
 
 def test_cpu_bytes_to_use_counts_every_rank_like_vllms_own_spec() -> None:
-    import dataclasses
-
-    from vllm.v1.kv_offload import config as oc
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     from kvoffload.integrations.vllm.spec import KVOffloadSpec
+    from tests.vllm.harness import offloading_config
 
-    def fill(cls: Any, **values: Any) -> Any:  # vLLM 0.32 and 0.33 differ in optional fields
-        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
-
-    parallel = fill(
-        oc.OffloadingParallelConfig,
-        rank=0,
-        world_size=4,
-        tp_size=4,
-        pp_size=1,
-        pcp_size=1,
-        dcp_size=1,
-        data_parallel_index=0,
-        data_parallel_size=1,
-        data_parallel_rank_local=None,
-        is_parallelism_agnostic=True,
-    )
-    config = fill(
-        oc.OffloadingConfig,
-        groups=(
-            fill(oc.OffloadingGroupConfig, tokens_per_block=16, layer_names=("l0",), group_id=0),
-        ),
-        worker_kv_bytes_per_block=64 << 10,
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": 64 << 20},
-        engine_id="sizing",
-        model=fill(oc.OffloadingModelConfig, name="m", dtype="bfloat16"),
-        cache=fill(oc.OffloadingCacheConfig, tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=parallel,
-    )
+    config = offloading_config(world_size=4, block_bytes=64 << 10, cpu_bytes=64 << 20)
     ours = KVOffloadSpec(config)
     assert ours.num_chunks == (64 << 20) // (4 * (64 << 10)) == 256
     assert ours.region_bytes <= 64 << 20  # the total across the 4 ranks, not per rank

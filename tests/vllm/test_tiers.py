@@ -200,12 +200,18 @@ def test_corrupt_disk_value_is_a_miss(tmp_path: Path, spec: Any) -> None:
     assert disk.stats.corrupt >= 1 and disk.stats.gets == 0
 
 
-@SPECS
-def test_valkey_killed_then_back(tmp_path: Path, spec: Any, server: LocalServer) -> None:
+def valkey_stored(
+    tmp_path: Path, spec: Any, server: LocalServer
+) -> tuple[EngineSim, _KVOffloadTier, list[int]]:
+    """An engine whose Valkey tier (0.2 s timeout) holds a prefix the host no longer has."""
     extra = tier_config(spec, "KVOffloadValkeyTier", valkey_url=server.url, valkey_timeout_s=0.2)
     sim = make_sim(tmp_path, spec, extra)
-    tier = lower_tier(sim)
-    p = store_then_evict(sim)
+    return sim, lower_tier(sim), store_then_evict(sim)
+
+
+@SPECS
+def test_valkey_killed_then_back(tmp_path: Path, spec: Any, server: LocalServer) -> None:
+    sim, tier, p = valkey_stored(tmp_path, spec, server)
     server.kill()  # its blocks are gone with it
     again = sim.add(p)
     sim.run()
@@ -225,10 +231,7 @@ def test_valkey_killed_then_back(tmp_path: Path, spec: Any, server: LocalServer)
 
 @SPECS
 def test_valkey_frozen_then_thawed(tmp_path: Path, spec: Any, server: LocalServer) -> None:
-    extra = tier_config(spec, "KVOffloadValkeyTier", valkey_url=server.url, valkey_timeout_s=0.2)
-    sim = make_sim(tmp_path, spec, extra)
-    tier = lower_tier(sim)
-    p = store_then_evict(sim)
+    sim, tier, p = valkey_stored(tmp_path, spec, server)
     tier.tier._known.clear()  # type: ignore[attr-defined]  # lookups must ask the server
     server.pause()  # SIGSTOP: connections stay open, nothing answers
     try:
