@@ -169,8 +169,9 @@ class KVOffloadConnector(OffloadingConnector):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._layer_jobs:  # every layer has been waited for; let the jobs finish
-            self._worker().engine.wait(self._layer_jobs)
-            self._layer_jobs = []
+            jobs, self._layer_jobs = self._layer_jobs, []
+            self._worker().engine.wait(jobs)
+            self._stop_if_failed(jobs)
         sending, recving = self.get_finished(finished_req_ids)
         self._collect_failures()
         failed = self._failed_recving & set(recving or ())
