@@ -42,7 +42,13 @@ else
   echo "vllm.sh: built $VENV in $(($(date +%s) - start)) s, $(du -sh "$VENV" | cut -f1)"
 fi
 
-export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONPATH=.
+# The Valkey client for the tier tests, beside the venv rather than in it (a venv given by
+# VLLM_VENV / VLLM_CPU_VENV may be shared): pinned in .ci/vllm-tiers.txt.
+TIERS=.venv-tiers/$(basename "$VENV")
+PYTHONPATH="$TIERS" "$VENV/bin/python" -c "import redis, hiredis" 2>/dev/null ||
+  "$VENV/bin/python" -m pip install -q --no-deps --target "$TIERS" -r .ci/vllm-tiers.txt
+
+export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONPATH=".:$TIERS"
 "$VENV/bin/python" -m pytest tests/vllm -q -p no:warnings "$@"
 
 if [ "${KVOFFLOAD_VLLM_E2E:-0}" = 1 ]; then

@@ -21,7 +21,13 @@ from kvoffload.store.arena import HostArena
 from kvoffload.transfer.host import HostBackend
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
-from tests.gpu.test_vllm_worker_gpu import Ref, Tensor, canonical_caches, round_trip
+from tests.gpu.test_vllm_worker_gpu import (
+    Ref,
+    Tensor,
+    canonical_caches,
+    rank_round_trip,
+    round_trip,
+)
 from tests.vllm.faults import FaultPlan
 
 # -- options ----------------------------------------------------------------------------------
@@ -288,3 +294,8 @@ def test_tier_failed_store_drop_and_reset() -> None:
         ([b], True, False),
     ]
     assert tier.take_events() == []
+
+
+def test_rank_slots_in_a_shared_region_on_cpu() -> None:
+    """The GPU test of KVOffloadSpec's shared host region, with the host backend."""
+    rank_round_trip("cpu", "host")

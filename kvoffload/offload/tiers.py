@@ -136,7 +136,8 @@ class TierMover:
 
 
 def build_tiers(config: OffloadConfig, fingerprint: str, block_bytes: int) -> list[Tier]:
-    """The lower tiers ``config`` names, disk first, then Valkey (for any engine adapter).
+    """The lower tiers ``config`` names, disk first, then Valkey, for blocks of ``block_bytes``
+    under ``fingerprint`` (also used by the vLLM adapter, whose host rows have no ``KVLayout``).
 
     Raises ``TierStartupError`` when a server refuses the credentials or the TLS handshake.
     """

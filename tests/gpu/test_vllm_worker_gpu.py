@@ -23,6 +23,7 @@ import torch
 from kvoffload.config import OffloadConfig
 from kvoffload.integrations.vllm.canonical import layout_from_canonical
 from kvoffload.integrations.vllm.engine import TransferEngine
+from kvoffload.store.arena import HostArena, PinFn
 from kvoffload.transfer.backend import BACKENDS
 from kvoffload.transfer.spec import Direction
 
@@ -203,3 +204,52 @@ def test_store_is_ordered_after_the_compute_that_wrote_the_blocks(backend: str) 
         )
     finally:
         eng.close()
+
+
+def rank_round_trip(device: str, backend: str) -> None:
+    """Rank 1 of 2 in a shared host region (``KVOffloadSpec``'s layout: both ranks' bytes of a
+    block side by side): a store writes only rank 1's half of each slot, a load brings it back."""
+    import uuid
+
+    from kvoffload.integrations.vllm.region import RankArena, SharedRegion
+
+    page, padded = SHAPES["plain"]
+    caches = canonical_caches(device, 2, page, padded, 1, seed=3)
+    layout = layout_from_canonical(caches.tensors, caches.group_refs, BLOCK)
+    slot = layout.slot_bytes
+    region = SharedRegion(f"gpu-test-{uuid.uuid4().hex}", NUM_CHUNKS * 2 * slot)
+    region.array[:] = 0x11  # rank 0's bytes, which rank 1 must never touch
+
+    def arena(pin: PinFn | None) -> HostArena:
+        return RankArena(region, NUM_CHUNKS, slot, 2 * slot, slot, pin)
+
+    eng = TransferEngine(layout, NUM_CHUNKS, 1, OffloadConfig(backend=backend), arena=arena)
+    try:
+        original = caches.backing.cpu().clone()
+        run_jobs(eng, [(1, "store", [3, 9, 20], [3], [0], [5, 0, 23])])
+        rows = region.array.reshape(NUM_CHUNKS, 2, slot)
+        assert bool((rows[:, 0] == 0x11).all()), "a store wrote into rank 0's bytes"
+
+        def page_of(layer: int, block: int) -> torch.Tensor:
+            start = layer * NUM_BLOCKS * padded + block * padded
+            return original[start : start + page]
+
+        for block, chunk in ((3, 5), (9, 0), (20, 23)):
+            want = torch.cat([page_of(0, block), page_of(1, block)]).view(torch.uint8).numpy()
+            assert np.array_equal(rows[chunk, 1], want), "rank 1's slot lacks the block"
+        caches.backing.fill_(0x5A)
+        eng.submit(2, "load", [40, 41, 42], [3], [0], [5, 0, 23], expedited=True)
+        assert eng.wait_layer(2, 0)  # layer 0 ordered before the current stream's later work
+        first = caches.tensors[0].tensor[40:43, :page].cpu()  # read on the current stream
+        eng.drain()
+        assert [r.ok for r in eng.get_finished()] == [True]
+        for k, src in enumerate((3, 9, 20)):
+            assert torch.equal(first[k], page_of(0, src)), "layer 0 was read before it arrived"
+        assert bool((rows[:, 0] == 0x11).all()), "a load wrote into rank 0's bytes"
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_rank_slots_in_a_shared_region_round_trip(backend: str) -> None:
+    rank_round_trip("cuda", backend)

@@ -7,7 +7,21 @@ vLLM runs on CPU here, with no compiled ops and no network: ``VLLM_TARGET_DEVICE
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _close_engine_sims():
+    yield
+    if "tests.vllm.harness" in sys.modules:  # engines built by this test: close them
+        from tests.vllm.harness import OPEN
+
+        while OPEN:
+            OPEN.pop().close()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvoffload.integrations.vllm.engine import TransferEngine
-from kvoffload.integrations.vllm.manager import KVOffloadManager
+from kvoffload.integrations.vllm.manager import KVOffloadManager, KVOffloadTieringManager
 from kvoffload.integrations.vllm.spec import KVOffloadSpec
 from kvoffload.transfer.backend import BackendFactory
 
@@ -79,6 +81,7 @@ NUM_LAYERS = 4
 HEADS, HEAD_DIM = 2, 16  # page = 2 heads * 16 tokens * (16 + 16) * 4 bytes = 4 KiB per layer
 SAMPLED = 7  # the fake model always samples this token
 PAGE_BYTES = HEADS * BLOCK * 2 * HEAD_DIM * 4
+OPEN: list[EngineSim] = []  # closed after each test (conftest.py): shared regions, tier threads
 
 
 def write_model(directory: Path, sliding_window: int | None) -> Path:
@@ -101,6 +104,43 @@ def write_model(directory: Path, sliding_window: int | None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def offloading_config(world_size: int, block_bytes: int, cpu_bytes: int) -> Any:
+    """A vLLM ``OffloadingConfig`` for one full-attention group without an engine (sizing tests,
+    tier benchmarks): ``world_size`` workers of ``block_bytes`` per block, one block per chunk."""
+    import dataclasses
+
+    from vllm.v1.kv_offload import config as oc
+
+    def make(cls: Any, **values: Any) -> Any:  # vLLM 0.32 and 0.33 differ in optional fields
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+
+    parallel = make(
+        oc.OffloadingParallelConfig,
+        rank=0,
+        world_size=world_size,
+        tp_size=world_size,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        data_parallel_size=1,
+        data_parallel_rank_local=None,
+        is_parallelism_agnostic=True,
+    )
+    group = make(oc.OffloadingGroupConfig, tokens_per_block=16, layer_names=("l0",), group_id=0)
+    return make(
+        oc.OffloadingConfig,
+        groups=(group,),
+        worker_kv_bytes_per_block=block_bytes,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": cpu_bytes},
+        engine_id="no-engine",
+        model=make(oc.OffloadingModelConfig, name="test/model", dtype="bfloat16"),
+        cache=make(oc.OffloadingCacheConfig, tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=parallel,
+    )
 
 
 def page_pattern(block_hash: bytes, layer: str) -> np.ndarray:
@@ -127,17 +167,22 @@ class EngineSim:
     sliding_window: int | None = None
     num_gpu_blocks: int = 80
     max_num_batched_tokens: int = 512
+    max_num_seqs: int = 8
     backend_factory: BackendFactory | None = None
     connector: str = "OffloadingConnector"
     connector_module: str | None = None
     kv_load_failure_policy: str = "recompute"
     max_model_len: int = 1024
+    spec: tuple[str, str] = ("KVOffloadSpec", "kvoffload.integrations.vllm")
+    # Called after vLLM's per-layer wait (wait_for_layer_load), before the layer's "attention".
+    on_layer: Any = None
+    kv_offloading_size: float | None = None  # vLLM's --kv-offloading-size, in GiB
 
     def __post_init__(self) -> None:
         model = write_model(self.tmp_path / "model", self.sliding_window)
         extra = {
-            "spec_name": "KVOffloadSpec",
-            "spec_module_path": "kvoffload.integrations.vllm",
+            "spec_name": self.spec[0],
+            "spec_module_path": self.spec[1],
             "cpu_bytes_to_use": 1 << 20,
             **self.extra_config,
         }
@@ -151,7 +196,7 @@ class EngineSim:
                 max_model_len=max_len,
             ),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=8,
+                max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_len,
                 is_encoder_decoder=False,
@@ -160,13 +205,14 @@ class EngineSim:
                 block_size=BLOCK,
                 enable_prefix_caching=True,
                 num_gpu_blocks_override=self.num_gpu_blocks,
+                kv_offloading_size=self.kv_offloading_size,
             ),
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=KVTransferConfig(
                 kv_connector=self.connector,
                 kv_connector_module_path=self.connector_module,
                 kv_role="kv_both",
-                engine_id="kvoffload-test",
+                engine_id=f"kvoffload-test-{uuid.uuid4().hex[:12]}",
                 kv_load_failure_policy=self.kv_load_failure_policy,  # type: ignore[arg-type]
                 kv_connector_extra_config=extra,
             ),
@@ -177,6 +223,7 @@ class EngineSim:
         config.cache_config.num_gpu_blocks = self.kv_config.num_blocks
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(BLOCK, sha256)
+        OPEN.append(self)
         with set_current_vllm_config(config):
             self.scheduler = Scheduler(
                 vllm_config=config,
@@ -189,8 +236,8 @@ class EngineSim:
             self.worker_connector = connector_cls(config, KVConnectorRole.WORKER, self.kv_config)
             worker = self.worker_connector.connector_worker
             assert worker is not None
-            assert isinstance(worker.spec, KVOffloadSpec)
-            worker.spec.backend_factory = self.backend_factory
+            if isinstance(worker.spec, KVOffloadSpec):
+                worker.spec.backend_factory = self.backend_factory
             self.kv_caches = allocate_kv_cache(
                 self.kv_config, torch.device("cpu"), KVCacheLayout.LBHNC
             )
@@ -198,9 +245,12 @@ class EngineSim:
         self.groups = [g.layer_names for g in self.kv_config.kv_cache_groups]
         self.loads: dict[int, LoadRecord] = {}
         self.verified_loads: list[LoadRecord] = []
+        self.invalid_loads: list[LoadRecord] = []  # reported as invalid blocks
+        self.scheduler_seconds: list[float] = []  # per step: schedule() + update_from_output()
         self.stored_jobs = 0
         self.failed_recving: set[str] = set()
         self.outputs: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[bytes]] = {}  # per request, kept after it finished
         self.stats_payloads: list[dict[str, Any]] = []  # vLLM's connector stats, per step
         self.preemptions: dict[str, int] = {}
         self._next_id = 0
@@ -232,10 +282,22 @@ class EngineSim:
         return connector
 
     @property
-    def manager(self) -> KVOffloadManager:
+    def manager(self) -> KVOffloadTieringManager:
         manager = self.scheduler_connector.scheduler.manager
-        assert isinstance(manager, KVOffloadManager)
+        assert isinstance(manager, KVOffloadTieringManager)
         return manager
+
+    @property
+    def host(self) -> KVOffloadManager:
+        return self.manager.host
+
+    def close(self) -> None:
+        """Shut both connector halves down (tier threads, the shared host region), as far as the
+        constructor got."""
+        if hasattr(self, "worker_connector"):
+            self.worker_connector.shutdown()
+        if hasattr(self, "scheduler"):
+            self.scheduler_connector.shutdown()
 
     @property
     def worker_spec(self) -> KVOffloadSpec:
@@ -252,6 +314,7 @@ class EngineSim:
         request = Request(req_id, prompt, params, None, block_hasher=self._hasher)
         self.scheduler.add_request(request)
         self.outputs[req_id] = []
+        self.block_hashes[req_id] = list(request.block_hashes)
         return req_id
 
     def abort(self, req_id: str) -> None:
@@ -264,13 +327,18 @@ class EngineSim:
             self.scheduler.has_requests() or self.scheduler_connector.has_pending_push_work()
         )
 
-    def run(self, max_steps: int = 200) -> int:
-        """Step until no request is left and no transfer is in flight; returns steps taken."""
+    def run(self, max_steps: int = 200, max_seconds: float = 30.0) -> int:
+        """Step until no request is left and no transfer is in flight; returns steps taken.
+        A step that scheduled nothing (a request waiting on a lower tier) sleeps 2 ms."""
+        deadline = time.monotonic() + max_seconds
         for steps in range(1, max_steps + 1):
-            self.step()
+            if not self.step():
+                time.sleep(0.002)
             if not self.busy():
                 return steps
-        raise AssertionError(f"engine still busy after {max_steps} steps")
+            if time.monotonic() > deadline:
+                break
+        raise AssertionError(f"engine still busy after {steps} steps")
 
     def scribble(self, seed: int = 0) -> None:
         """Overwrite the whole KV cache with random bytes (GPU memory reused by others)."""
@@ -292,10 +360,19 @@ class EngineSim:
         assert worker is not None
         return worker.engine
 
-    def step(self, drain: bool = True) -> None:
+    def drain(self) -> None:
+        """Wait for the worker's copies (when the worker is ours; vLLM's own copies at once)."""
+        spec = self.worker_connector.connector_worker.spec  # type: ignore[union-attr]
+        if isinstance(spec, KVOffloadSpec):
+            self.engine.drain()
+
+    def step(self, drain: bool = True) -> bool:
         """One engine step; ``drain`` lets this step's copies finish before results are read
-        (a GPU that kept up), otherwise they complete whenever their thread gets to them."""
+        (a GPU that kept up), otherwise they complete whenever their thread gets to them.
+        Returns whether the step scheduled any token."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
+        scheduled = time.perf_counter() - start
         meta = out.kv_connector_metadata
         assert isinstance(meta, OffloadingConnectorMetadata)
         for job_id, job in meta.load_jobs.items():
@@ -314,12 +391,16 @@ class EngineSim:
         wc.bind_connector_metadata(meta)
         if out.has_sync_kv_loads:
             wc.start_load_kv(None)  # type: ignore[arg-type]
+            for layer in self.kv_caches:  # the forward pass, layer by layer, as vLLM's attention
+                wc.wait_for_layer_load(layer)
+                if self.on_layer is not None:
+                    self.on_layer(layer)
         self._forward(out.num_scheduled_tokens)
         if not out.has_sync_kv_loads:
             wc.start_load_kv(None)  # type: ignore[arg-type]
         wc.wait_for_save()
         if drain:
-            self.engine.drain()
+            self.drain()
         results = wc.get_transfer_results(out.finished_req_ids)
         kv_out = KVConnectorOutput(
             finished_sending=results.finished_sending,
@@ -331,8 +412,10 @@ class EngineSim:
         )
         wc.clear_connector_metadata()
         self.failed_recving |= results.failed_recving
+        invalid = set(kv_out.invalid_block_ids or ())
         if kv_out.kv_connector_worker_meta is not None:
-            self._verify_loads(kv_out.kv_connector_worker_meta.completed_jobs)  # type: ignore[attr-defined]
+            completed = kv_out.kv_connector_worker_meta.completed_jobs  # type: ignore[attr-defined]
+            self._verify_loads(completed, invalid)
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -345,14 +428,18 @@ class EngineSim:
             sampled_token_ids=sampled,
             kv_connector_output=kv_out,
         )
-        for req_id, tokens in zip(req_ids, sampled, strict=True):
-            self.outputs[req_id].extend(tokens)
         for req_id, request in self.scheduler.requests.items():
             self.preemptions[req_id] = request.num_preemptions
-        for engine_out in self.scheduler.update_from_output(out, runner_out).values():
+        start = time.perf_counter()
+        engine_outs = self.scheduler.update_from_output(out, runner_out)
+        self.scheduler_seconds.append(scheduled + time.perf_counter() - start)
+        for engine_out in engine_outs.values():
+            for output in engine_out.outputs:  # what vLLM kept (it drops a failed step's sample)
+                self.outputs[output.request_id].extend(output.new_token_ids)
             stats = engine_out.scheduler_stats
             if stats is not None and stats.kv_connector_stats:
                 self.stats_payloads.append(stats.kv_connector_stats)
+        return bool(out.num_scheduled_tokens)
 
     def _forward(self, scheduled: dict[str, int]) -> None:
         """Write the known page of every block that became full in this step."""
@@ -377,10 +464,15 @@ class EngineSim:
     def page(self, layer: str, block_id: int) -> np.ndarray:
         return np.array(self.kv_caches[layer][block_id].view(torch.int8).reshape(-1).numpy())
 
-    def _verify_loads(self, completed: dict[int, int]) -> None:
+    def _verify_loads(self, completed: dict[int, int], invalid: set[int]) -> None:
+        """Check every completed load, except those reported failed (a failed request, or
+        invalid blocks: vLLM recomputes them)."""
         for job_id in completed:
             record = self.loads.pop(job_id, None)
             if record is None or record.req_id in self.failed_recving:
+                continue
+            if invalid.intersection(record.block_ids):
+                self.invalid_loads.append(record)
                 continue
             request = self.scheduler.requests[record.req_id]
             offset = 0

@@ -7,13 +7,16 @@ checked byte for byte against what the fake model wrote when the block was first
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 
+from kvoffload.transfer.host import HostBackend
 from tests.vllm.faults import FaultPlan
 from tests.vllm.harness import BLOCK, NUM_LAYERS, PAGE_BYTES, VLLM_VERSION, EngineSim
 
@@ -32,7 +35,7 @@ def assert_released(sim: EngineSim) -> None:
     """Nothing in flight, nothing being written, no chunk pinned by a reader."""
     assert not sim.busy()
     assert sim.engine.in_flight() == 0
-    index = sim.manager.tier.index
+    index = sim.host.tier.index
     index.check_invariants()
     assert index.num_writing == 0
     readable = index.num_readable
@@ -48,12 +51,12 @@ def test_stored_prefix_is_a_full_hit_on_the_next_request(tmp_path: Path) -> None
     p = prompt(100, 5)
     first = sim.add(p)
     sim.run()
-    assert sim.manager.tier.stats.stores == 5  # every full prompt block, none of the tail
+    assert sim.host.tier.stats.stores == 5  # every full prompt block, none of the tail
     sim.drop_gpu_prefix_cache()
     second = sim.add(p)
     sim.run()
     assert loaded_blocks(sim, second) == [([5], [0])]
-    assert sim.manager.tier.stats.hits == 5
+    assert sim.host.tier.stats.hits == 5
     assert sim.outputs[second] == sim.outputs[first] == [7, 7]
     assert_released(sim)
 
@@ -68,7 +71,7 @@ def test_partial_hit_loads_the_shared_prefix_and_stores_the_rest(tmp_path: Path)
     second = sim.add(diverging)
     sim.run()
     assert loaded_blocks(sim, second) == [([3], [0])]
-    assert sim.manager.tier.stats.stores == 5 + 3  # its own 3 new blocks, not the hit
+    assert sim.host.tier.stats.stores == 5 + 3  # its own 3 new blocks, not the hit
     sim.drop_gpu_prefix_cache()
     third = sim.add(diverging)
     sim.run()
@@ -105,7 +108,7 @@ def test_failed_load_is_reported_and_the_blocks_recomputed(tmp_path: Path) -> No
     assert second in sim.failed_recving
     assert loaded_blocks(sim, second) == []
     assert sim.outputs[second] == sim.outputs[first]
-    stats = sim.manager.tier.stats
+    stats = sim.host.tier.stats
     assert stats.misses == 2  # the failed chunks were dropped: the retry looked them up again
     if VLLM_VERSION >= (0, 33):
         assert stats.stores == 10  # and stored what it recomputed
@@ -129,7 +132,7 @@ def test_failed_store_never_becomes_a_hit(tmp_path: Path) -> None:
     sim.add(p)
     sim.run()
     assert faults.failed == ["store"]
-    assert sim.manager.tier.index.num_readable == 0
+    assert sim.host.tier.index.num_readable == 0
     sim.drop_gpu_prefix_cache()
     second = sim.add(p)
     sim.run()
@@ -164,7 +167,7 @@ def test_preemption_releases_what_it_held(tmp_path: Path) -> None:
     preempted = [r for r in (a, b) if sim.preemptions.get(r)]
     assert preempted, "the test did not preempt anything"
     assert len(sim.outputs[a]) == len(sim.outputs[b]) == 60
-    assert sim.manager.tier.stats.stores >= 6  # both prompts' full blocks
+    assert sim.host.tier.stats.stores >= 6  # both prompts' full blocks
     assert_released(sim)
 
 
@@ -204,7 +207,7 @@ def test_sliding_window_model_groups(tmp_path: Path) -> None:
 
 def test_eviction_under_a_small_cpu_bytes_to_use(tmp_path: Path) -> None:
     sim = EngineSim(tmp_path, extra_config={"cpu_bytes_to_use": 8 * CHUNK_BYTES})
-    tier = sim.manager.tier
+    tier = sim.host.tier
     assert tier.num_chunks == 8
     old = prompt(100, 5)
     new = prompt(600, 5)
@@ -231,7 +234,7 @@ def test_blocks_per_chunk_two(tmp_path: Path) -> None:
     p = prompt(100, 6)
     sim.add(p)
     sim.run()
-    assert sim.manager.tier.stats.stores == 3
+    assert sim.host.tier.stats.stores == 3
     sim.drop_gpu_prefix_cache()
     short = sim.add([*p[: 3 * BLOCK], 5, 6])  # blocks 0-2 from host (chunk 1 half used)
     sim.run()
@@ -248,6 +251,8 @@ def test_metrics_reach_vllm_connector_stats(tmp_path: Path) -> None:
         OffloadingConnectorStats,
     )
 
+    from kvoffload.integrations.vllm.spec import KVOffloadSpec
+
     sim = EngineSim(tmp_path)
     p = prompt(100, 5)
     sim.add(p)
@@ -262,9 +267,18 @@ def test_metrics_reach_vllm_connector_stats(tmp_path: Path) -> None:
     assert flat["vllm:kv_offload_store_bytes"] == 5 * CHUNK_BYTES
     assert flat["vllm:kv_offload_load_bytes"] == 5 * CHUNK_BYTES
     assert flat["vllm:kv_offload_load_time"] > 0
-    assert flat["kvoffload:stored_chunks"] == 5
-    assert flat["kvoffload:loaded_chunks"] == 5
-    assert flat["kvoffload:lookup_hits"] == 5
+    assert flat["vllm:kvoffload_host_stored_chunks"] == 5
+    assert flat["vllm:kvoffload_host_loaded_chunks"] == 5
+    assert flat["vllm:kv_offload_tiering_chunk_hits:('0:primary',)"] == 5  # vLLM's own counter
+    # every name we report is declared, so vLLM's Prometheus logger registers it
+    extra = sim.config.kv_transfer_config.kv_connector_extra_config  # type: ignore[union-attr]
+    declared = KVOffloadSpec.build_metric_definitions(extra)
+    reported = {name.split(":(")[0].removesuffix("_count").removesuffix("_sum") for name in flat}
+    assert {n for n in reported if "kvoffload" in n or "tiering" in n} <= set(declared)
+    if VLLM_VERSION >= (0, 33):  # vllm:kv_offload_config_info
+        (info,) = sim.manager.config_info()
+        assert info["kvoffload_host_chunks"] == (1 << 20) // CHUNK_BYTES
+        assert set(info) <= set(KVOffloadSpec.config_info_keys(extra))
 
 
 @pytest.mark.parametrize(
@@ -282,3 +296,183 @@ def test_bad_options_fail_when_vllm_builds_the_connector(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         EngineSim(tmp_path, extra_config=extra)
+
+
+# -- sync loads (vLLM 0.33): a failed one on a model with two KV-cache groups --------------------
+
+SYNC = {"sync_load_budget_bytes": 1 << 20}
+needs_sync = pytest.mark.skipif(VLLM_VERSION < (0, 33), reason="vLLM 0.32 has no sync loads")
+
+
+def sync_sim(tmp_path: Path, groups: int) -> tuple[EngineSim, FaultPlan, list[int], str]:
+    """A recovering engine with sync loads (two groups: a sliding-window model) whose prompt is
+    stored and dropped from the GPU cache, ready to be loaded again; and its first request."""
+    faults = FaultPlan()
+    window: dict[str, Any] = {"sliding_window": 2 * BLOCK, "max_model_len": 512}
+    sim = EngineSim(
+        tmp_path,
+        extra_config=SYNC,
+        backend_factory=faults.factory,
+        **(window if groups == 2 else {}),
+        **RECOVERING,
+    )
+    assert len(sim.groups) == groups
+    p = prompt(100, 6 if groups == 2 else 5)
+    first = sim.add(p)
+    sim.run()
+    sim.drop_gpu_prefix_cache()
+    return sim, faults, p, first
+
+
+@needs_sync
+def test_failed_sync_load_on_a_two_group_model_is_retried_through_a_second_path(
+    tmp_path: Path,
+) -> None:
+    sim, faults, p, first = sync_sim(tmp_path, groups=2)
+    faults.loads = 1
+    second = sim.add(p)
+    sim.run()
+    assert faults.failed == ["load"]  # the first copy failed, the retry did not
+    ((record,),) = [[r for r in sim.verified_loads if r.req_id == second]]
+    assert record.sync  # a load the step waited on, its bytes checked
+    assert sim.outputs[second] == sim.outputs[first]
+    assert_released(sim)
+
+
+@needs_sync
+def test_sync_load_failing_twice_on_a_two_group_model_stops_before_the_step(
+    tmp_path: Path,
+) -> None:
+    """vLLM 0.33 cannot recompute it (invalid_block_ids need one group): loud, never wrong KV."""
+    sim, faults, p, _ = sync_sim(tmp_path, groups=2)
+    faults.loads = 2
+    sim.add(p)
+    with pytest.raises(RuntimeError, match="sync_load_budget_bytes to 0"):
+        sim.run()
+
+
+@needs_sync
+def test_sync_load_failing_twice_on_one_group_is_recomputed(tmp_path: Path) -> None:
+    sim, faults, p, first = sync_sim(tmp_path, groups=1)
+    faults.loads = 2
+    second = sim.add(p)
+    sim.run()
+    assert faults.failed == ["load", "load"]
+    assert loaded_blocks(sim, second) == []
+    assert [r.req_id for r in sim.invalid_loads] == [second]  # invalid blocks: recomputed
+    assert sim.outputs[second] == sim.outputs[first]
+    assert_released(sim)
+
+
+# -- vLLM's own flags and sizing ---------------------------------------------------------------
+
+
+def test_kv_offloading_size_flag_combines_with_our_connector(tmp_path: Path) -> None:
+    from kvoffload.integrations.vllm.connector import KVOffloadConnector
+
+    sim = EngineSim(tmp_path, kv_offloading_size=1 / 1024, **RECOVERING)  # 1 MiB
+    kv = sim.config.kv_transfer_config
+    assert kv is not None and kv.kv_connector == "OffloadingConnector"  # vLLM renamed it
+    assert type(sim.scheduler_connector) is KVOffloadConnector
+    assert sim.host.tier.num_chunks == (1 << 20) // CHUNK_BYTES
+    p = prompt(100, 5)
+    sim.add(p)
+    sim.run()
+    sim.drop_gpu_prefix_cache()
+    second = sim.add(p)
+    sim.run()
+    assert loaded_blocks(sim, second) == [([5], [0])]
+
+
+def test_cpu_bytes_to_use_counts_every_rank_like_vllms_own_spec() -> None:
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    from kvoffload.integrations.vllm.spec import KVOffloadSpec
+    from tests.vllm.harness import offloading_config
+
+    config = offloading_config(world_size=4, block_bytes=64 << 10, cpu_bytes=64 << 20)
+    ours = KVOffloadSpec(config)
+    assert ours.num_chunks == (64 << 20) // (4 * (64 << 10)) == 256
+    assert ours.region_bytes <= 64 << 20  # the total across the 4 ranks, not per rank
+    assert ours.num_chunks == CPUOffloadingSpec(config).num_chunks
+
+
+class HeldLoads(HostBackend):
+    """The host backend, whose loads stop before layer ``hold`` until ``release`` (once armed)."""
+
+    hold = 1
+
+    def __init__(self, layout: Any, arena: Any, gate: threading.Event, armed: list[bool]) -> None:
+        super().__init__(layout, arena)
+        self.gate, self.armed = gate, armed
+
+    def _copy_region(self, spec: Any, r: int) -> None:
+        if self.armed[0] and spec.direction == "load" and r == self.hold:
+            assert self.gate.wait(30), "layer 1 was never released"
+        super()._copy_region(spec, r)
+
+
+@needs_sync
+def test_per_layer_sync_load_runs_layer_0_while_layer_1_is_still_copying(tmp_path: Path) -> None:
+    from tests.vllm.harness import page_pattern
+
+    gate, armed = threading.Event(), [False]
+    seen: dict[str, tuple[bool, bool]] = {}  # layer -> (its pages loaded, next layer's loaded)
+
+    def sync_pages_ok(layer: str) -> bool:
+        ok = True
+        for record in [r for r in sim.loads.values() if r.sync]:
+            hashes = sim.block_hashes[record.req_id]
+            for k, block in enumerate(record.block_ids):
+                want = page_pattern(hashes[record.block_indices[0] + k], layer)
+                ok &= bool(np.array_equal(sim.page(layer, block), want))
+        return ok
+
+    def on_layer(layer: str) -> None:
+        layers = list(sim.kv_caches)
+        nxt = layers[layers.index(layer) + 1] if layer != layers[-1] else None
+        seen[layer] = (sync_pages_ok(layer), nxt is not None and sync_pages_ok(nxt))
+        gate.set()  # layer 0's attention has run: let the copy go on
+
+    sim = EngineSim(
+        tmp_path,
+        extra_config={**SYNC, "per_layer_loads": True},
+        backend_factory=lambda layout, arena: HeldLoads(layout, arena, gate, armed),
+        on_layer=on_layer,
+        **RECOVERING,
+    )
+    p = prompt(100, 5)
+    first = sim.add(p)
+    sim.run()
+    sim.drop_gpu_prefix_cache()
+    armed[0] = True
+    second = sim.add(p)
+    sim.run()
+    layers = list(sim.kv_caches)
+    assert seen[layers[0]] == (True, False)  # layer 0 in place while layer 1 was held back
+    assert all(seen[layer][0] for layer in layers)  # every layer in place before its attention
+    ((record,),) = [[r for r in sim.verified_loads if r.req_id == second]]
+    assert record.sync and sim.outputs[second] == sim.outputs[first]
+    assert_released(sim)
+
+
+def test_per_layer_loads_ask_vllm_for_piecewise_cuda_graphs() -> None:
+    from kvoffload.integrations.vllm.connector import KVOffloadConnector
+
+    assert KVOffloadConnector.requires_piecewise_for_cudagraph({**SYNC, "per_layer_loads": True})
+    assert not KVOffloadConnector.requires_piecewise_for_cudagraph({"per_layer_loads": True})
+    assert not KVOffloadConnector.requires_piecewise_for_cudagraph(SYNC)
+
+
+def test_a_vllm_outside_the_tested_range_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+
+    import kvoffload.integrations.vllm as adapter
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    adapter.check_vllm_version.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"supports vLLM 0\.32, 0\.33.*got vLLM 0\.34\.0"):
+            adapter.KVOffloadSpec  # noqa: B018 (the attribute access is the import)
+    finally:
+        adapter.check_vllm_version.cache_clear()

@@ -1,10 +1,17 @@
 """Our options inside vLLM's ``kv_connector_extra_config``, validated once (imports no vLLM).
 
-vLLM reads some keys of that dict itself (the spec to load, the chunk size, event and prompt-only
-switches); those are left to vLLM. ``cpu_bytes_to_use`` sizes the host tier, as it does for vLLM's
-own ``CPUOffloadingSpec``. Every other key must be one of ours, and goes through
-``OffloadConfig.from_dict`` so that unknown keys and bad values raise ``ValueError`` naming the key
-and what is accepted.
+Two places take our options:
+
+- ``KVOffloadSpec`` (``parse_options``): vLLM reads some keys of the dict itself (the spec to load,
+  the chunk size, event, prompt-only and sync-load switches, ``secondary_tiers``); those are left to
+  vLLM. ``cpu_bytes_to_use`` sizes the host tier with vLLM's meaning: bytes across every worker
+  (every TP/PP rank) together, as for vLLM's own ``CPUOffloadingSpec``. Our lower tiers are flat
+  keys (``disk_path``, ``valkey_url``, ...), turned into one ``secondary_tiers`` entry per tier.
+- a ``secondary_tiers`` entry naming ``KVOffloadDiskTier`` or ``KVOffloadValkeyTier``
+  (``parse_tier_options``), under vLLM's ``TieringOffloadingSpec`` or ours.
+
+Every value goes through ``OffloadConfig`` so that unknown keys and bad values raise ``ValueError``
+naming the key and what is accepted, before anything is built.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 from kvoffload.config import OffloadConfig
 
 # Keys of kv_connector_extra_config that vLLM 0.33 reads itself (OffloadingConnector, its
-# scheduler, OffloadingSpec and the spec factory).
+# scheduler, OffloadingSpec, the spec factory and the tiering manager).
 VLLM_KEYS = frozenset(
     {
         "spec_name",
@@ -28,51 +35,120 @@ VLLM_KEYS = frozenset(
         "self_describing_kv_events",
         "offload_prompt_only",
         "sync_load_budget_bytes",
+        "secondary_tiers",
     }
 )
-# Our keys the vLLM adapter supports (OffloadConfig fields); the host capacity comes from
-# cpu_bytes_to_use instead of host_capacity_bytes / host_capacity_blocks.
-ADAPTER_KEYS = ("eviction_policy", "backend", "pin_memory")
 CAPACITY_KEY = "cpu_bytes_to_use"
+HOST_KEYS = ("eviction_policy", "backend", "pin_memory")
+LAYER_KEY = "per_layer_loads"  # KVOffloadConnector: sync loads waited for layer by layer
+MODULE = "kvoffload.integrations.vllm"
+DISK_TIER, VALKEY_TIER = "KVOffloadDiskTier", "KVOffloadValkeyTier"
+LOCALITIES = ("LOCAL", "REMOTE")
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(OffloadConfig))
+_VALKEY_KEYS = tuple(k for k in _FIELDS if k.startswith("valkey_"))
+_COMMON_TIER_KEYS = ("model_id", "tier_threads")
+# Each tier's own keys (the first one is required), then the keys every tier takes.
+TIER_KEYS: dict[str, tuple[str, ...]] = {
+    DISK_TIER: ("disk_path", "disk_capacity_bytes", *_COMMON_TIER_KEYS),
+    VALKEY_TIER: (*_VALKEY_KEYS, *_COMMON_TIER_KEYS),
+}
+# OffloadConfig fields that have no meaning under vLLM, and what replaces them.
+_NOT_HERE = {
+    "host_capacity_bytes": f"the host tier is sized by {CAPACITY_KEY}",
+    "host_capacity_blocks": f"the host tier is sized by {CAPACITY_KEY}",
+    "tier_write_backlog_bytes": "vLLM's tiering manager writes every stored chunk down "
+    "(bound it with a tier's 'backpressure' entry)",
+}
 
 
 @dataclass(frozen=True)
 class VllmOptions:
     config: OffloadConfig  # host_capacity_bytes is cpu_bytes_to_use
-    cpu_bytes_to_use: int  # upper bound on host RAM for offloaded KV, per worker
+    cpu_bytes_to_use: int  # host RAM for offloaded KV, all workers together
+    tiers: tuple[dict[str, Any], ...]  # secondary_tiers entries for our flat tier keys
+    per_layer_loads: bool = False  # a sync load's layer i is waited for by layer i's attention
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    config: OffloadConfig  # the tier's keys; model_id filled in when it was not given
+    locality: str  # LOCAL or REMOTE, for vLLM's per-request tier filter
 
 
 def parse_options(extra_config: Mapping[str, Any]) -> VllmOptions:
     """Split vLLM's keys from ours and validate ours.
 
-    >>> options = parse_options({"cpu_bytes_to_use": 1 << 30, "eviction_policy": "arc"})
-    >>> options.config.eviction_policy, options.cpu_bytes_to_use
-    ('arc', 1073741824)
+    >>> options = parse_options({"cpu_bytes_to_use": 1 << 30, "disk_path": "/mnt/kv"})
+    >>> options.cpu_bytes_to_use, [t["type"] for t in options.tiers]
+    (1073741824, ['KVOffloadDiskTier'])
     """
     if extra_config.get("canonical_layout"):
         raise ValueError(
             "expected canonical_layout to be false with KVOffloadSpec (each worker keeps its own "
-            f"host copy of its pages), got {extra_config['canonical_layout']!r}"
+            f"pages), got {extra_config['canonical_layout']!r}"
         )
     capacity = _capacity(extra_config.get(CAPACITY_KEY))
-    ours = {k: v for k, v in extra_config.items() if k not in VLLM_KEYS and k != CAPACITY_KEY}
-    accepted = [CAPACITY_KEY, *ADAPTER_KEYS]
-    config_fields = {f.name for f in dataclasses.fields(OffloadConfig)}
-    not_here = sorted(k for k in ours if k in config_fields and k not in ADAPTER_KEYS)
+    per_layer = extra_config.get(LAYER_KEY, False)
+    if not isinstance(per_layer, bool):
+        raise ValueError(f"expected {LAYER_KEY} to be true or false, got {per_layer!r}")
+    mine = (CAPACITY_KEY, LAYER_KEY)
+    ours = {k: v for k, v in extra_config.items() if k not in VLLM_KEYS and k not in mine}
+    tier_keys = {k for keys in TIER_KEYS.values() for k in keys}
+    accepted = (*mine, *HOST_KEYS, *sorted(tier_keys))
+    _check_known(ours, accepted, f"kv_connector_extra_config (besides vLLM's {sorted(VLLM_KEYS)})")
+    host = {k: v for k, v in ours.items() if k in HOST_KEYS}
+    config = OffloadConfig.from_dict({**host, "host_capacity_bytes": capacity})
+    tiers = []
+    for tier, keys in TIER_KEYS.items():
+        entry = {k: ours[k] for k in keys if k in ours}
+        if keys[0] in entry:
+            tiers.append({"type": tier, "module_path": MODULE, **entry})
+    orphans = sorted(set(ours) - set(HOST_KEYS) - {k for t in tiers for k in t})
+    if orphans:
+        raise ValueError(
+            f"option(s) {orphans} configure a lower tier that is not enabled; expected disk_path "
+            "and/or valkey_url next to them"
+        )
+    for entry in tiers:
+        parse_tier_options(entry["type"], _entry_options(entry), default_model_id="check")
+    return VllmOptions(config, capacity, tuple(tiers), per_layer)
+
+
+def parse_tier_options(tier: str, options: Mapping[str, Any], default_model_id: str) -> TierOptions:
+    """Validate one tier's options (a ``secondary_tiers`` entry without ``type``/``module_path``/
+    ``backpressure``). ``model_id`` defaults to ``default_model_id``; an explicit one wins."""
+    keys = TIER_KEYS[tier]
+    locality = options.get("locality", "LOCAL" if tier == DISK_TIER else "REMOTE")
+    if locality not in LOCALITIES:
+        raise ValueError(f"expected locality in {list(LOCALITIES)} for {tier}, got {locality!r}")
+    given = {k: v for k, v in options.items() if k != "locality"}
+    _check_known(given, keys, f"the {tier} entry")
+    if keys[0] not in given:
+        raise ValueError(f"expected {keys[0]} in the {tier} entry, got keys {sorted(given)}")
+    model_id = given.get("model_id", default_model_id)
+    if not isinstance(model_id, str) or not model_id:
+        raise ValueError(f"expected model_id to be a non-empty string, got {model_id!r}")
+    config = OffloadConfig.from_dict({**given, "model_id": model_id})
+    return TierOptions(config, locality)
+
+
+def _entry_options(entry: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k not in ("type", "module_path")}
+
+
+def _check_known(given: Mapping[str, Any], accepted: tuple[str, ...], where: str) -> None:
+    not_here = sorted(k for k in given if k in _NOT_HERE)
     if not_here:
         raise ValueError(
-            f"kvoffload option(s) {not_here} are not supported with vLLM (the host tier is sized "
-            f"by {CAPACITY_KEY}; the lower tiers are not wired into the vLLM adapter yet); "
-            f"expected some of {accepted}"
+            f"kvoffload option(s) {not_here} are not supported with vLLM "
+            f"({'; '.join(_NOT_HERE[k] for k in not_here)}); expected some of {list(accepted)}"
         )
-    unknown = sorted(set(ours) - set(ADAPTER_KEYS))
+    unknown = sorted(set(given) - set(accepted))
     if unknown:
         raise ValueError(
-            f"unknown kvoffload option(s) {unknown} in kv_connector_extra_config; expected some "
-            f"of {accepted} (besides vLLM's own {sorted(VLLM_KEYS)})"
+            f"unknown kvoffload option(s) {unknown} in {where}; expected some of {list(accepted)}"
         )
-    config = OffloadConfig.from_dict({**ours, "host_capacity_bytes": capacity})
-    return VllmOptions(config, capacity)
 
 
 def _capacity(value: object) -> int:
@@ -82,6 +158,6 @@ def _capacity(value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(
             f"expected {CAPACITY_KEY} in kv_connector_extra_config to be a positive number of "
-            f"bytes, got {value!r}"
+            f"bytes (all workers together), got {value!r}"
         )
     return value

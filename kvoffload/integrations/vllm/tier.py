@@ -8,7 +8,9 @@ The two-phase protocol is the index's (see ``kvoffload.store.index``); what this
 - ``prepare_store`` returns None when keys needed a slot and none could be freed (every block
   pinned by a reader or being written), so vLLM retries the store on a later step.
 - ``reset`` forgets everything, blocks being read or written included: vLLM discards the
-  completions of jobs in flight at a reset and fences the workers before new stores begin.
+  completions of jobs in flight at a reset and fences the workers before new stores begin (its
+  tiering manager drains the lower tiers' jobs first).
+- ``pin``/``unpin`` hold a readable chunk while a lower tier copies it out (vLLM's cascade).
 - Events (stored, removed) are recorded when asked for, for vLLM's KV-cache events.
 - Within one prefix the tail is given up first: a request's chunks enter the eviction policy,
   and are touched, from the last to the first, so the head of a prefix (which every later hit on
@@ -62,8 +64,17 @@ class HostTier:
         self.index.touch(reversed(keys))
         return chunks
 
-    def complete_load(self, keys: Collection[BlockKey]) -> None:
-        self.index.complete_load(keys)
+    def complete_load(self, keys: Collection[BlockKey], success: bool = True) -> None:
+        self.index.complete_load(keys, success)
+
+    def pin(self, keys: Sequence[BlockKey]) -> np.ndarray:
+        """Hold readable ``keys`` while a lower tier copies them out; their host chunks, in order
+        (``unpin`` releases them). Pins neither count as loads nor touch the policy."""
+        self.index.pin(keys)
+        return np.array([self.index.slot_of(k) for k in keys], dtype=np.int64)
+
+    def unpin(self, keys: Collection[BlockKey]) -> None:
+        self.index.unpin(keys)
 
     def touch(self, keys: Collection[BlockKey]) -> None:
         self.index.touch(reversed(list(keys)))

@@ -1,0 +1,178 @@
+"""The host tier as one shared-memory region per engine, seen by the scheduler and every worker.
+
+vLLM's tiering design, kept: secondary tiers (disk, Valkey) run in the scheduler process and copy
+host chunks through a memoryview, so host memory must be visible there, not private to each
+worker. ``KVOffloadSpec`` therefore puts its host slots in one file under ``/dev/shm`` that the
+scheduler and every worker map (``SharedRegion``). Its layout, for ``W`` workers of ``B`` bytes
+per block each, ``bpc`` blocks per chunk::
+
+    chunk c = [ slot c*bpc | slot c*bpc+1 | ... ]        (a row: what a lower tier stores per key)
+    slot s  = [ rank 0's B bytes | rank 1's B bytes | ... | rank W-1's ]
+
+so a worker's slots sit at a fixed stride (``W * B``) from its own base (``rank * B``): every copy
+backend addresses them as ``base + slot * stride``, unchanged (``RankArena``), and a chunk's bytes
+for every rank are one contiguous row (``RowArena``), which is what makes one key per chunk safe
+under tensor and pipeline parallelism (a value always holds every rank's shard, in rank order).
+
+The file is created by whichever process opens it first (``O_EXCL``), sized with
+``posix_fallocate`` (so a ``/dev/shm`` too small for ``cpu_bytes_to_use`` fails at start-up, not
+with a SIGBUS later), and unlinked by its creator at shutdown; mappings stay valid until each
+process unmaps. An engine that crashes leaves ``/dev/shm/kvoffload_<engine_id>.kv`` behind (vLLM's
+tiering region has the same property); delete it by hand.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from kvoffload.store.arena import HostArena, PinFn
+
+SHM_DIR = Path("/dev/shm")
+JOIN_TIMEOUT_S = 30.0  # how long a joiner waits for the creator to size the file
+
+
+class SharedRegion:
+    """``nbytes`` of shared memory named by ``engine_id``; ``array`` is its flat uint8 view."""
+
+    def __init__(self, engine_id: str, nbytes: int, directory: Path = SHM_DIR) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"expected a shared region of > 0 bytes, got {nbytes}")
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)
+        self.path = directory / f"kvoffload_{safe}.kv"
+        self.nbytes = nbytes
+        self.created = False
+        fd = self._open()
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.address: int = self.array.ctypes.data
+
+    def rows(self, num_rows: int) -> np.ndarray:
+        """The region as ``num_rows`` rows (chunks), for the scheduler's lower tiers."""
+        return self.array.reshape(num_rows, self.nbytes // num_rows)
+
+    def close(self) -> None:
+        """Unlink (if this process created it) and drop this object's mapping reference; the
+        memory goes once the last view of it is gone."""
+        if self.created:
+            self.path.unlink(missing_ok=True)
+            self.created = False
+        if self._mmap is not None:
+            del self.array
+            self._mmap = None
+
+    def _open(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            return self._join()
+        self.created = True
+        try:
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except OSError as e:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            if e.errno == errno.ENOSPC:
+                raise ValueError(
+                    f"expected room for {self.nbytes} bytes of host KV (cpu_bytes_to_use) in "
+                    f"{self.path.parent}, got ENOSPC: lower cpu_bytes_to_use or enlarge it "
+                    "(docker run --shm-size)"
+                ) from e
+            raise
+        return fd
+
+    def _join(self) -> int:
+        fd = os.open(self.path, os.O_RDWR)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while (size := os.fstat(fd).st_size) < self.nbytes:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise ValueError(
+                    f"expected {self.path} to reach {self.nbytes} bytes (its creator sizes it), "
+                    f"got {size} after {JOIN_TIMEOUT_S} s; a stale file? remove it"
+                )
+            time.sleep(0.005)
+        if size != self.nbytes:
+            os.close(fd)
+            raise ValueError(
+                f"expected {self.path} to hold {self.nbytes} bytes, got {size}: a file left by "
+                "another engine with the same engine_id; remove it"
+            )
+        return fd
+
+
+class RankArena(HostArena):
+    """One worker's host slots inside a ``SharedRegion``: ``num_slots`` slots of ``slot_bytes``
+    usable bytes, ``stride`` bytes apart, the first at byte ``offset``.
+
+    ``slot_bytes`` (the attribute the copy backends use as the slot address stride) is ``stride``;
+    ``slots`` is a ``(num_slots, usable)`` strided view. ``pin`` page-locks the whole region;
+    ``close`` unpins it and closes the region (this process's handle on it).
+    """
+
+    def __init__(
+        self,
+        region: SharedRegion,
+        num_slots: int,
+        usable: int,
+        stride: int,
+        offset: int,
+        pin: PinFn | None = None,
+    ) -> None:
+        if num_slots <= 0 or not 0 < usable <= stride or offset + usable > stride:
+            raise ValueError(
+                f"expected num_slots > 0 and 0 < usable <= stride with offset + usable <= stride, "
+                f"got {num_slots}, {usable}, {stride}, {offset}"
+            )
+        if (num_slots - 1) * stride + offset + usable > region.nbytes:
+            raise ValueError(
+                f"expected {num_slots} slots of stride {stride} to fit the {region.nbytes}-byte "
+                "shared region"
+            )
+        self.region = region
+        self.num_slots = num_slots
+        self.slot_bytes = stride
+        self.nbytes = num_slots * stride
+        self._mmap = None
+        base = region.array[offset:]
+        self.slots = as_strided(base, (num_slots, usable), (stride, 1))
+        self.base_address = region.address + offset
+        self._unpin = pin(region.address, region.nbytes) if pin is not None else None
+
+    def close(self) -> None:
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        self.region.close()
+
+
+class RowArena(HostArena):
+    """Rows of an existing 2-D buffer (vLLM's primary-tier memoryview, or ``SharedRegion.rows``)
+    as host slots, one row per slot, for a lower tier's ``TierMover``. Owns no memory."""
+
+    def __init__(self, rows: np.ndarray | memoryview) -> None:
+        array = np.asarray(rows).view(np.uint8)
+        if array.ndim != 2 or array.strides[1] != 1 or array.strides[0] != array.shape[1]:
+            raise ValueError(
+                f"expected contiguous 2-D rows, got shape {array.shape} strides {array.strides}"
+            )
+        self.num_slots, self.slot_bytes = array.shape
+        self.nbytes = array.nbytes
+        self._mmap = None
+        self._unpin = None
+        self.slots = array
+        self.base_address = array.ctypes.data
+
+    def close(self) -> None:
+        """Drop the view, so the buffer's owner can unmap it (vLLM closes its region's mmap)."""
+        self.slots = np.empty((0, self.slot_bytes), dtype=np.uint8)

@@ -1,0 +1,335 @@
+"""Our disk and Valkey tiers as vLLM ``SecondaryTierManager`` classes (``secondary_tiers``).
+
+vLLM's tiering manager (``vllm/v1/kv_offload/tiering/``) keeps a host (CPU) primary tier and
+cascades every chunk stored there to each secondary tier, then promotes chunks back into host slots
+on a lookup that misses the host. These classes are such tiers, built on kvoffload's own tiers
+(``DiskTier``, ``ValkeyTier``) and ``TierMover``; they work under vLLM's ``TieringOffloadingSpec``
+and under ``KVOffloadSpec`` alike::
+
+    {"type": "KVOffloadDiskTier", "module_path": "kvoffload.integrations.vllm",
+     "disk_path": "/mnt/nvme/kv", "disk_capacity_bytes": 549755813888}
+
+What they keep that vLLM's tiers do not promise:
+
+- A lookup never waits: the disk tier answers from its in-memory map; Valkey from what this process
+  last learnt, else one pipelined ``EXISTS`` per step for every unknown key, on a mover thread,
+  with ``RETRY`` meanwhile (vLLM defers the request a step). A Valkey server that is down, frozen or
+  slow is a miss once its timeout has passed, and every later lookup is a miss at once until a
+  background ping finds it back.
+- A value is a whole host chunk (every TP/PP rank's shard, in rank order) in kvoffload's block
+  format: magic, checksums of header and payload, the layout fingerprint and the key. A read that
+  fails any check, comes back short, or times out leaves its host slot unreadable (vLLM's primary
+  rolls the promotion back and the engine recomputes those tokens): never wrong KV, never an error
+  raised into vLLM. The fingerprint (``row_fingerprint``) covers the model identity, KV dtype,
+  parallel layout, chunk geometry, the spec's row layout and the vLLM version, so values of other
+  models, ranks, layouts or versions are never read.
+- Reads and writes run on the tier's own threads (``tier_threads``), in batches of 16 chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+from urllib.parse import urlsplit, urlunsplit
+
+import vllm
+from vllm.config import get_current_vllm_config_or_none
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvoffload.integrations.vllm.options import DISK_TIER, VALKEY_TIER, parse_tier_options
+from kvoffload.integrations.vllm.region import RowArena
+from kvoffload.offload.tiers import TierMover, TierOp, build_tiers
+from kvoffload.store.tiers.valkey import ValkeyTier
+
+log = logging.getLogger(__name__)
+
+OP_CHUNKS = 16  # chunks per mover op: one pipeline round trip / a run of disk I/O
+PROBE_CHUNKS = 512  # keys per EXISTS pipeline
+# TierStats fields reported as counters (vllm:kvoffload_<tier>_<field>); bytes and job counts are
+# in vLLM's own vllm:kv_offload_tiering_* metrics.
+COUNTERS = {
+    "puts": "chunks written",
+    "put_failures": "chunk writes that failed (I/O error, full disk, server down or slow)",
+    "put_skipped": "chunk writes not attempted (already held, too large, tier down)",
+    "gets": "chunks read and verified",
+    "misses": "reads of a chunk the tier did not have (evicted, expired)",
+    "corrupt": "reads whose checksum, fingerprint or key did not match (deleted, a miss)",
+    "errors": "reads that failed on I/O, a timeout or a connection error (a miss)",
+    "evictions": "chunks dropped to stay under capacity",
+    "reconnects": "times the server came back after being down",
+}
+ROW_FORMAT = "kvoffload-vllm-row-1"
+
+
+def model_identity(spec: OffloadingSpec) -> str:
+    """The default ``model_id``: vLLM's model name, revision and KV dtype.
+
+    vLLM hands a spec no revision; it is read from the current vLLM config when one is set (our
+    ``KVOffloadConnector`` sets it while the scheduler is built), else recorded as unknown: serve
+    several revisions under one model name only with an explicit ``model_id``.
+    """
+    model = spec.config.model
+    current = get_current_vllm_config_or_none()
+    revision = current.model_config.revision if current is not None else "unknown"
+    return f"{model.name}@{revision}|kv={model.dtype}"
+
+
+def row_fingerprint(spec: OffloadingSpec, row_bytes: int, model_id: str) -> str:
+    """32 hex digits naming what a host row's bytes mean: values under another are never read."""
+    config = spec.config
+    par = config.parallel
+    facts = {
+        "format": ROW_FORMAT,
+        "vllm": vllm.__version__,
+        "row_layout": getattr(spec, "ROW_LAYOUT", f"{type(spec).__module__}.{type(spec).__name__}"),
+        "model_id": model_id,
+        "kv_dtype": config.model.dtype,
+        "kv_cache_layout": getattr(config, "kv_cache_layout", None),
+        "canonical_layout": getattr(config, "canonical_layout", False),
+        "replicated_layout": config.replicated_layout,
+        "parallel": [par.world_size, par.tp_size, par.pp_size, par.pcp_size, par.dcp_size],
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "groups": [[g.tokens_per_block, list(g.layer_names)] for g in config.groups],
+        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+        "row_bytes": row_bytes,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass
+class _Job:
+    job_id: int
+    keys: list[OffloadKey]
+    ops_left: int
+    failed: set[OffloadKey] = field(default_factory=set)
+    seconds: float = 0.0
+
+
+class _KVOffloadTier(SecondaryTierManager):
+    """One kvoffload lower tier behind vLLM's secondary-tier contract (see the module docstring)."""
+
+    kind: ClassVar[str]  # DISK_TIER or VALKEY_TIER
+    short: ClassVar[str]  # disk or valkey, in metric names
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **options: Any,
+    ) -> None:
+        """``options``: the entry's keys (``parse_tier_options``); ValueError names a bad one."""
+        opts = parse_tier_options(self.kind, options, model_identity(offloading_spec))
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(opts.locality)
+        self.options = opts
+        arena = RowArena(primary_kv_view)
+        self.fingerprint = row_fingerprint(offloading_spec, arena.slot_bytes, opts.config.model_id)
+        (self.tier,) = build_tiers(opts.config, self.fingerprint, arena.slot_bytes)
+        self.mover = TierMover(arena, [self.tier], opts.config.tier_threads)
+        self._ids = itertools.count()
+        self._op_job: dict[int, int | None] = {}  # mover op id -> job id (None: a probe)
+        self._op_keys: dict[int, tuple[OffloadKey, ...]] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._finished: list[JobResult] = []  # jobs done without an op
+        self._probe_wanted: dict[OffloadKey, None] = {}  # ordered set, sent at the step's end
+        self._probing: set[OffloadKey] = set()
+        self._reported = dict.fromkeys(COUNTERS, 0)
+
+    # -- lookups (never block) ----------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        known = self.tier.contains([key])[0]
+        if known is None:
+            if key not in self._probing:
+                self._probe_wanted[key] = None
+            return LookupResult.RETRY
+        return LookupResult.HIT if known else LookupResult.MISS
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        keys = list(self._probe_wanted)
+        self._probe_wanted.clear()
+        self._probing.update(keys)
+        for start in range(0, len(keys), PROBE_CHUNKS):
+            self._submit("probe", keys[start : start + PROBE_CHUNKS], (), None)
+
+    # -- jobs (submitted at once, copied on the mover's threads) ------------------------------
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        held = self.tier.contains(keys)
+        todo = [
+            (k, int(c))
+            for k, c, h in zip(keys, job_metadata.chunk_ids, held, strict=True)
+            if h is not True
+        ]
+        self._start(job_metadata.job_id, keys, "write", todo)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        chunks = [int(c) for c in job_metadata.chunk_ids]
+        self._start(job_metadata.job_id, keys, "read", list(zip(keys, chunks, strict=True)))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        done, self._finished = self._finished, []
+        for result in self.mover.get_finished():
+            job_id = self._op_job.pop(result.op_id)
+            keys = self._op_keys.pop(result.op_id)
+            if job_id is None:
+                self._probing.difference_update(keys)
+                continue
+            job = self._jobs[job_id]
+            job.failed.update(k for k, ok in zip(keys, result.ok, strict=True) if not ok)
+            job.seconds = max(job.seconds, result.seconds)
+            job.ops_left -= 1
+            if job.ops_left == 0:
+                done.append(self._result(self._jobs.pop(job_id)))
+        return done
+
+    def drain_jobs(self) -> None:
+        self.mover.wait_idle()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs or self._finished or self._probe_wanted or self._probing)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def shutdown(self) -> None:
+        self.mover.close()
+        self.mover.arena.close()
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        defs: dict[str, OffloadingMetricMetadata] = {
+            f"vllm:kvoffload_{cls.short}_{name}": OffloadingCounterMetadata(
+                f"kvoffload {cls.short} tier: {doc}."
+            )
+            for name, doc in COUNTERS.items()
+        }
+        if cls.kind == VALKEY_TIER:
+            defs["vllm:kvoffload_valkey_up"] = OffloadingGaugeMetadata(
+                "1 while the kvoffload Valkey tier reaches its server, 0 while it is down."
+            )
+        return defs
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        stats = OffloadingConnectorStats()
+        now = self.tier.stats.snapshot()
+        for name in COUNTERS:
+            delta = now[name] - self._reported[name]
+            if delta:
+                stats.increase_counter(f"vllm:kvoffload_{self.short}_{name}", delta)
+                self._reported[name] = now[name]
+        if isinstance(self.tier, ValkeyTier):
+            stats.set_gauge("vllm:kvoffload_valkey_up", float(self.tier.up))
+        return stats
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("kvoffload_model_id", "kvoffload_fingerprint", "kvoffload_location")
+
+    def config_info(self) -> dict[str, str | int | float | bool]:
+        config = self.options.config
+        location = config.disk_path or _redact(config.valkey_url or "")
+        return {
+            "kvoffload_model_id": config.model_id,
+            "kvoffload_fingerprint": self.fingerprint,
+            "kvoffload_location": location,
+        }
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _start(
+        self,
+        job_id: int,
+        keys: list[OffloadKey],
+        kind: str,
+        todo: list[tuple[OffloadKey, int]],
+    ) -> None:
+        job = _Job(job_id, keys, ops_left=0)
+        for start in range(0, len(todo), OP_CHUNKS):
+            part = todo[start : start + OP_CHUNKS]
+            self._submit(kind, [k for k, _ in part], tuple(c for _, c in part), job_id)
+            job.ops_left += 1
+        if job.ops_left:
+            self._jobs[job_id] = job
+        else:  # nothing to copy (every chunk already held)
+            self._finished.append(self._result(job))
+
+    def _submit(
+        self, kind: Any, keys: list[OffloadKey], chunks: tuple[int, ...], job_id: int | None
+    ) -> None:
+        op = TierOp(next(self._ids), kind, self.tier.name, tuple(keys), chunks)
+        self._op_job[op.op_id] = job_id
+        self._op_keys[op.op_id] = op.keys
+        self.mover.submit(op)
+
+    def _result(self, job: _Job) -> JobResult:
+        ok = [k for k in job.keys if k not in job.failed]
+        return JobResult(
+            job_id=job.job_id,
+            success=not job.failed,
+            successful_keys=tuple(ok) if job.failed and ok else None,
+            transfer_time=job.seconds,
+            transfer_bytes=len(ok) * self.block_size_bytes,
+        )
+
+
+class KVOffloadDiskTier(_KVOffloadTier):
+    """kvoffload's slab-file disk tier (``disk_path``, ``disk_capacity_bytes``; ``docs/vllm.md``).
+
+    One process per directory: a second engine on the same ``disk_path`` finds it locked and runs
+    without it (share between engines through Valkey). Blocks survive a restart."""
+
+    kind = DISK_TIER
+    short = "disk"
+    cache_hit_source = CacheHitSource.DISK
+
+
+class KVOffloadValkeyTier(_KVOffloadTier):
+    """kvoffload's shared Valkey/Redis tier (``valkey_url``, ``valkey_ttl_s``, ...), for several
+    engines at once (``docs/vllm.md``)."""
+
+    kind = VALKEY_TIER
+    short = "valkey"
+    cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + netloc))
