@@ -24,7 +24,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.integrations.vllm.canonical import layout_from_canonical
 from kvoffload.integrations.vllm.engine import TransferEngine
 from kvoffload.store.arena import HostArena, PinFn
-from kvoffload.transfer.backend import BACKENDS
+from kvoffload.transfer.registry import BACKENDS
 from kvoffload.transfer.spec import Direction
 
 pytestmark = pytest.mark.gpu
