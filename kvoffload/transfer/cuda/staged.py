@@ -30,6 +30,7 @@ loads overlap); each ring area holds at least one block.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,7 +38,13 @@ import numpy as np
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.base import INLINE_BYTES, SLICE_TRANSFER_BYTES, CudaBackend, Lane
+from kvoffload.transfer.cuda.base import (
+    FIRST_SLICE_BYTES,
+    INLINE_BYTES,
+    SLICE_TRANSFER_BYTES,
+    CudaBackend,
+    Lane,
+)
 from kvoffload.transfer.cuda.buffers import Buffer, BufferRing
 from kvoffload.transfer.cuda.chunks import chunk_blocks, coalesce, slice_count, tile
 from kvoffload.transfer.cuda.sm import check_kernel_shape, check_words
@@ -73,6 +80,9 @@ class StagedConfig:
     max_layer_slices: int = 8
     # ... and at most one slice per this many bytes of the load (see ``base``).
     layer_slice_transfer_bytes: int = SLICE_TRANSFER_BYTES
+    # The first slice of a load holds the fewest layers that make this many bytes per block, the
+    # next twice as many, up to an equal share (``chunks.slice_bounds``); 0: equal slices.
+    first_slice_bytes: int = FIRST_SLICE_BYTES
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -88,6 +98,10 @@ class StagedConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"StagedConfig: expected {name} > 0, got {value!r}")
+        if not isinstance(self.first_slice_bytes, int) or self.first_slice_bytes < 0:
+            raise ValueError(
+                f"StagedConfig: expected first_slice_bytes >= 0, got {self.first_slice_bytes!r}"
+            )
 
 
 class _Ring:
@@ -118,6 +132,36 @@ class _Chunk:
     unit: int  # bytes per block in the staging area (a slot, or a slice of one)
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A spec's block ids on the GPU and host slot addresses, shared by its layer slices."""
+
+    index: Buffer
+    host: np.ndarray  # int64: address of each block's host slot
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """How a transfer of ``n`` blocks of ``unit`` bytes is cut into chunks (read-only arrays)."""
+
+    sizes: list[int]  # blocks per chunk
+    starts: list[int]  # first block of each chunk
+    breaks: np.ndarray  # ``starts`` as int64
+    chunk: np.ndarray  # chunk index of each block
+    offset: np.ndarray  # byte offset of each block in its chunk's staging area
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule(n: int, unit: int, first_bytes: int, area_bytes: int, store: bool) -> _Schedule:
+    sizes = chunk_blocks(n, unit, first_bytes, area_bytes, "up" if store else "down")
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    chunk = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    offset = (np.arange(n, dtype=np.int64) - starts[chunk]) * unit
+    for a in (starts, chunk, offset):
+        a.setflags(write=False)
+    return _Schedule(sizes.tolist(), starts.tolist(), starts, chunk, offset)
+
+
 class StagedBackend(CudaBackend):
     name = "staged"
     lane_streams = 2  # GATHER (kernels) and DMA (copy engines); 1 + dma_streams per instance
@@ -135,6 +179,8 @@ class StagedBackend(CudaBackend):
     ) -> None:
         check_words(layout)
         self.config = config = config or StagedConfig()
+        self.first_slice_bytes = config.first_slice_bytes
+        self._group_slot = [g.slot_bytes for g in layout.groups]
         self.lane_streams = 1 + config.dma_streams
         from kvoffload.transfer.cuda.kernels import CopyLauncher  # imports Triton
 
@@ -187,57 +233,68 @@ class StagedBackend(CudaBackend):
         """Device memory this backend holds for staging (both directions)."""
         return 2 * self.config.depth * self.area_bytes
 
-    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None) -> None:
+    def _prepare(self, spec: TransferSpec, lane: Lane) -> _Prepared | None:
         n = len(spec)
         if n == 0:
+            return None
+        index = self._index.take(n)
+        index.host[:n] = spec.blocks
+        index.upload(self.driver, n, lane.handles[GATHER])
+        host = spec.slots * self.arena.slot_bytes
+        host += self.arena.base_address
+        return _Prepared(index, host)
+
+    def _release(self, prepared: _Prepared | None, lane: Lane) -> None:
+        if prepared is not None:
+            self._index.release(prepared.index, lane.tail)
+
+    def _enqueue(
+        self, spec: TransferSpec, lane: Lane, part: int | None, prepared: _Prepared | None
+    ) -> None:
+        if prepared is None:  # no blocks
             return
+        n = len(spec)
         store = spec.direction == "store"
-        group = self.layout.groups[spec.group]
         if part is None:  # whole slot images
-            offset, unit, regions = 0, group.slot_bytes, self._regions[spec.group]
+            offset, unit = 0, self._group_slot[spec.group]
+            regions = self._regions[spec.group]
         else:  # one layer slice of every block: its bytes are contiguous inside each slot
             offset, unit = self._slice_spans[spec.group][part]
             regions = self._slice_regions[spec.group][part]
         ring = self._rings[spec.direction]
-        sizes = chunk_blocks(
-            n, unit, self.config.first_chunk_bytes, self.area_bytes, "up" if store else "down"
-        )
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        areas = (ring.position + np.arange(len(sizes))) % self.config.depth
-        ring.position = int((ring.position + len(sizes)) % self.config.depth)
-        bases = ring.bases[areas]
+        depth = self.config.depth
+        plan = _schedule(n, unit, self.config.first_chunk_bytes, self.area_bytes, store)
+        position = ring.position  # areas are used round-robin across transfers
+        areas = [(position + k) % depth for k in range(len(plan.sizes))]
+        ring.position = (position + len(plan.sizes)) % depth
         gather, dmas = lane.handles[GATHER], lane.handles[DMA:]
-        index = self._index.take(n)
+        index = prepared.index
         tables = self._tables.take(3 * n)
         try:
-            index.host[:n] = spec.blocks
-            index.upload(self.driver, n, gather)
             chunks = [
                 _Chunk(area, start, count, regions, unit)
-                for area, start, count in zip(
-                    areas.tolist(), starts.tolist(), sizes.tolist(), strict=True
-                )
+                for area, start, count in zip(areas, plan.starts, plan.sizes, strict=True)
             ]
             # The host runs ``ahead`` chunks in front: a store enqueues the first gathers before it
             # builds the descriptors, a load the first DMAs before the first scatter, so the GPU
             # has queued work while the host enqueues the rest. The area events keep the order.
-            ahead = min(self.config.depth, len(chunks))
+            ahead = min(depth, len(chunks))
             if store:
                 for k in range(ahead):
                     self._gather(lane, spec, index, ring, chunks[k])
             # One descriptor per block: its staged image <-> its bytes in the host slot.
             table = tables.host[: 3 * n].reshape(3, n)
-            within = np.arange(n, dtype=np.int64) - np.repeat(starts, sizes)
-            staged = np.repeat(bases, sizes) + within * unit
-            host = spec.slots * self.arena.slot_bytes + (self.arena.base_address + offset)
-            table[0], table[1] = (staged, host) if store else (host, staged)
+            staged, host = (table[0], table[1]) if store else (table[1], table[0])
+            np.take(ring.bases, (plan.chunk + position) % depth, out=staged)
+            staged += plan.offset
+            np.add(prepared.host, offset, out=host)
             table[2] = unit
-            if unit == self.arena.slot_bytes:  # whole slots: consecutive slots may merge
-                table, at = coalesce(table, starts)
-            else:  # a slice (or a block smaller than its slot) never continues into the next
-                at = starts
-            ends = np.append(at[1:], table.shape[1]).tolist()
-            parts = [table[:, a:e] for a, e in zip(at.tolist(), ends, strict=True)]
+            at: Any = plan.starts
+            if unit == self.arena.slot_bytes and n > 1:  # whole slots: consecutive ones merge
+                table, breaks = coalesce(table, plan.breaks)
+                at = breaks.tolist()
+            ends = [*at[1:], table.shape[1]]
+            parts = [table[:, a:e] for a, e in zip(at, ends, strict=True)]
             if store:
                 for k, chunk in enumerate(chunks):
                     dma = dmas[k % len(dmas)]
@@ -260,7 +317,6 @@ class StagedBackend(CudaBackend):
                         later = k + ahead
                         self._send(dmas[later % len(dmas)], ring, chunks[later].area, parts[later])
         finally:
-            self._index.release(index, lane.tail)
             self._tables.release(tables, lane.tail)
 
     def _gather(
