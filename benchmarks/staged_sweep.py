@@ -48,10 +48,14 @@ from kvoffload.transfer.spec import Direction, TransferSpec
 RNG = np.random.default_rng(0)
 # Slice schedules of the overlap section: StagedConfig fields (those a checkout lacks are skipped).
 VARIANTS: dict[str, dict[str, int]] = {
-    "default": {},
-    "equal8": {"first_slice_bytes": 0},
-    "ramp16": {"layer_slice_bytes": 128 << 10, "max_layer_slices": 16},
-    "equal16": {"layer_slice_bytes": 128 << 10, "max_layer_slices": 16, "first_slice_bytes": 0},
+    "default": {},  # 16 equal slices of >= 128 KiB (2026-11-23)
+    "equal8": {"layer_slice_bytes": 256 << 10, "max_layer_slices": 8, "first_slice_bytes": 0},
+    "ramp8": {"layer_slice_bytes": 256 << 10, "max_layer_slices": 8, "first_slice_bytes": 64 << 10},
+    "ramp16": {
+        "layer_slice_bytes": 128 << 10,
+        "max_layer_slices": 16,
+        "first_slice_bytes": 64 << 10,
+    },
     "layer32": {"layer_slice_bytes": 64 << 10, "max_layer_slices": 32, "first_slice_bytes": 0},
 }
 
@@ -199,25 +203,32 @@ def overlap(sleeper: Sleeper, arena: HostArena, variants: list[str]) -> list[dic
 
 
 def programs(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
-    n = 512
-    engine = Engine("llama3-8b", "page", 16, 2 * n + 8)
-    backends: dict[str, Any] = {f"p{p}": staged(engine, arena, programs=p) for p in (4, 8, 16, 32)}
+    """GB/s per program count of the gather/scatter (``programs`` and ``load_programs`` alike)
+    on Llama-3-8B (64 KiB pieces) and fp8 Llama-3-70B at TP8 (2 KiB pieces), and the slowdown of
+    a GEMM stream beside store+load on Llama-3-8B."""
     out: dict[str, Any] = {}
-    try:
-        for name, backend in backends.items():
-            sp = spec("load", n, engine.pool, arena.num_slots)
-            t = time_transfers(sleeper, submitter(backend, sp), 5, lead=False)
-            out[f"{name}_load_GBps"] = (
-                n * engine.kv.slot_bytes / statistics.median(t["gpu_s"]) / 1e9
-            )
-        gemm = measure_gemm(engine, arena, backends, n, 8, 8, RNG)
-        out["gemm_slowdown"] = gemm["slowdown"]
-        out["gemm_noise"] = gemm["baseline_noise"]
-        log("programs", out)
-    finally:
-        for b in backends.values():
-            b.close()
-        torch.cuda.empty_cache()
+    for model, layout, n in (("llama3-8b", "page", 512), ("llama3-70b-tp8-fp8", "kv_split", 1000)):
+        engine = Engine(model, layout, 16, 2 * n + 8)
+        backends: dict[str, Any] = {
+            f"p{p}": staged(engine, arena, programs=p, load_programs=p) for p in (4, 8, 16, 32)
+        }
+        try:
+            for name, backend in backends.items():
+                for d in ("store", "load"):
+                    sp = spec(d, n, engine.pool, arena.num_slots)
+                    t = time_transfers(sleeper, submitter(backend, sp), 5, lead=False)
+                    seconds = statistics.median(t["gpu_s"])
+                    out[f"{model}_{name}_{d}_GBps"] = n * engine.kv.slot_bytes / seconds / 1e9
+            if model == "llama3-8b":
+                gemm = measure_gemm(engine, arena, backends, n, 8, 8, RNG)
+                out["gemm_slowdown"] = gemm["slowdown"]
+                out["gemm_noise"] = gemm["baseline_noise"]
+                out["gemm_transfer_pair_s"] = gemm["transfer_pair_s"]
+        finally:
+            for b in backends.values():
+                b.close()
+            torch.cuda.empty_cache()
+    log("programs", out)
     return out
 
 

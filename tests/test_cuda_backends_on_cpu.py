@@ -63,6 +63,7 @@ class Pair:
 
 
 def make(name: str, kv: KVLayout, arena: HostArena) -> Any:
+    from kvoffload.transfer.cuda.base import FIRST_SLICE_BYTES
     from kvoffload.transfer.cuda.dma import DmaBackend
     from kvoffload.transfer.cuda.sm import SmBackend
     from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
@@ -80,6 +81,9 @@ def make(name: str, kv: KVLayout, arena: HostArena) -> Any:
         "staged": lambda: StagedBackend(kv, arena),
         "staged-sync": lambda: StagedBackend(kv, arena, submit_thread=False),
         "staged-fine": lambda: StagedBackend(kv, arena, config=fine),
+        "staged-ramp": lambda: StagedBackend(
+            kv, arena, config=StagedConfig(first_slice_bytes=FIRST_SLICE_BYTES)
+        ),
         "dma": lambda: DmaBackend(kv, arena),
         "dma-one-per-piece": lambda: DmaBackend(kv, arena, merge=False),
         "sm": lambda: SmBackend(kv, arena),
@@ -92,7 +96,8 @@ def make(name: str, kv: KVLayout, arena: HostArena) -> Any:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("model", SHAPES)
 @pytest.mark.parametrize(
-    "name", ["staged", "staged-sync", "staged-fine", "dma", "dma-one-per-piece", "sm"]
+    "name",
+    ["staged", "staged-sync", "staged-fine", "staged-ramp", "dma", "dma-one-per-piece", "sm"],
 )
 def test_store_then_load_moves_the_oracles_bytes(fake_cuda: Calls, model, layout, name):
     pair = Pair(model, layout)
@@ -179,7 +184,7 @@ def test_a_layer_wait_waits_on_the_host_only_for_its_slice(fake_cuda: Calls):
         pending = backend.submit(load)
         assert held.wait(10)
         events = pending.layer_events
-        assert len(events) == 10  # 32 layers ramped: 1, 2, 4 then 4s and the one left
+        assert len(events) == 16  # 32 layers, 2 MiB slots: 16 slices of 128 KiB
         pending.wait_on(99, layer=0)
         assert fake_cuda.log[-1] == ("wait", 99, events[0])
         assert not pending.done()

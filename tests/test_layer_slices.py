@@ -108,17 +108,26 @@ def test_slice_descriptors_together_move_a_whole_load(layout):
 
 def test_a_load_takes_the_most_slices_that_keep_one_per_slice_transfer_bytes(fake_cuda):
     """``_load_plan`` of a real staged backend (host logic on CPU, ``tests/fake_cuda.py``) on
-    Qwen2.5-7B (28 layers, 896 KiB slots: at most 3 equal slices of >= 256 KiB): a load takes the
-    schedule with the most slices that still has one per ``min_slice_transfer_bytes``; schedules
-    ramp from 2 layers (the fewest that make 64 KiB per block)."""
-    from kvoffload.transfer.cuda.staged import StagedBackend
+    Qwen2.5-7B (28 layers, 896 KiB slots): a load takes the schedule with the most slices that
+    still has one per ``min_slice_transfer_bytes``. By default at most 7 equal slices (of >= 128
+    KiB); with 256 KiB slices (at most 3) ramped from 2 layers (the fewest that make 64 KiB)."""
+    from kvoffload.transfer.cuda.base import FIRST_SLICE_BYTES
+    from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 
     tensors, block_dim = engine_tensors(
         MODELS["qwen2.5-7b"], "kv_split", 8, 16, lambda s: np.zeros(s, dtype=np.uint16)
     )
     kv = cuda_layout(KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim))
     arena = HostArena(8, kv.slot_bytes, pin=no_pin)
-    backend = StagedBackend(kv, arena, submit_thread=False)
+    default = StagedBackend(kv, arena, submit_thread=False)
+    default.close()
+    assert sorted(default._plans[0]) == [1, 2, 4, 7]
+    first, count = default._plans[0][7][0], 7
+    assert [len(p) for p in default.load_parts[0][first : first + count]] == [8] * 7
+    ramped = StagedConfig(
+        layer_slice_bytes=256 << 10, max_layer_slices=8, first_slice_bytes=FIRST_SLICE_BYTES
+    )
+    backend = StagedBackend(kv, arena, config=ramped, submit_thread=False)
     backend.min_slice_transfer_bytes = kv.slot_bytes  # one slice per block of load
     try:
         assert sorted(backend._plans[0]) == [1, 4, 5]  # counts 1, 2 and 3, ramped

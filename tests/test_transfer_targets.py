@@ -164,3 +164,24 @@ def test_a_whole_gpu_result_built_from_timings_prints_plots_and_summarizes(tmp_p
     assert png.stat().st_size > 10_000
     path = write_json(tmp_path / "transfer.json", result)
     assert json.loads(path.read_text())["rows"][0]["method"] == "staged"
+
+
+def test_the_dry_run_lists_every_case_without_a_gpu(capsys):
+    """``bench transfer --dry-run``: the sweep's cases, their transfer sizes (capped at
+    ``--max-transfer-mib``) and a rough time; bad cases are refused with what was expected."""
+    import argparse
+
+    from kvoffload.bench.transfer import CASES, add_arguments, case_blocks, parse_cases, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--dry-run"])) == 0
+    printed = capsys.readouterr().out
+    assert "all cases ~" in printed and "1,3,16,256,512" in printed
+    assert len(parse_cases(CASES)) == 12
+    assert case_blocks("llama3-8b", 16, [1, 1000, 2048], 1024) == [1, 512]  # 2 MiB slots
+    assert case_blocks("llama3-70b-tp8-fp8", 16, [3, 2048], 1024) == [3, 2048]
+    with pytest.raises(SystemExit, match="model:layout:block_size"):
+        parse_cases("llama3-8b:page")
+    with pytest.raises(SystemExit, match="a layout in"):
+        parse_cases("llama3-8b:pages:16")

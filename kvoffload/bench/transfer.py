@@ -81,6 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--methods", type=_csv(str), default=["staged", "dma", "auto"], help="GPU methods"
     )
+    g.add_argument(
+        "--dma-max-pieces",
+        type=int,
+        default=1 << 16,
+        help="GPU: measure dma (one descriptor per piece, as vLLM does) only on transfers of at "
+        "most this many pieces (past it each transfer costs dma seconds of host time)",
+    )
     g.add_argument("--link-bytes", type=int, default=1 << 30, help="GPU: bytes per link copy")
     g.add_argument("--link-reps", type=int, default=5, help="GPU: timed link copies")
     g.add_argument(
@@ -212,15 +219,19 @@ def layout_pieces(model: str, layout: str, bs: int) -> tuple[int, int]:
     return 1, shape.block_bytes(bs)
 
 
-# The dry run's time model (rough; H100 VM, 2026-11-23 runs): a descriptor costs the host ~0.85 us
+# The dry run's time model (rough; H100 VM, 2026-11-23 run): a descriptor costs the host ~0.85 us
 # in cuMemcpyBatchAsync, a transfer ~0.3 ms of Python and synchronisation; the copy engines move
-# pieces of these sizes at about these GB/s when given one descriptor each (docs/transfer.md), the
-# staged path ~50 GB/s; filling and pinning the arena ~2 GB/s.
+# pieces of these sizes at about these GB/s when given one descriptor each, the staged path ~50
+# GB/s; filling and pinning the arena ~2 GB/s, the byte checks ~3 GB/s, ~5 s per case besides
+# (tensors, backends, kernel builds). The 2026-11-23 run took 25, 38, 16 and 18 s for the first
+# four cases (the first with ~10 s of GEMM, launch-stall and submit probes) before dma was capped.
 _DESCRIPTOR_S = 0.85e-6
 _TRANSFER_S = 0.3e-3
-_DMA_GBPS = ((4 << 10, 4.0), (16 << 10, 12.0), (32 << 10, 25.0), (64 << 10, 40.0), (1 << 62, 52.0))
+_DMA_GBPS = ((4 << 10, 2.0), (16 << 10, 5.0), (32 << 10, 25.0), (64 << 10, 40.0), (1 << 62, 52.0))
 _STAGED_GBPS = 50.0
 _SETUP_GBPS = 2.0
+_CHECK_GBPS = 3.0
+_CASE_S = 5.0
 
 
 def estimate_case(
@@ -238,15 +249,19 @@ def estimate_case(
         host = _TRANSFER_S + descriptors * _DESCRIPTOR_S
         return copies * host, copies * n * slot / gbps / 1e9
 
-    total = 2 * (2 * max(blocks) + 8) * slot / _SETUP_GBPS / 1e9  # engine + arena
+    total = _CASE_S + 2 * (2 * max(blocks) + 8) * slot / _SETUP_GBPS / 1e9  # engine + arena
     for method in args.methods:
         for n in blocks:
+            if method == "dma" and n * regions > args.dma_max_pieces:
+                continue
             host, gpu = one(method, n)
+            total += 2 * n * slot / _CHECK_GBPS / 1e9  # the byte checks
             e2e = (args.latency_reps if n <= 16 else args.reps) + 1
             lead = min(max(2e-3, 2 * host), 0.5)
             total += 2 * (e2e * (host + gpu) + (args.reps + 1) * (max(lead, host) + gpu))
-        if method != "sm":
-            host, gpu = one(method, min(512, max(blocks)), copies=2)
+        both = min(512, max(blocks))
+        if method != "sm" and (method != "dma" or both * regions <= args.dma_max_pieces):
+            host, gpu = one(method, both, copies=2)
             total += 3 * (args.reps + 1) * (host + gpu / 2)
     return total
 
@@ -276,7 +291,7 @@ def print_plan(args: argparse.Namespace) -> float:
     console.print(
         f"methods {','.join(args.methods)}; all cases ~{total:.0f} s; the run stops taking new "
         f"cases after --time-budget-s {args.time_budget_s:.0f} s (the first case also measures "
-        "GEMM interference, launch stalls and submit costs: add ~15 s)"
+        "GEMM interference, launch stalls and submit costs: add ~10 s)"
     )
     return total
 

@@ -629,6 +629,14 @@ def measure_launch_stall(
     }
 
 
+def _within_dma_cap(
+    backends: dict[str, CudaBackend], regions: int, cap: int, n: int
+) -> dict[str, CudaBackend]:
+    """The methods measured at ``n`` blocks: ``dma`` (a descriptor per piece) only up to ``cap``
+    pieces, past which one transfer costs it seconds of host time."""
+    return {m: b for m, b in backends.items() if m != "dma" or n * regions <= cap}
+
+
 def run_gpu(args: Any) -> dict[str, Any]:
     """The whole GPU benchmark; returns the JSON-ready result. The sweep stops taking new cases
     once ``args.time_budget_s`` has passed (the skipped ones are listed)."""
@@ -657,6 +665,8 @@ def run_gpu(args: Any) -> dict[str, Any]:
     both: list[dict[str, Any]] = []
     skipped: list[str] = []
     first_layer: list[dict[str, Any]] = []
+    dma_skipped: list[str] = []
+    cap = args.dma_max_pieces
     gemm_done = stall = None
     with progress() as bar:
         task = bar.add_task("GPU transfers", total=len(cases))
@@ -669,15 +679,19 @@ def run_gpu(args: Any) -> dict[str, Any]:
             engine = Engine(model, layout, bs, 2 * max(ns) + 8)
             arena = make_arena(2 * max(ns) + 8, engine.kv.slot_bytes)  # one case's slot size
             backends = {m: make(m, engine.kv, arena) for m in args.methods}
+            regions = len(engine.kv.groups[0].regions)
+            running = partial(_within_dma_cap, backends, regions, cap)
             try:
                 for n in ns:
                     bar.update(task, description=f"{model} {layout} bs{bs} x{n}")
+                    if "dma" in backends and n * regions > cap:
+                        dma_skipped.append(f"{model}:{layout}:{bs} x{n}")
                     for row in measure_config(
-                        sleeper, engine, arena, backends, n, args.reps, rng, args.latency_reps
+                        sleeper, engine, arena, running(n), n, args.reps, rng, args.latency_reps
                     ):
                         rows.append({"model": model, "layout": layout, "block_size": bs, **row})
                 n_both = min(512, max(ns))
-                for m, bk in backends.items():
+                for m, bk in running(n_both).items():
                     if m == "sm":
                         continue
                     runs = [
@@ -735,6 +749,7 @@ def run_gpu(args: Any) -> dict[str, Any]:
     result["rows"] = rows
     result["store_and_load"] = both
     result["first_layer"] = first_layer
+    result["dma_skipped"] = dma_skipped
     result["gemm"] = gemm_done
     result["launch_stall"] = stall
     result["skipped_cases"] = skipped

@@ -30,10 +30,10 @@ POOL = 12
 SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU sleep: the load starts after every wait is enqueued
 
 BACKENDS = {
-    # ramped slices (the default): the first holds one layer where a layer is >= 64 KiB a block
     "staged": lambda kv, a: sliced(StagedBackend(kv, a)),
-    "staged-equal": lambda kv, a: sliced(
-        StagedBackend(kv, a, config=StagedConfig(first_slice_bytes=0))
+    # ramped slices: the first holds one layer where a layer is >= 64 KiB a block
+    "staged-ramp": lambda kv, a: sliced(
+        StagedBackend(kv, a, config=StagedConfig(first_slice_bytes=FIRST_SLICE_BYTES))
     ),
     # one layer per slice where possible, two DMA streams, tiny areas: many chunks per slice
     "staged-fine": lambda kv, a: StagedBackend(
@@ -105,7 +105,7 @@ def test_wait_on_a_layer_orders_the_stream_after_that_layer(engine, name):
             assert np.array_equal(got_bytes.reshape(len(dest), -1), want), f"layer {layer}"
         if name == "staged-fine":
             assert len(pending.layer_events) == group.num_layers  # a slice per layer
-        if name == "staged" and len(pending.layer_events) > 1:
+        if name == "staged-ramp" and len(pending.layer_events) > 1:
             pages = [r.page_bytes for r in group.regions]
             first = first_slice_layers(pages, group.layer_starts, FIRST_SLICE_BYTES)
             assert (pending.layer_slice[:first] == 0).all()

@@ -10,13 +10,14 @@ Loads are copied layer-major: a group's layers are cut into slices of consecutiv
 (``chunks.slice_bounds``); every load spec's slice 0 is enqueued, then an event is recorded (and
 the pending told, ``CudaPending.mark_slice``), then slice 1, and so on, so
 ``wait_on(stream, layer=i)`` waits only for the slice holding layer i, on the GPU and on the host.
-Stores are copied whole. The slices ramp: the first holds the fewest layers that make
-``first_slice_bytes`` per block (one layer of Llama-3-8B), the next twice as many, and so on up to
-an equal share of ``count`` slices, where ``count`` is at most ``_slice_count(group)`` (a property
-of the layout); a submit takes the schedule with the most slices that keeps one slice per
-``min_slice_transfer_bytes`` of its loads: each slice costs the host ~0.2 ms of Python per spec
-(H100 VM, cProfile of 16-block loads in 8 slices: 1.6 ms of host time for 0.6 ms of link time), so
-small loads go in one piece.
+Stores are copied whole. A load's schedule has ``count`` near-equal slices, ``count`` at most
+``_slice_count(group)`` (a property of the layout); with ``first_slice_bytes`` > 0 it ramps
+instead: the first slice holds the fewest layers that make that many bytes per block, the next
+twice as many, up to the equal share. A submit takes the schedule with the most slices that keeps
+one slice per ``min_slice_transfer_bytes`` of its loads: each slice costs the host ~0.2 ms of
+Python per spec plus ~0.85 us per block (H100 VM), so small loads go in one piece. Which schedule
+shortens an engine's wait depends on its compute per layer against the link time of a layer
+(measured in docs/transfer.md, "Layer slices"); equal slices are the default.
 
 Submission (``submitter.Submitter``, one per direction, FIFO): a transfer of at most
 ``inline_bytes`` (default 0) is enqueued in the caller's thread when its direction is idle (no
@@ -68,8 +69,10 @@ MAX_LAYER_SLICES = 8
 # A load is cut into at most one slice per this many bytes (~0.6 ms of link time per slice against
 # ~0.2 ms of host time to enqueue one, measured on the H100 VM).
 SLICE_TRANSFER_BYTES = 32 << 20
-# A load's first layer slice holds at least this many bytes per block (one copy-engine descriptor
-# per block); later slices double. 64 KiB is one layer of Llama-3-8B at 16-token blocks.
+# A ramped load's first layer slice holds at least this many bytes per block (one copy-engine
+# descriptor per block; 64 KiB is one layer of Llama-3-8B at 16-token blocks); later slices double.
+# Off by default (``first_slice_bytes = 0``): on the H100 (2026-11-23, staged_sweep.py "overlap")
+# a ramp beat equal slices only where the engine computes a layer in ~2x its link time.
 FIRST_SLICE_BYTES = 64 << 10
 
 
@@ -93,7 +96,7 @@ class CudaBackend(CopyBackend):
     and may choose ``_slice_count`` and ``lane_streams`` (set before ``__init__`` runs)."""
 
     lane_streams = 1  # streams per direction
-    first_slice_bytes = FIRST_SLICE_BYTES  # 0: equal slices, no ramp
+    first_slice_bytes = 0  # > 0: ramped slices from this many bytes per block (see above)
     # per direction, the stream whose work finishes last
     lane_tails: ClassVar[dict[str, int]] = {"store": 0, "load": 0}
 

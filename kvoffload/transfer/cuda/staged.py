@@ -10,6 +10,9 @@ shrink toward the end) so the one exposed gather (or scatter) is short.
 
 The SMs are busy only for the gathers: HBM is ~50x faster than the link, so a few programs finish
 each chunk's gather in a fraction of its link time and leave the rest of the GPU to the model.
+Loads of large pieces scatter with fewer programs (``load_programs``) than stores gather with: a
+load runs beside the prefill that waits for it, and fewer programs slowed a GEMM beside it less at
+the same GB/s (measured, ``StagedConfig``).
 
 Chunks are sized in bytes (``first_chunk_bytes`` up to one staging area), whatever the slot size.
 With ``dma_streams`` > 1 consecutive chunks go to different DMA streams, so several copy engines
@@ -20,9 +23,9 @@ that slice's bytes (contiguous inside the host slot, since a slot holds the regi
 layer order) into a staging area laid out per slice, then the scatter of that slice; the slice's
 event is recorded after its last scatter. The slice count (``_slice_count``) keeps each
 descriptor at least ``layer_slice_bytes`` (one descriptor per block and slice; the driver costs
-~0.8 us of host time per descriptor and the copy engines lose a little per descriptor), at most
-``max_layer_slices``: measured on the H100, 8 slices of 256 KiB moved a 512-block load of 2 MiB
-slots as fast as one slice (see ``StagedConfig`` and docs/transfer.md); smaller slots load in one.
+~0.85 us of host time per descriptor and the copy engines lose a little per descriptor), at most
+``max_layer_slices``: measured on the H100, 16 slices of 128 KiB moved a 740-block load of 2 MiB
+slots as fast as 8 (see ``StagedConfig`` and docs/transfer.md); smaller slots load in fewer.
 
 Staging memory is ``2 * staging_bytes`` of device memory (one ring per direction, so stores and
 loads overlap); each ring area holds at least one block.
@@ -39,7 +42,6 @@ import numpy as np
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
 from kvoffload.transfer.cuda.base import (
-    FIRST_SLICE_BYTES,
     INLINE_BYTES,
     SLICE_TRANSFER_BYTES,
     CudaBackend,
@@ -66,23 +68,34 @@ class StagedConfig:
     # Programs of the gather/scatter kernel, and bytes each moves per loop step (a tile of
     # several pieces; see kernels.tile).
     programs: int = 16
+    # Programs of a load's scatter where a loop step moves one piece (pieces > 16 KiB: Llama-3-8B,
+    # Qwen2.5-7B at 32-token blocks); loads of smaller pieces use ``programs``. On the H100
+    # (2026-11-23, staged_sweep.py "programs", Llama-3-8B 512 blocks, 64 KiB pieces) 4 programs
+    # loaded 51.5 GB/s as 16 did (51.4), and a bf16 GEMM beside store+load (4 programs both ways)
+    # ran +2.1% slower against +3.3% with 16 and +5.7% with 32 (noise 0.8%). Store GB/s at 4
+    # programs and smaller pieces were not measured, so stores and those loads keep ``programs``.
+    load_programs: int = 4
     chunk_bytes: int = 32768
     num_warps: int = 8
     # DMA streams per direction; consecutive chunks alternate between them. Two gained nothing on
     # the H100 (2 MiB, 320 KiB and 486 KiB slots, same probe), so one.
     dma_streams: int = 1
     # A load's layer slices: each at least this many bytes per block (one descriptor per block and
-    # slice), at most ``max_layer_slices`` slices. On the H100 (2026-11-23, benchmarks/
-    # staged_sweep.py) 512-block loads moved 52.6 GB/s end to end in 8 slices of 256 KiB against
-    # 52.5 in one (Llama-3-8B, 2 MiB slots; Qwen2.5-7B at 32-token blocks 51.7 in 7 against 52.1),
-    # with layer 0 usable after 2.8 of 19.8 ms.
-    layer_slice_bytes: int = 256 << 10
-    max_layer_slices: int = 8
+    # slice), at most ``max_layer_slices`` slices. On the H100 (2026-11-23, staged_sweep.py
+    # "overlap": a Llama-3-8B load of 740 blocks beside a synthetic prefill that waits for each
+    # layer and computes it in 1.1x / 2x that layer's link time) the prefill waited 2.9 / 3.2 ms
+    # beyond its compute with 16 equal slices of 128 KiB, 4.8 / 4.9 ms with 8 of 256 KiB, 4.5 /
+    # 2.9 ms with 8 ramped from one layer, 3.4 / 2.2 ms with 16 ramped, 31 ms with one slice per
+    # layer (the host fell behind); the load moved 52.4, 52.8, 52.7, 50.8 and 47.1 GB/s.
+    layer_slice_bytes: int = 128 << 10
+    max_layer_slices: int = 16
     # ... and at most one slice per this many bytes of the load (see ``base``).
     layer_slice_transfer_bytes: int = SLICE_TRANSFER_BYTES
-    # The first slice of a load holds the fewest layers that make this many bytes per block, the
-    # next twice as many, up to an equal share (``chunks.slice_bounds``); 0: equal slices.
-    first_slice_bytes: int = FIRST_SLICE_BYTES
+    # > 0: ramped slices, the first holding the fewest layers that make this many bytes per block
+    # (``FIRST_SLICE_BYTES``: one Llama-3-8B layer), the next twice as many, up to an equal share
+    # (``chunks.slice_bounds``): better where the engine computes a layer in ~2x its link time
+    # (numbers above). 0: equal slices.
+    first_slice_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -90,6 +103,7 @@ class StagedConfig:
             "staging_bytes",
             "depth",
             "first_chunk_bytes",
+            "load_programs",
             "dma_streams",
             "layer_slice_bytes",
             "max_layer_slices",
@@ -339,9 +353,11 @@ class StagedBackend(CudaBackend):
     ) -> None:
         """Gather (store) or scatter (load) the chunk's blocks between the engine and ``area``."""
         jobs, words = self._tiles[spec.group]
+        store = spec.direction == "store"
+        programs = self.config.programs if store or jobs > 1 else self.config.load_programs
         self._launcher.launch(
             lane.streams[GATHER],
-            self.config.programs,
+            programs,
             index.device,
             index.device,
             chunk.regions,
@@ -350,7 +366,7 @@ class StagedBackend(CudaBackend):
             chunk.regions.shape[1],
             area,
             chunk.unit,
-            to_host=spec.direction == "store",
+            to_host=store,
             identity=True,
             jobs=jobs,
             words=words,
