@@ -82,7 +82,8 @@ def spec(direction: Direction, n: int, pool: int, slots: int) -> list[TransferSp
 
 def first_layer(backend: StagedBackend, load: list[TransferSpec], reps: int) -> dict[str, float]:
     """GPU ms from submit on an idle GPU to layer 0's event and to the last; host us that
-    wait_on(layer=0) and wait_on() took after submit returned."""
+    wait_on(layer=0) and wait_on() took after submit returned. (``transfer_gpu`` has the same
+    probe, ``measure_first_layer``; this copy lets the script measure checkouts that predate it.)"""
     stream, side = torch.cuda.Stream(), torch.cuda.Stream()
     got: dict[str, list[float]] = {"layer0_ms": [], "whole_ms": [], "host0_us": [], "host_us": []}
     for i in range(reps + 1):

@@ -19,6 +19,7 @@ from kvoffload.transfer.host import HostBackend
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
 from tests.fake_cuda import Calls, cuda_layout, fake_cuda, no_pin
+from tests.transfer_support import HeldAfterFirstSlice
 
 __all__ = ["fake_cuda"]  # the fixture, used by name
 
@@ -168,21 +169,12 @@ def test_a_layer_wait_waits_on_the_host_only_for_its_slice(fake_cuda: Calls):
     thread goes on, and waits on the last slice's event."""
     pair = Pair("llama3-8b", "page")
     backend = make("staged", pair.kv, pair.arena)
-    go, held = threading.Event(), threading.Event()
-    enqueue = backend._enqueue
     load = [TransferSpec.of("load", [3, 5, 8], [1, 2, 0])]
-    first = backend._load_plan(load)[0][0][0]  # the load's first slice in load_parts
-
-    def held_before_slice_1(spec: TransferSpec, lane: Any, part: Any, prepared: Any) -> None:
-        if part is not None and part > first:
-            held.set()
-            assert go.wait(10)
-        enqueue(spec, lane, part, prepared)
-
-    backend._enqueue = held_before_slice_1
+    hold = HeldAfterFirstSlice(backend, load, timeout=10)
+    go = hold.go
     try:
         pending = backend.submit(load)
-        assert held.wait(10)
+        assert hold.held.wait(10)
         events = pending.layer_events
         assert len(events) == 16  # 32 layers, 2 MiB slots: 16 slices of 128 KiB
         pending.wait_on(99, layer=0)

@@ -8,8 +8,6 @@ stream. Later layers may or may not be written when layer i is read; only layer 
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -24,6 +22,7 @@ from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.spec import TransferSpec
+from tests.transfer_support import HeldAfterFirstSlice
 
 pytestmark = pytest.mark.gpu
 POOL = 12
@@ -122,20 +121,11 @@ def test_a_layer_wait_does_not_wait_for_the_rest_of_the_enqueue(engine):
     backend = sliced(StagedBackend(kv, arena))
     dest, slots = [6, 1, 10], [2, 7, 4]
     load = [TransferSpec.of("load", dest, slots)]
-    first, count = backend._load_plan(load)[0][0]  # the load's first slice in load_parts
-    if count < 2:
+    hold = HeldAfterFirstSlice(backend, load)
+    go, held = hold.go, hold.held
+    if hold.slices < 2:
         backend.close()
         pytest.skip("slots too small to slice: one slice")
-    go, held = threading.Event(), threading.Event()
-    enqueue = backend._enqueue
-
-    def held_before_slice_1(spec, lane, part, prepared):
-        if part is not None and part > first:
-            held.set()
-            assert go.wait(30)
-        enqueue(spec, lane, part, prepared)
-
-    backend._enqueue = held_before_slice_1
     try:
         index = torch.tensor(dest, device="cuda")
         for t in tensors:
