@@ -6,15 +6,16 @@
 #   OUT=/some/dir bash benchmarks/gpu_run.sh            # everything
 #   OUT=/some/dir bash benchmarks/gpu_run.sh --quick    # transfer: fewer reps, 150 s sweep budget
 #   STEPS="transfer-tests calibrate transfer" OUT=... bash benchmarks/gpu_run.sh  # the data plane
-#
-# The data plane's share (H100, 2026-11-23): its GPU tests ~65 s (316 tests), calibrate (store,
-# load and both at once) under 150 s, the transfer benchmark's sweep stops taking new cases after
-# --time-budget-s (default 200 s) and then measures the link again, GEMM/launch stalls are inside
-# the first case; so under 8 minutes together.
 #   STEPS="tests e2e" OUT=... bash benchmarks/gpu_run.sh  # a subset (a device call is <= 10 min)
 #
-# STEPS (default "tests doctor transfer e2e"; "calibrate" alone writes the table only). Writes under $OUT: gpu_run.log (everything),
-# transfer_gpu.json/.png, e2e_gpu.json/.png, e2e_gpu_qwen.json/.png. Extra arguments go to `kvoffload bench transfer`.
+# The data plane's share: see docs/transfer.md ("Running it") for the measured wall time of each
+# step; `python3 -m kvoffload.cli bench transfer --dry-run` lists the sweep's cases (no GPU). The
+# sweep takes no new case after --time-budget-s (default 200 s), then measures the link again.
+#
+# STEPS (default "tests doctor transfer e2e"; "calibrate" alone writes the table only; "probe" runs
+# benchmarks/staged_sweep.py, the developer probe of slice schedules and scatter programs). Writes
+# under $OUT: gpu_run.log (everything), transfer_gpu.json/.png, staged_probe.json, e2e_gpu.json/.png,
+# e2e_gpu_qwen.json/.png. Extra arguments go to `kvoffload bench transfer`.
 # Exit status: non-zero if any step failed.
 set -o pipefail
 OUT=${OUT:-benchmarks/results/gpu_run}
@@ -31,13 +32,14 @@ STEPS=${STEPS:-tests doctor transfer e2e}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 want tests && step timeout 360 python3 -m pytest tests/gpu -q -p no:cacheprovider -m gpu -rs
-want transfer-tests && step timeout 150 python3 -m pytest tests/gpu/test_transfer_backends.py \
+want transfer-tests && step timeout 200 python3 -m pytest tests/gpu/test_transfer_backends.py \
   tests/gpu/test_transfer_layers.py tests/gpu/test_transfer_ordering.py -q -p no:cacheprovider -m gpu -rs
 want doctor && step python3 -m kvoffload.cli doctor
 if want calibrate || want transfer; then
   step timeout 150 python3 -m kvoffload.cli calibrate --pieces 4096,32768,262144,2097152 --blocks 16,128,512
 fi
 want transfer && step timeout 330 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
+want probe && step timeout 150 python3 benchmarks/staged_sweep.py "$OUT/staged_probe.json" --label after
 # e2e: Llama-3-8B shapes on the chat workload (every mode) and the fitting one (gpu vs kvoffload,
 # 3 rounds), zero reuse, 3 sampled turns checked; then Qwen2.5-7B shapes with 32-token blocks.
 # Both took 226 s on the H100 (2026-11-23, run7 in docs/e2e.md).

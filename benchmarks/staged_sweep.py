@@ -1,454 +1,296 @@
 # mypy: disable-error-code="no-untyped-call"
-"""Developer probe of the CUDA data plane's design choices on the GPU (not the benchmark).
+"""Developer probe of the staged path's design choices on the GPU (not the benchmark).
 
-Measures, in one run: whole-transfer GB/s of ``staged`` per layer-slice count and DMA stream
-count (and how soon layer 0 of a load is usable); end-to-end latency of small transfers with
-inline submission against a thread hand-off; the caller's submit time; and host-side costs: the
-scheduling latency of a sleeping Python thread (the GIL and the CPU taken by our threads), the
-step rate of a launch-bound Python "model", host CPU time per transfer, each with transfers
-running or idle, with the current submitter and with the earlier polling one.
+Sections (each prints one JSON line per row, all go into OUT_JSON):
 
-Usage: PYTHONPATH=. python3 benchmarks/staged_sweep.py OUT_JSON [--quick]
+- ``whole``: the default ``staged`` backend, store and load GB/s end to end and copies alone, on
+  large loads of three shapes and small transfers (p50/p99), and for large loads how soon layer 0
+  is usable on the GPU and how long ``wait_on(stream, layer=0)`` kept the host.
+- ``overlap``: a synthetic prefill (per layer: ``wait_on(stream, layer=i)`` then a GPU sleep of
+  ``ratio`` x the layer's link time) beside a Llama-3-8B load of 740 blocks (1.5 GiB, the
+  e2e chat workload's restore): the time the engine waits beyond its own compute, per slice
+  schedule (``--variants``) and ratio.
+- ``programs``: scatter/gather programs of the staged kernel: load GB/s and the slowdown of a
+  bf16 GEMM stream beside store+load (``transfer_gpu.measure_gemm``).
+- ``profile``: cProfile of 1-block and 16-block transfers enqueued in the caller's thread.
+
+Only public API is used (``StagedBackend``, ``submit``, ``wait_on``), so the same script measures
+an older checkout: run it twice in one GPU session, ``PYTHONPATH=<old checkout>`` with
+``--label before`` and this one with ``--label after`` (variants other than ``default`` need a
+``StagedConfig`` that has their fields).
+
+Usage: PYTHONPATH=. python3 benchmarks/staged_sweep.py OUT_JSON [--label L]
+       [--sections whole,overlap,programs,profile] [--variants default,equal8,...]
 """
 
 from __future__ import annotations
 
+import argparse
+import cProfile
+import dataclasses
+import io
 import json
-import queue
+import pstats
 import statistics
-import sys
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvoffload.bench.gpu_timing import Sleeper, measure_link, time_transfers
-from kvoffload.bench.transfer_gpu import Engine, submitter
+from kvoffload.bench.transfer_gpu import Engine, measure_gemm, submitter
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.cuda.base import CudaBackend
-from kvoffload.transfer.cuda.dma import DmaBackend
 from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.spec import Direction, TransferSpec
 
 RNG = np.random.default_rng(0)
-BIG = 1 << 40  # a layer_slice_bytes that gives one slice
+# Slice schedules of the overlap section: StagedConfig fields (those a checkout lacks are skipped).
+VARIANTS: dict[str, dict[str, int]] = {
+    "default": {},  # 16 equal slices of >= 128 KiB (2026-11-23)
+    "equal8": {"layer_slice_bytes": 256 << 10, "max_layer_slices": 8, "first_slice_bytes": 0},
+    "ramp8": {"layer_slice_bytes": 256 << 10, "max_layer_slices": 8, "first_slice_bytes": 64 << 10},
+    "ramp16": {
+        "layer_slice_bytes": 128 << 10,
+        "max_layer_slices": 16,
+        "first_slice_bytes": 64 << 10,
+    },
+    "layer32": {"layer_slice_bytes": 64 << 10, "max_layer_slices": 32, "first_slice_bytes": 0},
+}
 
 
-def log(*args: Any) -> None:
-    print(*args, flush=True)
+def log(section: str, row: dict[str, Any]) -> None:
+    print(
+        section,
+        json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+        flush=True,
+    )
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.array(values), q))
+def staged(engine: Engine, arena: HostArena, **fields: Any) -> StagedBackend:
+    known = {f.name for f in dataclasses.fields(StagedConfig)}
+    missing = set(fields) - known
+    if missing:
+        raise KeyError(f"this checkout's StagedConfig lacks {sorted(missing)}")
+    return StagedBackend(engine.kv, arena, config=StagedConfig(**fields))
 
 
-class PollingSubmitter:
-    """The earlier submitter (for comparison): a thread per direction that polls its queue every
-    100 us for 50 ms after each job before it blocks."""
-
-    def __init__(self, run: Callable[..., None], device: Any) -> None:
-        self._run = run
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, args=(device,), daemon=True)
-        self._thread.start()
-
-    def put(self, job: tuple[Any, ...], inline: bool = True) -> None:
-        self._queue.put(job)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _serve(self, device: Any) -> None:
-        torch.cuda.set_device(device)
-        idle_since = time.perf_counter()
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                if time.perf_counter() - idle_since < 50e-3:
-                    time.sleep(100e-6)
-                    continue
-                job = self._queue.get()
-            if job is None:
-                return
-            self._run(*job)
-            idle_since = time.perf_counter()
-
-
-def with_polling(backend: CudaBackend) -> CudaBackend:
-    for s in (backend._submitters or {}).values():
-        s.close()
-    backend._submitters = {
-        d: PollingSubmitter(backend._run, backend.device)  # type: ignore[misc]
-        for d in ("store", "load")
-    }
-    return backend
-
-
-def specs(direction: Direction, n: int, pool: int, slots: int) -> list[TransferSpec]:
+def spec(direction: Direction, n: int, pool: int, slots: int) -> list[TransferSpec]:
     return [TransferSpec.of(direction, RNG.permutation(pool)[:n], RNG.permutation(slots)[:n])]
 
 
-def layer_timing(backend: CudaBackend, spec: list[TransferSpec], reps: int) -> dict[str, float]:
-    """GPU ms from the load's start to layer 0 usable, and to the whole load."""
-    first, whole = [], []
-    s, side = torch.cuda.Stream(), torch.cuda.Stream()
-    layers = backend.layout.groups[0].num_layers
+def first_layer(backend: StagedBackend, load: list[TransferSpec], reps: int) -> dict[str, float]:
+    """GPU ms from submit on an idle GPU to layer 0's event and to the last; host us that
+    wait_on(layer=0) and wait_on() took after submit returned. (``transfer_gpu`` has the same
+    probe, ``measure_first_layer``; this copy lets the script measure checkouts that predate it.)"""
+    stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+    got: dict[str, list[float]] = {"layer0_ms": [], "whole_ms": [], "host0_us": [], "host_us": []}
     for i in range(reps + 1):
-        torch.cuda.synchronize()
         a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        with torch.cuda.stream(s):
-            torch.cuda._sleep(5_000_000)
-        a.record(s)
-        p = backend.submit(spec, order_after=s)
+        torch.cuda.synchronize()
+        a.record(stream)
+        p = backend.submit(load, order_after=stream)
+        t0 = time.perf_counter()
         p.wait_on(side, layer=0)
+        t1 = time.perf_counter()
         b.record(side)
-        p.wait_on(s, layer=layers - 1)
-        c.record(s)
+        p.wait_on(stream)
+        t2 = time.perf_counter()
+        c.record(stream)
         c.synchronize()
-        b.synchronize()
+        side.synchronize()
         if i:
-            first.append(a.elapsed_time(b))
-            whole.append(a.elapsed_time(c))
-    return {"layer0_ms": statistics.median(first), "whole_ms": statistics.median(whole)}
+            got["layer0_ms"].append(a.elapsed_time(b))
+            got["whole_ms"].append(a.elapsed_time(c))
+            got["host0_us"].append((t1 - t0) * 1e6)
+            got["host_us"].append((t2 - t0) * 1e6)
+    out = {k: statistics.median(v) for k, v in got.items()}
+    out["slices"] = len(p.layer_events)
+    return out
 
 
-def slices_and_streams(sleeper: Sleeper, arena: HostArena, quick: bool) -> list[dict[str, Any]]:
-    variants = {
-        "S1D1": StagedConfig(layer_slice_bytes=BIG),
-        "S1D2": StagedConfig(layer_slice_bytes=BIG, dma_streams=2),
-        "S2D1": StagedConfig(layer_slice_bytes=1 << 20),
-        "S4D1": StagedConfig(layer_slice_bytes=512 << 10),
-        "S8D1": StagedConfig(layer_slice_bytes=256 << 10),
-        "S8D2": StagedConfig(layer_slice_bytes=256 << 10, dma_streams=2),
-    }
-    cases = [
-        ("llama3-8b", "page", 16, 512),
-        ("qwen2.5-7b", "kv_split", 32, 512),
-        ("llama3-70b-tp8-fp8", "kv_split", 16, 1000),
-        ("deepseek-v2-lite-mla", "page", 16, 1000),
-        ("llama3-8b", "page", 16, 16),
-        ("llama3-70b-tp8-fp8", "page", 16, 256),
-    ]
+def whole(sleeper: Sleeper, arena: HostArena) -> list[dict[str, Any]]:
     rows = []
-    for model, layout, bs, n in cases:
-        eng = Engine(model, layout, bs, 2 * n + 8)
-        for name, cfg in variants.items():
-            if quick and name in ("S4D1",):
-                continue
-            bk = StagedBackend(eng.kv, arena, config=cfg)
-            try:
+    for model, layout, bs, sizes in (
+        ("llama3-8b", "page", 16, (740, 16, 1)),
+        ("qwen2.5-7b", "kv_split", 32, (585,)),
+        ("llama3-70b-tp8-fp8", "kv_split", 16, (1000, 256)),
+    ):
+        engine = Engine(model, layout, bs, 2 * max(sizes) + 8)
+        backend = staged(engine, arena)
+        try:
+            for n in sizes:
                 row: dict[str, Any] = {"model": model, "layout": layout, "bs": bs, "blocks": n}
-                row["variant"] = name
-                row["slot_bytes"] = eng.kv.slot_bytes
-                row["slices"] = max(bk._plans[0])
-                nbytes = n * eng.kv.slot_bytes
+                nbytes = n * engine.kv.slot_bytes
                 for d in ("store", "load"):
-                    if d == "store" and name.startswith(("S2", "S4", "S8D1")):
-                        continue  # stores are not sliced
-                    sp = specs(d, n, eng.pool, arena.num_slots)
-                    for lead in (False, True):
-                        t = time_transfers(sleeper, submitter(bk, sp), 3 if quick else 5, lead=lead)
-                        key = f"{d}_{'gpu' if lead else 'e2e'}_GBps"
-                        row[key] = nbytes / statistics.median(t["gpu_s"]) / 1e9
-                if row["slices"] > 1 or name == "S1D1":
-                    row.update(layer_timing(bk, specs("load", n, eng.pool, arena.num_slots), 3))
+                    sp = spec(d, n, engine.pool, arena.num_slots)
+                    e2e = time_transfers(
+                        sleeper, submitter(backend, sp), 30 if n <= 16 else 5, lead=False
+                    )
+                    alone = time_transfers(sleeper, submitter(backend, sp), 5, lead=True)
+                    row[f"{d}_GBps"] = nbytes / statistics.median(e2e["gpu_s"]) / 1e9
+                    row[f"{d}_gpu_GBps"] = nbytes / statistics.median(alone["gpu_s"]) / 1e9
+                    row[f"{d}_p50_us"] = float(np.percentile(e2e["gpu_s"], 50)) * 1e6
+                    row[f"{d}_p99_us"] = float(np.percentile(e2e["gpu_s"], 99)) * 1e6
+                    row[f"{d}_submit_us"] = statistics.median(e2e["submit_s"]) * 1e6
+                    row[f"{d}_enqueue_us"] = statistics.median(e2e["enqueue_s"]) * 1e6
+                if n >= 256:
+                    row.update(
+                        first_layer(backend, spec("load", n, engine.pool, arena.num_slots), 5)
+                    )
                 rows.append(row)
-                log(
-                    "slices",
-                    json.dumps(
-                        {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
-                    ),
-                )
+                log("whole", row)
+        finally:
+            backend.close()
+            del engine
+            torch.cuda.empty_cache()
+    return rows
+
+
+def overlap(sleeper: Sleeper, arena: HostArena, variants: list[str]) -> list[dict[str, Any]]:
+    """Engine wait beyond its own compute: per layer, wait_on(layer=i) then a GPU sleep."""
+    n = 740
+    engine = Engine("llama3-8b", "page", 16, 2 * n + 8)
+    layers = engine.kv.groups[0].num_layers
+    compute = torch.cuda.Stream()
+    rows = []
+
+    def prefill(backend: StagedBackend | None, layer_s: float) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record(compute)
+        p = None
+        if backend is not None:
+            p = backend.submit(spec("load", n, engine.pool, arena.num_slots), order_after=compute)
+        for layer in range(layers):
+            if p is not None:
+                p.wait_on(compute, layer=layer)
+            sleeper.sleep(compute, layer_s)
+        b.record(compute)
+        b.synchronize()
+        if p is not None and (not p.wait(30) or p.error() is not None):
+            raise RuntimeError(f"an overlap probe load failed: {p.error() if p else None}")
+        return float(a.elapsed_time(b))
+
+    try:
+        for name in variants:
+            try:
+                backend = staged(engine, arena, **VARIANTS[name])
+            except KeyError as missing:
+                log("overlap", {"variant": name, "skipped": str(missing)})
+                continue
+            try:
+                sp = spec("load", n, engine.pool, arena.num_slots)
+                t = time_transfers(sleeper, submitter(backend, sp), 5, lead=False)
+                whole_ms = statistics.median(t["gpu_s"]) * 1e3
+                row: dict[str, Any] = {"variant": name, "blocks": n, "load_ms": whole_ms}
+                row["load_GBps"] = n * engine.kv.slot_bytes / whole_ms / 1e6
+                row.update(first_layer(backend, sp, 3))
+                for ratio in (1.1, 2.0):
+                    layer_s = ratio * whole_ms / 1e3 / layers
+                    prefill(backend, layer_s)  # warm-up
+                    alone = statistics.median(prefill(None, layer_s) for _ in range(3))
+                    beside = statistics.median(prefill(backend, layer_s) for _ in range(3))
+                    row[f"exposed_ms_r{ratio}"] = beside - alone
+                    row[f"compute_ms_r{ratio}"] = alone
+                rows.append(row)
+                log("overlap", row)
             finally:
-                bk.close()
-        del eng
+                backend.close()
+    finally:
         torch.cuda.empty_cache()
     return rows
 
 
-def small_latency(arena: HostArena, quick: bool) -> list[dict[str, Any]]:
-    """End to end (submit on an idle GPU to completion, host clock) of small transfers."""
-    eng = Engine("llama3-8b", "page", 16, 64)
-    out = []
-    for mode, inline in (("inline", 1 << 40), ("thread", 0)):
-        for method in ("staged", "dma"):
-            if method == "staged":
-                bk: CudaBackend = StagedBackend(eng.kv, arena, inline_bytes=inline)
-            else:
-                bk = DmaBackend(eng.kv, arena, inline_bytes=inline)
-            try:
-                for n in (1, 3, 16):
-                    for d in ("store", "load"):
-                        sp = specs(d, n, eng.pool, arena.num_slots)
-                        ts, subs = [], []
-                        for i in range(20 if quick else 60):
-                            torch.cuda.synchronize()
-                            time.sleep(0.002 if i % 2 else 0.0)
-                            t0 = time.perf_counter()
-                            p = bk.submit(sp, order_after=None)
-                            t1 = time.perf_counter()
-                            while not p.done():
-                                pass
-                            t2 = time.perf_counter()
-                            if i >= 3:
-                                ts.append((t2 - t0) * 1e6)
-                                subs.append((t1 - t0) * 1e6)
-                        row = {
-                            "mode": mode,
-                            "method": method,
-                            "blocks": n,
-                            "direction": d,
-                            "p50_us": pct(ts, 50),
-                            "p99_us": pct(ts, 99),
-                            "submit_p50_us": pct(subs, 50),
-                            "link_us": n * eng.kv.slot_bytes / 54e9 * 1e6,
-                        }
-                        out.append(row)
-                        log(
-                            "latency",
-                            json.dumps(
-                                {
-                                    k: round(v, 1) if isinstance(v, float) else v
-                                    for k, v in row.items()
-                                }
-                            ),
-                        )
-            finally:
-                bk.close()
-    return out
-
-
-def submit_cost(arena: HostArena) -> list[dict[str, Any]]:
-    eng = Engine("llama3-8b", "page", 16, 1100)
-    out = []
-    for mode, inline in (("default", None), ("thread", 0)):
-        bk = (
-            StagedBackend(eng.kv, arena)
-            if inline is None
-            else StagedBackend(eng.kv, arena, inline_bytes=inline)
-        )
-        try:
-            for n in (64, 512):
-                sp = specs("store", n, eng.pool, arena.num_slots)
-                subs, enq, cpu = [], [], []
-                for _ in range(25):
-                    torch.cuda.synchronize()
-                    c0 = time.process_time()
-                    t0 = time.perf_counter()
-                    p = bk.submit(sp)
-                    subs.append((time.perf_counter() - t0) * 1e6)
-                    assert p.wait(30)
-                    cpu.append((time.process_time() - c0) * 1e6)
-                    enq.append(p.enqueue_seconds * 1e6)
-                row = {
-                    "mode": mode,
-                    "blocks": n,
-                    "pieces": n * len(eng.kv.groups[0].regions),
-                    "submit_p50_us": pct(subs[3:], 50),
-                    "enqueue_p50_us": pct(enq[3:], 50),
-                    "cpu_per_transfer_us": pct(cpu[3:], 50),
-                }
-                out.append(row)
-                log("submit", json.dumps(row))
-        finally:
-            bk.close()
-    return out
-
-
-class SleepProbe:
-    """A thread sleeping 200 us at a time; how late it wakes (scheduling + waiting for the GIL)."""
-
-    def __init__(self) -> None:
-        self.late: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            time.sleep(200e-6)
-            self.late.append((time.perf_counter() - t0 - 200e-6) * 1e6)
-
-    def __enter__(self) -> SleepProbe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict[str, float]:
-        late = self.late[5:]
-        return {
-            "p50_us": pct(late, 50),
-            "p99_us": pct(late, 99),
-            "max_us": max(late),
-            "over_1ms": sum(x > 1000 for x in late),
-            "n": len(late),
+def programs(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
+    """GB/s per program count of the gather/scatter (``programs`` and ``load_programs`` alike)
+    on Llama-3-8B (64 KiB pieces) and fp8 Llama-3-70B at TP8 (2 KiB pieces), and the slowdown of
+    a GEMM stream beside store+load on Llama-3-8B."""
+    out: dict[str, Any] = {}
+    for model, layout, n in (("llama3-8b", "page", 512), ("llama3-70b-tp8-fp8", "kv_split", 1000)):
+        engine = Engine(model, layout, 16, 2 * n + 8)
+        backends: dict[str, Any] = {
+            f"p{p}": staged(engine, arena, programs=p, load_programs=p) for p in (4, 8, 16, 32)
         }
-
-
-def host_contention(arena: HostArena, quick: bool) -> list[dict[str, Any]]:
-    """A launch-bound Python "model" (many tiny kernels) and a sleeping probe thread, while
-    kvoffload is absent / idle / moving data (engine-like: each step submits a small store and a
-    small load from the model's thread; or a side thread streams 64-block transfers)."""
-    eng = Engine("llama3-8b", "page", 16, 256)
-    x = torch.zeros(1024, device="cuda")
-    steps = 100 if quick else 200
-
-    def model_steps(per_step: Callable[[int], None] | None) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i in range(steps):
-            for _ in range(100):
-                x.add_(1.0)
-            if per_step is not None:
-                per_step(i)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / steps * 1e6
-
-    out = []
-    for kind in ("none", "new", "thread", "polling"):
-        bk = None
-        if kind != "none":
-            bk = StagedBackend(eng.kv, arena, inline_bytes=0 if kind == "thread" else 64 << 20)
-            if kind == "polling":
-                with_polling(bk)
         try:
-            for load in ("idle", "engine_steps", "side_stream"):
-                if bk is None and load != "idle":
-                    continue
-                pend: list[Any] = []
-
-                def per_step(i: int, b: CudaBackend | None = bk, pend: list[Any] = pend) -> None:
-                    assert b is not None
-                    base = (i * 4) % 200
-                    pend.append(
-                        b.submit([TransferSpec.of("store", [base, base + 1], [base, base + 1])])
-                    )
-                    pend.append(
-                        b.submit(
-                            [TransferSpec.of("load", [base + 2, base + 3], [base + 2, base + 3])]
-                        )
-                    )
-
-                stop = threading.Event()
-
-                def side(b: CudaBackend | None = bk, stop: threading.Event = stop) -> None:
-                    assert b is not None
-                    torch.cuda.set_device(0)
-                    while not stop.is_set():
-                        ps = [
-                            b.submit(specs("store", 64, eng.pool, arena.num_slots)),
-                            b.submit(specs("load", 64, 128, 128)),
-                        ]
-                        for p in ps:
-                            p.wait(30)
-
-                side_thread = threading.Thread(target=side, daemon=True)
-                if load == "side_stream":
-                    side_thread.start()
-                if kind == "new" and load == "idle":
-                    time.sleep(0.1)  # after a job: the threads (if any) are asleep
-                c0 = time.process_time()
-                with SleepProbe() as probe:
-                    per_step_us = model_steps(per_step if load == "engine_steps" else None)
-                cpu = time.process_time() - c0
-                stop.set()
-                if load == "side_stream":
-                    side_thread.join()
-                for p in pend:
-                    p.wait(30)
-                row = {
-                    "submitter": kind,
-                    "load": load,
-                    "step_us": per_step_us,
-                    "cpu_s_per_step_ms": cpu / steps * 1e3,
-                    **probe.summary(),
-                }
-                out.append(row)
-                log(
-                    "contention",
-                    json.dumps(
-                        {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
-                    ),
-                )
+            for name, backend in backends.items():
+                for d in ("store", "load"):
+                    sp = spec(d, n, engine.pool, arena.num_slots)
+                    t = time_transfers(sleeper, submitter(backend, sp), 5, lead=False)
+                    seconds = statistics.median(t["gpu_s"])
+                    out[f"{model}_{name}_{d}_GBps"] = n * engine.kv.slot_bytes / seconds / 1e9
+            if model == "llama3-8b":
+                gemm = measure_gemm(engine, arena, backends, n, 8, 8, RNG)
+                out["gemm_slowdown"] = gemm["slowdown"]
+                out["gemm_noise"] = gemm["baseline_noise"]
+                out["gemm_transfer_pair_s"] = gemm["transfer_pair_s"]
         finally:
-            if bk is not None:
-                bk.close()
+            for b in backends.values():
+                b.close()
+            torch.cuda.empty_cache()
+    log("programs", out)
     return out
 
 
-def profile_submits(arena: HostArena) -> dict[str, str]:
-    """cProfile of inline submits (the caller's host time), top functions by own time."""
-    import cProfile
-    import io
-    import pstats
-
-    eng = Engine("llama3-8b", "page", 16, 64)
+def profile(arena: HostArena) -> dict[str, str]:
+    """cProfile of submits enqueued in the caller's thread (submit_thread=False)."""
+    engine = Engine("llama3-8b", "page", 16, 64)
+    backend = StagedBackend(engine.kv, arena, submit_thread=False)
     out = {}
-    for method in ("staged", "dma"):
-        bk: CudaBackend = (
-            StagedBackend(eng.kv, arena) if method == "staged" else DmaBackend(eng.kv, arena)
-        )
-        try:
-            cases: list[tuple[Direction, int]] = [("store", 1), ("load", 16)]
-            for d, n in cases:
-                sp = specs(d, n, eng.pool, arena.num_slots)
-                for _ in range(5):
-                    bk.submit(sp).wait(10)
-                prof = cProfile.Profile()
-                t0 = time.perf_counter()
-                prof.enable()
-                for _ in range(100):
-                    p = bk.submit(sp, order_after=None)
-                    p.wait(10)
-                prof.disable()
-                buf = io.StringIO()
-                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
-                key = f"{method}_{d}_{n}"
-                out[key] = buf.getvalue()
-                log(f"profile {key} ({(time.perf_counter() - t0) * 1e4:.0f} us per submit+wait)")
-                log(buf.getvalue()[-4500:])
-        finally:
-            bk.close()
+    try:
+        cases: list[tuple[Direction, int]] = [("store", 1), ("load", 1), ("load", 16)]
+        for d, n in cases:
+            sp = spec(d, n, engine.pool, arena.num_slots)
+            for _ in range(10):
+                backend.submit(sp).wait(10)
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            for _ in range(200):
+                backend.submit(sp, order_after=None).wait(10)
+            prof.disable()
+            per = (time.perf_counter() - t0) / 200 * 1e6
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(16)
+            out[f"{d}_{n}"] = f"{per:.0f} us per submit+wait (profiled)\n" + buf.getvalue()
+            print(f"profile {d} x{n}: {per:.0f} us per submit+wait (profiled)")
+            print(buf.getvalue()[-3500:], flush=True)
+    finally:
+        backend.close()
     return out
 
 
 def main() -> None:
-    path = sys.argv[1]
-    quick = "--quick" in sys.argv
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--sections", default="whole,overlap,programs,profile")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    sections = args.sections.split(",")
     torch.cuda.init()
     sleeper = Sleeper()
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    out: dict[str, Any] = {"label": args.label, "device": torch.cuda.get_device_name()}
     out["link"] = measure_link(sleeper, 1 << 30, 3)
-    log("link", {k: round(v["median"], 1) for k, v in out["link"]["GBps"].items()})
-    arena = HostArena(2100, 2 << 20, pin=cuda_pin)
-    t0 = time.perf_counter()
-    only = [a for a in sys.argv[2:] if not a.startswith("--")]
+    log("link", {k: v["median"] for k, v in out["link"]["GBps"].items()})
+    arena = HostArena(1500, 2 << 20, pin=cuda_pin)
+    began = time.perf_counter()
     try:
-        if only:
-            out["contention"] = host_contention(arena, quick)
-            out["profile"] = profile_submits(arena)
-            return
-        out["contention"] = host_contention(arena, quick)
-        log(f"[{time.perf_counter() - t0:.0f} s]")
-        out["submit"] = submit_cost(arena)
-        log(f"[{time.perf_counter() - t0:.0f} s]")
-        out["latency"] = small_latency(arena, quick)
-        log(f"[{time.perf_counter() - t0:.0f} s]")
-        out["slices"] = slices_and_streams(sleeper, arena, quick)
-        log(f"[{time.perf_counter() - t0:.0f} s]")
+        if "whole" in sections:
+            out["whole"] = whole(sleeper, arena)
+        if "overlap" in sections:
+            out["overlap"] = overlap(sleeper, arena, args.variants.split(","))
+        if "programs" in sections:
+            out["programs"] = programs(sleeper, arena)
+        if "profile" in sections:
+            out["profile"] = profile(arena)
     finally:
+        out["seconds"] = time.perf_counter() - began
         arena.close()
-        with open(path, "w") as f:
+        with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+    print(f"probe {args.label}: {out['seconds']:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

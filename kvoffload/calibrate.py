@@ -42,12 +42,12 @@ def measure(args: argparse.Namespace) -> Any:
     from kvoffload.bench.gpu_timing import Sleeper, time_transfers
     from kvoffload.bench.transfer_gpu import submitter
     from kvoffload.store.arena import HostArena
-    from kvoffload.transfer.backend import make_backend
     from kvoffload.transfer.calibration import CalibrationTable, Measurement
     from kvoffload.transfer.cuda.base import CudaBackend
     from kvoffload.transfer.cuda.driver import driver_version
     from kvoffload.transfer.layout import KVLayout
     from kvoffload.transfer.pinning import cuda_pin
+    from kvoffload.transfer.registry import make_backend
     from kvoffload.transfer.spec import TransferSpec
 
     sleeper = Sleeper()

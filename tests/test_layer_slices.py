@@ -4,20 +4,29 @@ sized in bytes, and per-slice descriptors, on CPU with real bytes."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import numpy as np
 import pytest
 
 from kvoffload.bench.shapes import LAYOUTS, MODELS, engine_tensors
+from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.chunks import (
+    bound_owner,
+    bound_regions,
     chunk_blocks,
+    first_slice_layers,
     layer_slices,
+    slice_bounds,
     slice_count,
     slice_of_layer,
 )
 from kvoffload.transfer.descriptors import build_descriptors
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
+from tests.fake_cuda import cuda_layout, fake_cuda, no_pin
+
+__all__ = ["fake_cuda"]  # the fixture, used by name
 
 
 @pytest.mark.parametrize(("layers", "slices"), [(32, 1), (32, 8), (28, 8), (5, 5), (80, 3)])
@@ -97,32 +106,85 @@ def test_slice_descriptors_together_move_a_whole_load(layout):
             assert bytes(page) == host[s, off : off + region.page_bytes].tobytes()
 
 
-def test_a_load_gets_one_slice_per_slice_transfer_bytes_up_to_the_layouts_most():
-    """``CudaBackend._load_plan`` (pure bookkeeping) on a layout whose loads may take up to 6
-    slices: counts are powers of two or the most, one per ``min_slice_transfer_bytes``."""
-    from types import SimpleNamespace
-
-    from kvoffload.transfer.cuda.base import CudaBackend
+def test_a_load_takes_the_most_slices_that_keep_one_per_slice_transfer_bytes(fake_cuda):
+    """``_load_plan`` of a real staged backend (host logic on CPU, ``tests/fake_cuda.py``) on
+    Qwen2.5-7B (28 layers, 896 KiB slots): a load takes the schedule with the most slices that
+    still has one per ``min_slice_transfer_bytes``. By default at most 7 equal slices (of >= 128
+    KiB); with 256 KiB slices (at most 3) ramped from 2 layers (the fewest that make 64 KiB)."""
+    from kvoffload.transfer.cuda.base import FIRST_SLICE_BYTES
+    from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 
     tensors, block_dim = engine_tensors(
         MODELS["qwen2.5-7b"], "kv_split", 8, 16, lambda s: np.zeros(s, dtype=np.uint16)
     )
-    kv = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
-    group = kv.groups[0]
-    plans: dict[int, tuple[int, np.ndarray]] = {}
-    flat: list[range] = []
-    for c in (1, 2, 4, 6):
-        plans[c] = (len(flat), slice_of_layer(group.layer_starts, len(group.regions), c))
-        flat.extend(layer_slices(group.layer_starts, len(group.regions), c))
-    fake = SimpleNamespace(layout=kv, _plans=[plans], min_slice_transfer_bytes=kv.slot_bytes)
+    kv = cuda_layout(KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim))
+    arena = HostArena(8, kv.slot_bytes, pin=no_pin)
+    default = StagedBackend(kv, arena, submit_thread=False)
+    default.close()
+    assert sorted(default._plans[0]) == [1, 2, 4, 7]
+    first, count = default._plans[0][7][0], 7
+    assert [len(p) for p in default.load_parts[0][first : first + count]] == [8] * 7
+    ramped = StagedConfig(
+        layer_slice_bytes=256 << 10, max_layer_slices=8, first_slice_bytes=FIRST_SLICE_BYTES
+    )
+    backend = StagedBackend(kv, arena, config=ramped, submit_thread=False)
+    backend.min_slice_transfer_bytes = kv.slot_bytes  # one slice per block of load
+    try:
+        assert sorted(backend._plans[0]) == [1, 4, 5]  # counts 1, 2 and 3, ramped
 
-    def plan(n: int) -> tuple[dict[int, tuple[int, int]], np.ndarray | None]:
-        return CudaBackend._load_plan(fake, [TransferSpec.of("load", range(n), range(n))])  # type: ignore[arg-type]
+        def plan(n: int) -> tuple[dict[int, tuple[int, int]], np.ndarray | None]:
+            return backend._load_plan([TransferSpec.of("load", range(n), range(n))])
 
-    assert plan(1)[0] == {0: (0, 1)}
-    assert plan(3)[0] == {0: (1, 2)}  # room for 3 slices: the largest allowed count below
-    assert plan(5)[0] == {0: (3, 4)}
-    groups, owner = plan(100)
-    assert groups == {0: (7, 6)}
-    assert owner is not None and owner.max() == 5 and len(owner) == group.num_layers
-    assert CudaBackend._load_plan(fake, [TransferSpec.of("store", [1], [1])]) == ({}, None)  # type: ignore[arg-type]
+        assert plan(1)[0] == {0: (0, 1)}
+        assert plan(3)[0] == {0: (0, 1)}  # room for 3 slices: no ramp fits
+        first, count = plan(4)[0][0]
+        assert count == 4
+        assert [len(p) for p in backend.load_parts[0][first : first + count]] == [4, 8, 16, 28]
+        groups, owner = plan(100)
+        first, count = groups[0]
+        assert count == 5  # 2, 4, 8, 10 and 4 layers (K and V: two regions each)
+        assert [len(p) for p in backend.load_parts[0][first : first + count]] == [4, 8, 16, 20, 8]
+        assert owner is not None and owner.tolist()[:7] == [0, 0, 1, 1, 1, 1, 2]
+        assert backend._load_plan([TransferSpec.of("store", [1], [1])]) == ({}, None)
+    finally:
+        backend.close()
+        arena.close()
+
+
+@pytest.mark.parametrize(
+    ("layers", "count", "first", "sizes"),
+    [
+        (32, 8, 0, [4] * 8),
+        (32, 8, 1, [1, 2, 4, 4, 4, 4, 4, 4, 4, 1]),
+        (32, 2, 1, [1, 2, 4, 8, 16, 1]),
+        (28, 3, 2, [2, 4, 8, 10, 4]),
+        (32, 32, 1, [1] * 32),
+        (5, 1, 1, [5]),  # one slice: no ramp
+        (3, 2, 8, [2, 1]),  # a first slice above the equal share is capped
+    ],
+)
+def test_slice_bounds_ramp_from_the_first_slice_to_an_equal_share(layers, count, first, sizes):
+    bounds = slice_bounds(layers, count, first)
+    assert bounds[0] == 0 and bounds[-1] == layers
+    assert np.diff(bounds).tolist() == sizes
+    owner = bound_owner(bounds)
+    assert len(owner) == layers and owner[0] == 0 and owner[-1] == len(sizes) - 1
+    for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+        assert (owner[a:b] == k).all()
+
+
+def test_slice_bounds_refuse_bad_input():
+    with pytest.raises(ValueError, match=r"expected 1 <= slices <= 4"):
+        slice_bounds(4, 0)
+    with pytest.raises(ValueError, match="expected first >= 0"):
+        slice_bounds(4, 2, -1)
+
+
+def test_the_first_slice_holds_the_fewest_layers_that_make_its_bytes():
+    pages = [32 << 10] * 8  # K and V of 4 layers
+    starts = (0, 2, 4, 6)
+    assert first_slice_layers(pages, starts, 64 << 10) == 1
+    assert first_slice_layers(pages, starts, 65 << 10) == 2
+    assert first_slice_layers(pages, (), 64 << 10) == 2  # a region per layer
+    assert first_slice_layers(pages, starts, 1 << 30) == 4  # at most every layer
+    assert bound_regions(starts, 8, [0, 1, 4]) == [range(0, 2), range(2, 8)]

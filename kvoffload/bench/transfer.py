@@ -28,6 +28,15 @@ from kvoffload.bench.common import (
 from kvoffload.bench.shapes import LAYOUTS, MODELS, engine_tensors
 
 DEFAULT_LAYOUTS = ("kv_split", "page", "cross_layer")
+# (model, layout, block size) cases of the GPU sweep: pieces of 2 KiB (fp8 at TP8) to 256 KiB,
+# slots of 243 KiB to 8 MiB, K+V and K-only layouts. The cases the targets read come first (a time
+# budget cuts the tail).
+CASES = (
+    "llama3-8b:page:16,llama3-70b-tp8-fp8:kv_split:16,deepseek-v2-lite-mla:page:16,"
+    "qwen2.5-7b:kv_split:32,llama3-70b-tp8-fp8:page:16,llama3-8b:kv_split:16,"
+    "llama3-8b:cross_layer:16,llama3-8b:page:64,qwen2.5-7b:page:16,llama3-70b-tp8:kv_split:16,"
+    "llama3-70b-tp8-fp8:kv_split:32,deepseek-v2-lite-mla:page:8"
+)
 
 
 def _csv(kind: type) -> Any:
@@ -72,6 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--methods", type=_csv(str), default=["staged", "dma", "auto"], help="GPU methods"
     )
+    g.add_argument(
+        "--dma-max-pieces",
+        type=int,
+        default=1 << 16,
+        help="GPU: measure dma (one descriptor per piece, as vLLM does) only on transfers of at "
+        "most this many pieces (past it each transfer costs dma seconds of host time)",
+    )
     g.add_argument("--link-bytes", type=int, default=1 << 30, help="GPU: bytes per link copy")
     g.add_argument("--link-reps", type=int, default=5, help="GPU: timed link copies")
     g.add_argument(
@@ -84,6 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", type=Path, default=None, help="GPU: PNG path (default: next to JSON)")
     g.add_argument(
         "--quick", action="store_true", help="GPU: fewer repetitions and a shorter time budget"
+    )
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="GPU sweep: list its cases (blocks, pieces, bytes) with a rough time estimate; runs "
+        "nothing, needs no GPU",
     )
 
 
@@ -161,8 +183,125 @@ def _use_gpu(args: argparse.Namespace) -> bool:
     return False
 
 
+def parse_cases(text: str) -> list[tuple[str, str, int]]:
+    """``model:layout:block_size`` items, comma-separated; SystemExit naming a bad one."""
+    out = []
+    for item in text.split(","):
+        try:
+            model, layout, bs = item.split(":")
+            out.append((model, layout, int(bs)))
+        except ValueError:
+            raise SystemExit(
+                f"--cases: expected model:layout:block_size items, got {item!r}"
+            ) from None
+        if model not in MODELS or layout not in LAYOUTS or int(bs) <= 0:
+            raise SystemExit(
+                f"--cases: expected a model in {sorted(MODELS)}, a layout in {sorted(LAYOUTS)} "
+                f"and a block size > 0, got {item!r}"
+            )
+    return out
+
+
+def case_blocks(model: str, bs: int, gpu_blocks: list[int], max_transfer_mib: int) -> list[int]:
+    """Blocks per transfer of one case: ``gpu_blocks``, each capped at ``max_transfer_mib``."""
+    slot = MODELS[model].block_bytes(bs)
+    cap = max_transfer_mib << 20
+    return sorted({min(n, max(1, cap // slot)) for n in gpu_blocks})
+
+
+def layout_pieces(model: str, layout: str, bs: int) -> tuple[int, int]:
+    """(regions per block, bytes of one) of ``layout``: a piece is one region of one block."""
+    shape = MODELS[model]
+    if layout in ("kv_split", "kv_pair"):
+        return shape.kv * shape.layers, shape.piece_bytes(bs)
+    if layout == "page":
+        return shape.layers, shape.kv * shape.piece_bytes(bs)
+    return 1, shape.block_bytes(bs)
+
+
+# The dry run's time model (rough; H100 VM, 2026-11-23 run): a descriptor costs the host ~0.85 us
+# in cuMemcpyBatchAsync, a transfer ~0.3 ms of Python and synchronisation; the copy engines move
+# pieces of these sizes at about these GB/s when given one descriptor each, the staged path ~50
+# GB/s; filling and pinning the arena ~2 GB/s, the byte checks ~3 GB/s, ~5 s per case besides
+# (tensors, backends, kernel builds). The 2026-11-23 run took 25, 38, 16 and 18 s for the first
+# four cases (the first with ~10 s of GEMM, launch-stall and submit probes) before dma was capped.
+_DESCRIPTOR_S = 0.85e-6
+_TRANSFER_S = 0.3e-3
+_DMA_GBPS = ((4 << 10, 2.0), (16 << 10, 5.0), (32 << 10, 25.0), (64 << 10, 40.0), (1 << 62, 52.0))
+_STAGED_GBPS = 50.0
+_SETUP_GBPS = 2.0
+_CHECK_GBPS = 3.0
+_CASE_S = 5.0
+
+
+def estimate_case(
+    model: str, layout: str, bs: int, blocks: list[int], args: argparse.Namespace
+) -> float:
+    """Rough seconds one case of the GPU sweep takes (setup, every method and count, store+load)."""
+    regions, piece = layout_pieces(model, layout, bs)
+    slot = MODELS[model].block_bytes(bs)
+    dma_gbps = next(g for limit, g in _DMA_GBPS if piece <= limit)
+
+    def one(method: str, n: int, copies: int = 1) -> tuple[float, float]:
+        """(host s, GPU s) of ``copies`` transfers of n blocks at once."""
+        descriptors = n * regions if method == "dma" else n
+        gbps = dma_gbps if method == "dma" else _STAGED_GBPS
+        host = _TRANSFER_S + descriptors * _DESCRIPTOR_S
+        return copies * host, copies * n * slot / gbps / 1e9
+
+    total = _CASE_S + 2 * (2 * max(blocks) + 8) * slot / _SETUP_GBPS / 1e9  # engine + arena
+    for method in args.methods:
+        for n in blocks:
+            if method == "dma" and n * regions > args.dma_max_pieces:
+                continue
+            host, gpu = one(method, n)
+            total += 2 * n * slot / _CHECK_GBPS / 1e9  # the byte checks
+            e2e = (args.latency_reps if n <= 16 else args.reps) + 1
+            lead = min(max(2e-3, 2 * host), 0.5)
+            total += 2 * (e2e * (host + gpu) + (args.reps + 1) * (max(lead, host) + gpu))
+        both = min(512, max(blocks))
+        if method != "sm" and (method != "dma" or both * regions <= args.dma_max_pieces):
+            host, gpu = one(method, both, copies=2)
+            total += 3 * (args.reps + 1) * (host + gpu / 2)
+    return total
+
+
+def print_plan(args: argparse.Namespace) -> float:
+    """The GPU sweep's cases, what each moves and a rough time; returns the estimated seconds."""
+    from rich.table import Table
+
+    table = Table(title="bench transfer on a GPU: the sweep's cases (dry run, rough times)")
+    for col in ("case", "slot", "pieces/block", "piece", "blocks per transfer", "~s"):
+        table.add_column(col, justify="left" if col == "case" else "right", no_wrap=True)
+    total = 0.0
+    for model, layout, bs in parse_cases(args.cases):
+        blocks = case_blocks(model, bs, args.gpu_blocks, args.max_transfer_mib)
+        regions, piece = layout_pieces(model, layout, bs)
+        seconds = estimate_case(model, layout, bs, blocks, args)
+        total += seconds
+        table.add_row(
+            f"{model}:{layout}:{bs}",
+            f"{MODELS[model].block_bytes(bs) // 1024} KiB",
+            str(regions),
+            f"{piece / 1024:g} KiB",
+            ",".join(map(str, blocks)),
+            f"{seconds:.0f}",
+        )
+    console.print(table)
+    console.print(
+        f"methods {','.join(args.methods)}; all cases ~{total:.0f} s; the run stops taking new "
+        f"cases after --time-budget-s {args.time_budget_s:.0f} s (the first case also measures "
+        "GEMM interference, launch stalls and submit costs: add ~10 s)"
+    )
+    return total
+
+
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    if args.dry_run:
+        _gpu_args(args)
+        print_plan(args)
+        return 0
     if _use_gpu(args):
         return run_gpu(args)
     configs = [(m, lay, n) for m in args.models for lay in args.layouts for n in args.blocks]
@@ -228,8 +367,19 @@ def run_gpu(args: argparse.Namespace) -> int:
     for m in args.methods:
         if m not in METHODS:
             raise SystemExit(f"--methods: expected names from {list(METHODS)}, got {m!r}")
-    from kvoffload.bench.transfer_gpu import CASES, parse_cases
+    _gpu_args(args)
+    result = {**measure(args), **machine_info()}
+    result["targets"] = summarize(result)
+    device = result["device"]
+    out = args.out or default_out("transfer", device)
+    console.print(f"wrote {write_json(out, result)}")
+    console.print(f"wrote {plot(result, args.plot or out.with_suffix('.png'))}")
+    _print_gpu(result)
+    return 0
 
+
+def _gpu_args(args: argparse.Namespace) -> None:
+    """Check and complete the GPU sweep's arguments (torch-free: the dry run uses it too)."""
     args.cases = args.cases or CASES
     parse_cases(args.cases)
     if any(b <= 0 for b in args.gpu_blocks) or args.max_transfer_mib <= 0:
@@ -239,14 +389,6 @@ def run_gpu(args: argparse.Namespace) -> int:
         args.latency_reps = min(args.latency_reps, 15)
         args.gemm_reps = min(args.gemm_reps, 4)
         args.time_budget_s = min(args.time_budget_s, 150.0)
-    result = {**measure(args), **machine_info()}
-    result["targets"] = summarize(result)
-    device = result["device"]
-    out = args.out or default_out("transfer", device)
-    console.print(f"wrote {write_json(out, result)}")
-    console.print(f"wrote {plot(result, args.plot or out.with_suffix('.png'))}")
-    _print_gpu(result)
-    return 0
 
 
 def _print_gpu(result: dict[str, Any]) -> None:

@@ -23,7 +23,8 @@ import torch
 
 from kvoffload.bench.common import progress
 from kvoffload.bench.gpu_timing import Sleeper, measure_link, spread, time_transfers
-from kvoffload.bench.shapes import LAYOUTS, MODELS, engine_tensors
+from kvoffload.bench.shapes import MODELS, engine_tensors
+from kvoffload.bench.transfer import case_blocks, parse_cases
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.base import CudaBackend
 from kvoffload.transfer.layout import KVLayout
@@ -32,21 +33,13 @@ from kvoffload.transfer.spec import TransferSpec
 
 METHODS = ("staged", "dma", "sm", "auto")
 LATENCY_BLOCKS = 16  # transfers up to this many blocks also get a p50/p99 latency
-# (model, layout, block size) cases of the sweep: pieces of 2 KiB (fp8 at TP8) to 256 KiB, slots
-# of 243 KiB to 8 MiB, K+V and K-only layouts.
-CASES = (
-    "llama3-8b:page:16,llama3-70b-tp8-fp8:kv_split:16,deepseek-v2-lite-mla:page:16,"
-    "qwen2.5-7b:kv_split:32,llama3-70b-tp8-fp8:page:16,llama3-8b:kv_split:16,"
-    "llama3-8b:cross_layer:16,llama3-8b:page:64,qwen2.5-7b:page:16,llama3-70b-tp8:kv_split:16,"
-    "llama3-70b-tp8-fp8:kv_split:32,deepseek-v2-lite-mla:page:8"
-)
 
 
 def make(method: str, kv: KVLayout, arena: HostArena) -> Any:
-    from kvoffload.transfer.backend import make_backend
     from kvoffload.transfer.cuda.dma import DmaBackend
     from kvoffload.transfer.cuda.sm import SmBackend
     from kvoffload.transfer.cuda.staged import StagedBackend
+    from kvoffload.transfer.registry import make_backend
 
     if method == "staged":
         return StagedBackend(kv, arena)
@@ -179,31 +172,43 @@ def measure_config(
                     raise RuntimeError(f"{method}: stored slots differ from the oracle")
         if not engine.same_blocks(src, dst):
             raise RuntimeError(f"{method}: round trip corrupted bytes")
-        row: dict[str, Any] = {
-            "method": method,
-            "blocks": n,
-            "piece_bytes": group.regions[0].page_bytes,
-            "pieces": n * len(group.regions),
-            "slot_bytes": group.slot_bytes,
-        }
-        for direction in ("store", "load"):
-            e2e, gpu = times[direction, False], times[direction, True]
-            # GBps: end to end, from submit on an idle GPU to the copy's completion event.
-            row[f"{direction}_GBps"] = nbytes / statistics.median(e2e["gpu_s"]) / 1e9
-            row[f"{direction}_GBps_spread"] = spread([nbytes / x / 1e9 for x in e2e["gpu_s"]])
-            row[f"{direction}_p50_us"] = float(np.percentile(e2e["gpu_s"], 50)) * 1e6
-            row[f"{direction}_p99_us"] = float(np.percentile(e2e["gpu_s"], 99)) * 1e6
-            # gpu_GBps: the copies alone, the host's enqueue hidden behind a GPU sleep.
-            row[f"{direction}_gpu_GBps"] = nbytes / statistics.median(gpu["gpu_s"]) / 1e9
-            row[f"{direction}_submit_us"] = (
-                statistics.median(e2e["submit_s"] + gpu["submit_s"]) * 1e6
-            )
-            row[f"{direction}_wake_us"] = statistics.median(e2e["wake_s"]) * 1e6
-            row[f"{direction}_enqueue_us"] = (
-                statistics.median(e2e["enqueue_s"] + gpu["enqueue_s"]) * 1e6
-            )
-        rows.append(row)
+        rows.append(
+            transfer_row(method, n, group.regions[0].page_bytes, len(group.regions), nbytes, times)
+        )
     return rows
+
+
+def transfer_row(
+    method: str,
+    n: int,
+    piece_bytes: int,
+    regions: int,
+    nbytes: int,
+    times: dict[tuple[str, bool], dict[str, Any]],
+) -> dict[str, Any]:
+    """One row of the sweep from ``time_transfers`` results per (direction, lead)."""
+    row: dict[str, Any] = {
+        "method": method,
+        "blocks": n,
+        "piece_bytes": piece_bytes,
+        "pieces": n * regions,
+        "slot_bytes": nbytes // n,
+    }
+    for direction in ("store", "load"):
+        e2e, gpu = times[direction, False], times[direction, True]
+        # GBps: end to end, from submit on an idle GPU to the copy's completion event.
+        row[f"{direction}_GBps"] = nbytes / statistics.median(e2e["gpu_s"]) / 1e9
+        row[f"{direction}_GBps_spread"] = spread([nbytes / x / 1e9 for x in e2e["gpu_s"]])
+        row[f"{direction}_p50_us"] = float(np.percentile(e2e["gpu_s"], 50)) * 1e6
+        row[f"{direction}_p99_us"] = float(np.percentile(e2e["gpu_s"], 99)) * 1e6
+        # gpu_GBps: the copies alone, the host's enqueue hidden behind a GPU sleep.
+        row[f"{direction}_gpu_GBps"] = nbytes / statistics.median(gpu["gpu_s"]) / 1e9
+        row[f"{direction}_submit_us"] = statistics.median(e2e["submit_s"] + gpu["submit_s"]) * 1e6
+        row[f"{direction}_wake_us"] = statistics.median(e2e["wake_s"]) * 1e6
+        row[f"{direction}_enqueue_us"] = (
+            statistics.median(e2e["enqueue_s"] + gpu["enqueue_s"]) * 1e6
+        )
+    return row
 
 
 def measure_both(
@@ -414,12 +419,8 @@ def measure_submit_parts(
     try:
         for n in blocks:
             spec = [TransferSpec.of("store", rng.permutation(engine.pool)[:n], np.arange(n))]
-            full = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                p = backend.submit(spec)
-                full.append(time.perf_counter() - t0)
-                p.wait(30)
+            full = _waited_submits(partial(backend.submit, spec), reps)
+            checked = _waited_submits(partial(backend.submit_checked, spec), reps)
             after_idle = []
             for _ in range(10):
                 time.sleep(0.08)  # longer than the submitter's polling window: it sleeps
@@ -430,15 +431,19 @@ def measure_submit_parts(
             real = backend._submitters
             backend._submitters = {"store": Sink(), "load": Sink()}  # type: ignore[dict-item]
             no_wake = med(partial(backend.submit, spec))
+            checked_no_wake = med(partial(backend.submit_checked, spec))
             waiterless = Waiterless()
             backend._submitters = {"store": waiterless, "load": waiterless}  # type: ignore[dict-item]
             no_waiter = med(partial(backend.submit, spec))
             backend._submitters = real
             out[str(n)] = {
                 "pieces": n * len(engine.kv.groups[0].regions),
-                "submit_us": statistics.median(full) * 1e6,
+                "submit_us": full,
+                # through a paired TransferWorker (its Offloader validated the job)
+                "submit_checked_us": checked,
                 "submit_after_idle_us": statistics.median(after_idle) * 1e6,
                 "submit_without_thread_wake_us": no_wake,
+                "submit_checked_without_thread_wake_us": checked_no_wake,
                 "submit_into_queue_without_waiter_us": no_waiter,
                 "validate_us": med(partial(backend.validate, spec)),
                 "order_event_us": med(
@@ -449,6 +454,60 @@ def measure_submit_parts(
     finally:
         backend.close()
     return out
+
+
+def _waited_submits(submit: Callable[[], Any], reps: int) -> float:
+    """Median microseconds of ``submit()``, each transfer waited for before the next."""
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        p = submit()
+        ts.append(time.perf_counter() - t0)
+        p.wait(30)
+    return statistics.median(ts) * 1e6
+
+
+def measure_first_layer(
+    engine: Engine, arena: HostArena, backend: CudaBackend, n: int, reps: int
+) -> dict[str, Any]:
+    """How soon layer 0 of an ``n``-block load is usable, against the whole load: from ``submit``
+    on an idle GPU to the layer-0 slice's event and to the last event (GPU clock, medians), and
+    the host time ``wait_on(stream, layer=0)`` and ``wait_on(stream)`` took after ``submit``
+    returned (what an engine's thread waits before it can enqueue layer 0's attention)."""
+    rng = np.random.default_rng(2)
+    stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+    out: dict[str, list[float]] = {k: [] for k in ("layer0_ms", "whole_ms", "host0_us", "host_us")}
+    slices = 0
+    for i in range(reps + 1):
+        spec = [TransferSpec.of("load", rng.permutation(engine.pool)[:n], np.arange(n))]
+        start, first, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        torch.cuda.synchronize()
+        start.record(stream)
+        p = backend.submit(spec, order_after=stream)
+        t0 = time.perf_counter()
+        p.wait_on(side, layer=0)
+        t1 = time.perf_counter()
+        first.record(side)
+        p.wait_on(stream)
+        t2 = time.perf_counter()
+        end.record(stream)
+        end.synchronize()
+        side.synchronize()
+        if not p.wait(30) or p.error() is not None:
+            raise RuntimeError(f"a first-layer probe load failed: {p.error()}")
+        slices = len(getattr(p, "layer_events", ()))
+        if i:
+            out["layer0_ms"].append(start.elapsed_time(first))
+            out["whole_ms"].append(start.elapsed_time(end))
+            out["host0_us"].append((t1 - t0) * 1e6)
+            out["host_us"].append((t2 - t0) * 1e6)
+    row: dict[str, Any] = {k: statistics.median(v) for k, v in out.items()}
+    return {
+        **row,
+        "blocks": n,
+        "slices": slices,
+        "GBps": n * engine.kv.slot_bytes / row["whole_ms"] / 1e6,
+    }
 
 
 def measure_host_costs(reps: int = 200) -> dict[str, float]:
@@ -570,22 +629,12 @@ def measure_launch_stall(
     }
 
 
-def parse_cases(text: str) -> list[tuple[str, str, int]]:
-    out = []
-    for item in text.split(","):
-        try:
-            model, layout, bs = item.split(":")
-            out.append((model, layout, int(bs)))
-        except ValueError:
-            raise SystemExit(
-                f"--cases: expected model:layout:block_size items, got {item!r}"
-            ) from None
-        if model not in MODELS or layout not in LAYOUTS:
-            raise SystemExit(
-                f"--cases: expected a model in {sorted(MODELS)} and a layout in "
-                f"{sorted(LAYOUTS)}, got {item!r}"
-            )
-    return out
+def _within_dma_cap(
+    backends: dict[str, CudaBackend], regions: int, cap: int, n: int
+) -> dict[str, CudaBackend]:
+    """The methods measured at ``n`` blocks: ``dma`` (a descriptor per piece) only up to ``cap``
+    pieces, past which one transfer costs it seconds of host time."""
+    return {m: b for m, b in backends.items() if m != "dma" or n * regions <= cap}
 
 
 def run_gpu(args: Any) -> dict[str, Any]:
@@ -598,11 +647,9 @@ def run_gpu(args: Any) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     result["link"] = measure_link(sleeper, args.link_bytes, args.link_reps)
     cases = parse_cases(args.cases)
-    cap = args.max_transfer_mib << 20
 
     def counts(model: str, bs: int) -> list[int]:
-        slot = MODELS[model].block_bytes(bs)
-        return sorted({min(n, max(1, cap // slot)) for n in args.gpu_blocks})
+        return case_blocks(model, bs, args.gpu_blocks, args.max_transfer_mib)
 
     fill = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda").cpu().numpy()
 
@@ -617,6 +664,9 @@ def run_gpu(args: Any) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     both: list[dict[str, Any]] = []
     skipped: list[str] = []
+    first_layer: list[dict[str, Any]] = []
+    dma_skipped: list[str] = []
+    cap = args.dma_max_pieces
     gemm_done = stall = None
     with progress() as bar:
         task = bar.add_task("GPU transfers", total=len(cases))
@@ -629,15 +679,19 @@ def run_gpu(args: Any) -> dict[str, Any]:
             engine = Engine(model, layout, bs, 2 * max(ns) + 8)
             arena = make_arena(2 * max(ns) + 8, engine.kv.slot_bytes)  # one case's slot size
             backends = {m: make(m, engine.kv, arena) for m in args.methods}
+            regions = len(engine.kv.groups[0].regions)
+            running = partial(_within_dma_cap, backends, regions, cap)
             try:
                 for n in ns:
                     bar.update(task, description=f"{model} {layout} bs{bs} x{n}")
+                    if "dma" in backends and n * regions > cap:
+                        dma_skipped.append(f"{model}:{layout}:{bs} x{n}")
                     for row in measure_config(
-                        sleeper, engine, arena, backends, n, args.reps, rng, args.latency_reps
+                        sleeper, engine, arena, running(n), n, args.reps, rng, args.latency_reps
                     ):
                         rows.append({"model": model, "layout": layout, "block_size": bs, **row})
                 n_both = min(512, max(ns))
-                for m, bk in backends.items():
+                for m, bk in running(n_both).items():
                     if m == "sm":
                         continue
                     runs = [
@@ -653,6 +707,17 @@ def run_gpu(args: Any) -> dict[str, Any]:
                             "method": m,
                             "GBps": statistics.median(runs),
                             "runs_GBps": runs,
+                        }
+                    )
+                if "staged" in backends:
+                    first_layer.append(
+                        {
+                            "model": model,
+                            "layout": layout,
+                            "block_size": bs,
+                            **measure_first_layer(
+                                engine, arena, backends["staged"], max(ns), args.reps
+                            ),
                         }
                     )
                 if case_index == 0:
@@ -683,6 +748,8 @@ def run_gpu(args: Any) -> dict[str, Any]:
             print(f"[{time.perf_counter() - began:.0f} s] {model} {layout} bs{bs} done", flush=True)
     result["rows"] = rows
     result["store_and_load"] = both
+    result["first_layer"] = first_layer
+    result["dma_skipped"] = dma_skipped
     result["gemm"] = gemm_done
     result["launch_stall"] = stall
     result["skipped_cases"] = skipped

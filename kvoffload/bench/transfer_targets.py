@@ -125,11 +125,22 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
         )
     for n, parts in (result.get("submit_parts") or {}).items():
         v = parts["submit_us"]
+        checked = parts.get("submit_checked_us")
         line(
             f"host submit <= {SUBMIT_US:.0f} us at {parts['pieces']} pieces ({n} blocks)",
-            f"{v:.0f} us",
+            f"{v:.0f} us"
+            + ("" if checked is None else f"; {checked:.0f} us from a paired TransferWorker"),
             v,
             v <= SUBMIT_US,
+        )
+    for f in result.get("first_layer") or []:
+        line(
+            f"layer 0 of a {f['blocks']}-block load usable (reported; bench e2e has the TTFT "
+            "targets)",
+            f"after {f['layer0_ms']:.2f} of {f['whole_ms']:.2f} ms ({f['slices']} slices, "
+            f"{f['model']} {f['layout']} bs{f['block_size']}); host waited {f['host0_us']:.0f} us",
+            f["layer0_ms"],
+            None,
         )
     qwen = rows(lambda r: r["model"] == "qwen2.5-7b" and r["block_size"] == 32)
     if qwen:

@@ -6,7 +6,10 @@ object the Offloader handed out, still in flight and not submitted before, runs.
 worker (built with ``offloader=None``) serves the first Offloader whose job it sees (by
 ``TransferJob.owner``) and remembers the ids it ran: ids are increasing per Offloader, so it keeps
 the last ``RUN_RECORD`` of them and refuses any id older than that window. Either way a refused
-job raises ValueError before any memory is touched.
+job raises ValueError before any memory is touched. A paired worker whose Offloader range-checks
+block ids against this backend's layout and owns no more slots than its arena (``build_local``'s
+pairing) hands jobs to ``backend.submit_checked``: they were validated in ``schedule_*``, so the
+backend skips the costlier checks (see ``CopyBackend.submit_checked``).
 
 Load deadline: a load still running ``load_timeout_s`` after ``submit`` is reported failed
 (``JobResult(ok=False, timed_out=True, final=False)``: the engine recomputes those blocks) while
@@ -121,6 +124,7 @@ class TransferWorker:
         self._record = _RunRecord()
         self._stuck_logged = False
         self._closed = False
+        self._checked = offloader is not None and _checks_cover(offloader, backend)
 
     def pair(self, offloader: Offloader) -> None:
         """Run only jobs ``offloader`` has in flight (see the module docstring); before the first
@@ -133,6 +137,7 @@ class TransferWorker:
                     "pair: expected a worker that has run no job and has no Offloader yet"
                 )
             self.offloader = offloader
+            self._checked = _checks_cover(offloader, self.backend)
 
     def submit(self, job: TransferJob) -> None:
         """Start ``job``'s copy; ValueError, touching no memory, if it ran before, is running, is
@@ -149,7 +154,10 @@ class TransferWorker:
             else:
                 self._record.check(job)
             try:
-                pending = self.backend.submit(job.specs)
+                if self._checked:
+                    pending = self.backend.submit_checked(job.specs)
+                else:
+                    pending = self.backend.submit(job.specs)
             except BaseException:
                 if self.offloader is not None:
                     self.offloader.unclaim(job)
@@ -317,6 +325,13 @@ class TransferWorker:
                 run.job.job_id,
                 self.load_timeout_s,
             )
+
+
+def _checks_cover(offloader: Offloader, backend: CopyBackend) -> bool:
+    """True when ``offloader.schedule_*`` checks what ``backend.submit`` would: block ids against
+    the same layer groups, and slots of an index no larger than the arena."""
+    groups = tuple(g.num_blocks for g in backend.layout.groups)
+    return offloader.engine_blocks == groups and offloader.num_slots <= backend.arena.num_slots
 
 
 def _job_ids(job_ids: Iterable[int], where: str) -> list[int]:

@@ -80,6 +80,13 @@ class CopyBackend(ABC):
     def submit(self, specs: Sequence[TransferSpec]) -> Pending:
         """Start copying ``specs`` (validated first: ValueError for bad input)."""
 
+    def submit_checked(self, specs: Sequence[TransferSpec]) -> Pending:
+        """``submit`` for specs the caller has already validated against this backend's layout
+        and arena (a ``TransferWorker`` paired with its ``Offloader`` does: ``schedule_*``
+        checked them); a backend may skip the costlier checks (GPU backends skip the duplicate
+        checks, keeping the range checks). This default is ``submit``."""
+        return self.submit(specs)
+
     def validate(self, specs: Sequence[TransferSpec]) -> None:
         for spec in specs:
             spec.validate(self.layout, self.arena.num_slots)

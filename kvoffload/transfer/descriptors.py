@@ -30,14 +30,15 @@ def build_descriptors(
     slot_bytes: int,
     out: np.ndarray | None = None,
     regions: range | None = None,
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """A (3, n_blocks * n_regions) int64 array of (src, dst, size) for ``spec``.
 
     ``out``, when given, is a reused (3, >= n) int64 buffer (pinned, for DMA); the result is a view
     of it. ``regions``: only these regions of the group (a layer slice of a load), still at their
-    offsets in the host slot.
+    offsets in the host slot. ``arrays``: ``region_arrays(group)``, when the caller keeps them.
     """
-    bases, strides, pages, offsets = region_arrays(group)
+    bases, strides, pages, offsets = region_arrays(group) if arrays is None else arrays
     if regions is not None:
         part = slice(regions.start, regions.stop)
         bases, strides, pages, offsets = bases[part], strides[part], pages[part], offsets[part]

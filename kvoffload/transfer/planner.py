@@ -128,10 +128,21 @@ class PlannedBackend(CopyBackend):
     def submit(self, specs: Sequence[TransferSpec], **options: Any) -> Pending:
         specs = list(specs)
         self.validate(specs)
+        return self._route(specs, checked=False, options=options)
+
+    def submit_checked(self, specs: Sequence[TransferSpec], **options: Any) -> Pending:
+        """The chosen backend's ``submit_checked`` (its own checks, not this one's)."""
+        return self._route(list(specs), checked=True, options=options)
+
+    def _route(self, specs: list[TransferSpec], checked: bool, options: dict[str, Any]) -> Pending:
         name = self.choose(specs)
         if name not in self.backends:
             self.backends[name] = self._make(name, self.layout, self.arena)
-        pending = self.backends[name].submit(specs, **options)
+        backend = self.backends[name]
+        if checked:
+            pending = backend.submit_checked(specs, **options)
+        else:
+            pending = backend.submit(specs, **options)
         if specs:
             self._last[specs[0].direction] = pending
         return pending
@@ -146,7 +157,7 @@ def make_planned(layout: KVLayout, arena: HostArena) -> PlannedBackend:
     """The ``auto`` backend for a CUDA layout, with this GPU's cached table (if any)."""
     import torch
 
-    from kvoffload.transfer import backend as registry
+    from kvoffload.transfer import registry
     from kvoffload.transfer.calibration import load_cached
     from kvoffload.transfer.cuda.driver import driver_version
 

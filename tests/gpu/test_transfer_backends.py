@@ -14,7 +14,6 @@ import torch
 
 from kvoffload.bench.shapes import MODELS, engine_tensors
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.backend import make_backend
 from kvoffload.transfer.cuda.dma import DmaBackend
 from kvoffload.transfer.cuda.driver import CudaDriver
 from kvoffload.transfer.cuda.sm import SmBackend, SmConfig
@@ -22,6 +21,7 @@ from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 from kvoffload.transfer.host import HostBackend
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
+from kvoffload.transfer.registry import make_backend
 from kvoffload.transfer.spec import TransferSpec
 
 BLOCK_SIZE = 16

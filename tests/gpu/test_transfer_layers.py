@@ -14,19 +14,26 @@ import torch
 
 from kvoffload.bench.shapes import LAYOUTS, MODELS, engine_tensors
 from kvoffload.store.arena import HostArena
+from kvoffload.transfer.cuda.base import FIRST_SLICE_BYTES
+from kvoffload.transfer.cuda.chunks import first_slice_layers
 from kvoffload.transfer.cuda.dma import DmaBackend
 from kvoffload.transfer.cuda.sm import SmBackend
 from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.spec import TransferSpec
+from tests.transfer_support import HeldAfterFirstSlice
 
 pytestmark = pytest.mark.gpu
 POOL = 12
 SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU sleep: the load starts after every wait is enqueued
 
 BACKENDS = {
-    "staged": lambda kv, a: StagedBackend(kv, a),
+    "staged": lambda kv, a: sliced(StagedBackend(kv, a)),
+    # ramped slices: the first holds one layer where a layer is >= 64 KiB a block
+    "staged-ramp": lambda kv, a: sliced(
+        StagedBackend(kv, a, config=StagedConfig(first_slice_bytes=FIRST_SLICE_BYTES))
+    ),
     # one layer per slice where possible, two DMA streams, tiny areas: many chunks per slice
     "staged-fine": lambda kv, a: StagedBackend(
         kv,
@@ -97,7 +104,48 @@ def test_wait_on_a_layer_orders_the_stream_after_that_layer(engine, name):
             assert np.array_equal(got_bytes.reshape(len(dest), -1), want), f"layer {layer}"
         if name == "staged-fine":
             assert len(pending.layer_events) == group.num_layers  # a slice per layer
+        if name == "staged-ramp" and len(pending.layer_events) > 1:
+            pages = [r.page_bytes for r in group.regions]
+            first = first_slice_layers(pages, group.layer_starts, FIRST_SLICE_BYTES)
+            assert (pending.layer_slice[:first] == 0).all()
+            assert (pending.layer_slice[first:] > 0).all()
     finally:
+        backend.close()
+
+
+def test_a_layer_wait_does_not_wait_for_the_rest_of_the_enqueue(engine):
+    """The submitter thread is held before the load's second slice: ``wait_on(layer=0)`` returns
+    anyway, and the stream it ordered sees layer 0's bytes; the rest arrives once released."""
+    tensors, block_dim, kv, arena = engine
+    group = kv.groups[0]
+    backend = sliced(StagedBackend(kv, arena))
+    dest, slots = [6, 1, 10], [2, 7, 4]
+    load = [TransferSpec.of("load", dest, slots)]
+    hold = HeldAfterFirstSlice(backend, load)
+    go, held = hold.go, hold.held
+    if hold.slices < 2:
+        backend.close()
+        pytest.skip("slots too small to slice: one slice")
+    try:
+        index = torch.tensor(dest, device="cuda")
+        for t in tensors:
+            t.index_fill_(block_dim, index, -1)
+        pending = backend.submit(load)
+        assert held.wait(30)
+        side = torch.cuda.Stream()
+        pending.wait_on(side, layer=0)  # returns while slice 1 is not even enqueued
+        with torch.cuda.stream(side):
+            got = tensors[0].index_select(block_dim, index)
+        side.synchronize()
+        assert not pending.done()
+        regions = group.layer_regions(0)
+        end = group.offsets[regions.stop - 1] + group.regions[regions.stop - 1].page_bytes
+        got_bytes = got.movedim(block_dim, 0).contiguous().view(torch.uint8).cpu().numpy()
+        assert np.array_equal(got_bytes.reshape(len(dest), -1), arena.slots[slots][:, :end])
+        go.set()
+        assert pending.wait(30) and pending.error() is None
+    finally:
+        go.set()
         backend.close()
 
 

@@ -163,8 +163,8 @@ def test_calibrate_writes_a_table_the_auto_backend_uses(engine, tmp_path, monkey
     import argparse
 
     from kvoffload.calibrate import measure
-    from kvoffload.transfer.backend import make_backend
     from kvoffload.transfer.calibration import load_cached, save
+    from kvoffload.transfer.registry import make_backend
 
     monkeypatch.setenv("KVOFFLOAD_CACHE_DIR", str(tmp_path))
     args = argparse.Namespace(

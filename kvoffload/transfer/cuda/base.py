@@ -7,20 +7,27 @@ after the work enqueued before it stopped reading them. Completion: each transfe
 carries an event recorded after its last copy (``wait_on(stream)`` makes an engine stream wait).
 
 Loads are copied layer-major: a group's layers are cut into slices of consecutive layers
-(``chunks.layer_slices``); every load spec's slice 0 is enqueued, then an event is recorded, then
-slice 1, and so on, so ``wait_on(stream, layer=i)`` waits only for the slice holding layer i
-(``CudaPending.layer_events``). Stores are copied whole. How many slices: at most
-``_slice_count(group)`` (a property of the layout), and at most one per
-``min_slice_transfer_bytes`` of the submit's loads, rounded down to a power of two: each slice
-costs the host ~0.2 ms of Python per spec (H100 VM, cProfile of 16-block loads in 8 slices: 1.6 ms
-of host time for 0.6 ms of link time), so small loads go in one piece.
+(``chunks.slice_bounds``); every load spec's slice 0 is enqueued, then an event is recorded (and
+the pending told, ``CudaPending.mark_slice``), then slice 1, and so on, so
+``wait_on(stream, layer=i)`` waits only for the slice holding layer i, on the GPU and on the host.
+Stores are copied whole. A load's schedule has ``count`` near-equal slices, ``count`` at most
+``_slice_count(group)`` (a property of the layout); with ``first_slice_bytes`` > 0 it ramps
+instead: the first slice holds the fewest layers that make that many bytes per block, the next
+twice as many, up to the equal share. A submit takes the schedule with the most slices that keeps
+one slice per ``min_slice_transfer_bytes`` of its loads: each slice costs the host ~0.2 ms of
+Python per spec plus ~0.85 us per block (H100 VM), so small loads go in one piece. Which schedule
+shortens an engine's wait depends on its compute per layer against the link time of a layer
+(measured in docs/transfer.md, "Layer slices"); equal slices are the default.
 
 Submission (``submitter.Submitter``, one per direction, FIFO): a transfer of at most
 ``inline_bytes`` (default 0) is enqueued in the caller's thread when its direction is idle (no
 thread hand-off); a larger one, or one arriving while another is being enqueued, goes to the
 direction's thread, which sleeps when idle (no polling). ``submit_thread=False`` always enqueues
 in the caller's thread. The host time of each transfer's enqueue is in
-``CudaPending.enqueue_seconds``. Stores and loads run on separate streams, so they overlap;
+``CudaPending.enqueue_seconds``. ``submit`` validates its specs; ``submit_checked`` (for a caller
+that already did, e.g. a ``TransferWorker`` paired with its ``Offloader``) checks only that every
+block and slot id is in range, skipping the duplicate checks (a sort per spec: 10-70 us of host
+time at 64-512 blocks on the H100 VM). Stores and loads run on separate streams, so they overlap;
 transfers of one direction run in submission order. A submit mixing both directions goes to the
 store side, which takes the load lane's lock for its loads.
 """
@@ -38,7 +45,12 @@ import numpy as np
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import CopyBackend
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.chunks import layer_slices, slice_of_layer
+from kvoffload.transfer.cuda.chunks import (
+    bound_owner,
+    bound_regions,
+    first_slice_layers,
+    slice_bounds,
+)
 from kvoffload.transfer.cuda.pending import CudaPending, EventPool
 from kvoffload.transfer.cuda.submitter import Submitter
 from kvoffload.transfer.descriptors import region_arrays
@@ -57,6 +69,11 @@ MAX_LAYER_SLICES = 8
 # A load is cut into at most one slice per this many bytes (~0.6 ms of link time per slice against
 # ~0.2 ms of host time to enqueue one, measured on the H100 VM).
 SLICE_TRANSFER_BYTES = 32 << 20
+# A ramped load's first layer slice holds at least this many bytes per block (one copy-engine
+# descriptor per block; 64 KiB is one layer of Llama-3-8B at 16-token blocks); later slices double.
+# Off by default (``first_slice_bytes = 0``): on the H100 (2026-11-23, staged_sweep.py "overlap")
+# a ramp beat equal slices only where the engine computes a layer in ~2x its link time.
+FIRST_SLICE_BYTES = 64 << 10
 
 
 class Lane:
@@ -79,6 +96,7 @@ class CudaBackend(CopyBackend):
     and may choose ``_slice_count`` and ``lane_streams`` (set before ``__init__`` runs)."""
 
     lane_streams = 1  # streams per direction
+    first_slice_bytes = 0  # > 0: ramped slices from this many bytes per block (see above)
     # per direction, the stream whose work finishes last
     lane_tails: ClassVar[dict[str, int]] = {"store": 0, "load": 0}
 
@@ -117,19 +135,24 @@ class CudaBackend(CopyBackend):
             self.lanes = {
                 d: Lane(device, self.lane_streams, self.lane_tails[d]) for d in ("store", "load")
             }
-        # Layer slices of loads, per group: for each allowed slice count (powers of two up to
-        # the most, and the most), where its slices start in ``load_parts`` (the regions of every
-        # slice of every count, flat) and which slice holds each layer.
+        self._group_blocks = tuple(g.num_blocks for g in layout.groups)
+        self._slot_bytes = layout.slot_bytes
+        # Layer slices of loads, per group: for each schedule (equal counts of powers of two up
+        # to the most, and the most, each ramped), keyed by its number of slices: where its
+        # slices start in ``load_parts`` (the regions of every slice of every schedule, flat) and
+        # which slice holds each layer.
         self.load_parts: list[list[range]] = []
         self._plans: list[dict[int, tuple[int, np.ndarray]]] = []
         for g in layout.groups:
             most = self._slice_count(g)
             counts = sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {most})
+            first = self._first_slice_layers(g)
             flat: list[range] = []
             plans = {}
-            for c in counts:
-                plans[c] = (len(flat), slice_of_layer(g.layer_starts, len(g.regions), c))
-                flat.extend(layer_slices(g.layer_starts, len(g.regions), c))
+            for c in counts:  # a later count's schedule has smaller slices: it wins a tie
+                bounds = slice_bounds(g.num_layers, c, first if c > 1 else 0)
+                plans[len(bounds) - 1] = (len(flat), bound_owner(bounds))
+                flat.extend(bound_regions(g.layer_starts, len(g.regions), bounds))
             self.load_parts.append(flat)
             self._plans.append(plans)
         self.min_slice_transfer_bytes = SLICE_TRANSFER_BYTES
@@ -152,10 +175,29 @@ class CudaBackend(CopyBackend):
         the caller's current stream; a ``torch.cuda.Stream`` or raw stream handle after that
         stream's; None orders it after nothing.
         """
-        if self._closed:
-            raise ValueError(f"submit: expected an open {self.name} backend, got a closed one")
+        self._check_open()
         specs = list(specs)
         self.validate(specs)
+        return self._submit(specs, order_after)
+
+    def submit_checked(
+        self, specs: Sequence[TransferSpec], *, order_after: Any = "current"
+    ) -> CudaPending:
+        """``submit`` for specs already validated against this layout and arena (a paired
+        ``TransferWorker`` passes its ``Offloader``'s jobs here): only the ranges of block and
+        slot ids are checked again (so no copy can reach outside the engine's tensors or the
+        arena), not their distinctness."""
+        self._check_open()
+        specs = list(specs)
+        for spec in specs:
+            check_bounds(spec, self._group_blocks, self.arena.num_slots)
+        return self._submit(specs, order_after)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"submit: expected an open {self.name} backend, got a closed one")
+
+    def _submit(self, specs: list[TransferSpec], order_after: Any) -> CudaPending:
         import torch
 
         plan, layer_slice = self._load_plan(specs)
@@ -172,7 +214,7 @@ class CudaBackend(CopyBackend):
         if self._submitters is not None:
             first = specs[0].direction if specs else "store"
             mixed = any(s.direction != first for s in specs)
-            nbytes = sum(len(s) for s in specs) * self.layout.slot_bytes
+            nbytes = sum(len(s) for s in specs) * self._slot_bytes
             self._submitters["store" if mixed else first].put(
                 (specs, order, pending), inline=nbytes <= self.inline_bytes
             )
@@ -196,14 +238,31 @@ class CudaBackend(CopyBackend):
         self._close_buffers()
 
     # -- for subclasses --------------------------------------------------------------------------
-    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None) -> None:
+    def _prepare(self, spec: TransferSpec, lane: Lane) -> Any:
+        """Per-spec work shared by all its ``_enqueue`` calls of one submit (e.g. uploading block
+        ids once for every layer slice); given back by ``_release``. Called on ``lane``'s thread
+        with its lock held."""
+        return None
+
+    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None, prepared: Any) -> None:
         """Enqueue ``spec`` on ``lane``: all its regions (``part`` None: stores), or those of
         one layer slice (``self.load_parts[spec.group][part]``: loads)."""
         raise NotImplementedError
 
+    def _release(self, prepared: Any, lane: Lane) -> None:
+        """Give back what ``_prepare`` took, once the work enqueued on ``lane`` so far is done."""
+        return
+
     def _slice_count(self, group: LayerGroup) -> int:
         """How many layer slices a load of ``group`` is cut into (each gets its own event)."""
         return min(group.num_layers, MAX_LAYER_SLICES)
+
+    def _first_slice_layers(self, group: LayerGroup) -> int:
+        """Layers in a ramped load's first slice (0: no ramp, equal slices)."""
+        if self.first_slice_bytes <= 0:
+            return 0
+        pages = [r.page_bytes for r in group.regions]
+        return first_slice_layers(pages, group.layer_starts, self.first_slice_bytes)
 
     def _close_buffers(self) -> None:
         return
@@ -243,7 +302,7 @@ class CudaBackend(CopyBackend):
         loads = [s for s in specs if s.direction == "load"]
         if not loads:
             return {}, None
-        nbytes = sum(len(s) for s in loads) * self.layout.slot_bytes
+        nbytes = sum(len(s) for s in loads) * self._slot_bytes
         room = max(1, nbytes // self.min_slice_transfer_bytes)
         plan, maps = {}, []
         for g in {s.group for s in loads}:
@@ -277,18 +336,18 @@ class CudaBackend(CopyBackend):
                 if spec.direction == "store":
                     lane = self.lanes["store"]
                     with lane.lock:
-                        self._enqueue(spec, lane_for("store"), None)
+                        lane_for("store")
+                        prepared = self._prepare(spec, lane)
+                        try:
+                            self._enqueue(spec, lane, None, prepared)
+                        finally:
+                            self._release(prepared, lane)
             loads = [s for s in specs if s.direction == "load"]
             if loads:
                 lane = self.lanes["load"]
                 with lane.lock:
                     lane_for("load")
-                    for k, event in enumerate(pending.layer_events):
-                        for spec in loads:  # layer-major across the specs of one submit
-                            first, count = pending.plan[spec.group]
-                            if k < count:
-                                self._enqueue(spec, lane, first + k)
-                        cu.event_record(event, lane.tail)
+                    self._run_loads(loads, lane, pending)
         except Exception as err:  # noqa: BLE001 (reported through the Pending, not swallowed)
             error = err
         finally:
@@ -296,6 +355,23 @@ class CudaBackend(CopyBackend):
             if order is not None:
                 self._order_events.append(order)
             pending.mark_enqueued(error, time.perf_counter() - t0)
+
+    def _run_loads(self, loads: list[TransferSpec], lane: Lane, pending: CudaPending) -> None:
+        """Layer-major across the specs of one submit: slice k of every spec, then its event."""
+        prepared: list[Any] = []
+        try:
+            for spec in loads:
+                prepared.append(self._prepare(spec, lane))
+            for k, event in enumerate(pending.layer_events):
+                for spec, prep in zip(loads, prepared, strict=True):
+                    first, count = pending.plan[spec.group]
+                    if k < count:
+                        self._enqueue(spec, lane, first + k, prep)
+                cu.event_record(event, lane.tail)
+                pending.mark_slice(k)
+        finally:
+            for prep in prepared:
+                self._release(prep, lane)
 
     def _record_done(self, event: int, used: list[Lane]) -> None:
         if not used:  # nothing enqueued: the event passes at once on any of our streams
@@ -305,6 +381,28 @@ class CudaBackend(CopyBackend):
             cu.event_record(event, earlier.tail)
             cu.stream_wait_event(used[-1].tail, event)
         cu.event_record(event, used[-1].tail)
+
+
+def check_bounds(spec: TransferSpec, group_blocks: Sequence[int], num_slots: int) -> None:
+    """Raise ValueError unless ``spec`` names a direction and a layer group, and every engine
+    block and host slot id of it is in range (not that they are distinct)."""
+    if spec.direction not in ("store", "load"):
+        raise ValueError(f"expected direction 'store' or 'load', got {spec.direction!r}")
+    if not 0 <= spec.group < len(group_blocks):
+        raise ValueError(f"expected group in [0, {len(group_blocks)}), got {spec.group}")
+    if spec.blocks.shape != spec.slots.shape:
+        raise ValueError(
+            f"expected as many host slots as engine blocks, got {len(spec.slots)} slots for "
+            f"{len(spec.blocks)} blocks"
+        )
+    if len(spec.blocks):
+        for ids, upper, what in (
+            (spec.blocks, group_blocks[spec.group], "engine block id"),
+            (spec.slots, num_slots, "host slot"),
+        ):
+            if ids.min() < 0 or ids.max() >= upper:
+                bad = ids[(ids < 0) | (ids >= upper)][0]
+                raise ValueError(f"expected every {what} in [0, {upper}), got {bad}")
 
 
 def _current_stream(device: int) -> int:

@@ -52,24 +52,71 @@ def chunk_blocks(
     return chunk_sizes(n_blocks, max(1, first_bytes // unit_bytes), largest, ramp)
 
 
-def layer_slices(layer_starts: Sequence[int], n_regions: int, slices: int) -> list[range]:
-    """Cut a group's layers into ``slices`` runs of consecutive layers (sizes differing by at most
-    one layer) and return each run's regions. ``layer_starts``: index of each layer's first
-    region (``LayerGroup.layer_starts``; empty: one region per layer)."""
-    starts = list(layer_starts) or list(range(n_regions))
-    layers = len(starts)
-    if not 1 <= slices <= layers:
-        raise ValueError(f"expected 1 <= slices <= {layers} (the layer count), got {slices}")
-    bounds = [layers * k // slices for k in range(slices + 1)]
-    edges = [*starts, n_regions]
+def slice_bounds(layers: int, count: int, first: int = 0) -> list[int]:
+    """Layer boundaries of a load's slices of consecutive layers: ``[0, b1, ..., layers]``.
+
+    ``first`` = 0: ``count`` near-equal runs (sizes differing by at most one layer). ``first`` >= 1:
+    a ramp, as the chunk schedule: ``first`` layers, then twice as many, and so on up to the equal
+    run size ``ceil(layers / count)``, then runs of that size (the last one what is left). Layer 0
+    is then usable after ~``first / layers`` of the load instead of ~``1 / count``. Where the
+    engine computes a layer in at least twice a layer's link time, each doubled slice lands before
+    the engine reaches it, so only layer 0 waits; where compute and link per layer are close (a
+    long history restored under a short prompt), the wait moves to the first doubled slices and
+    only more, smaller slices shorten it (measured: docs/transfer.md, "Layer slices").
+    """
+    if not 1 <= count <= layers:
+        raise ValueError(f"expected 1 <= slices <= {layers} (the layer count), got {count}")
+    if first < 0:
+        raise ValueError(f"expected first >= 0 layers, got {first}")
+    if first == 0 or count == 1:
+        return [layers * k // count for k in range(count + 1)]
+    cap = -(-layers // count)
+    bounds, size = [0], first
+    while bounds[-1] < layers:
+        bounds.append(min(layers, bounds[-1] + min(size, cap)))
+        size *= 2
+    return bounds
+
+
+def bound_regions(
+    layer_starts: Sequence[int], n_regions: int, bounds: Sequence[int]
+) -> list[range]:
+    """The regions of each slice of ``bounds`` (``slice_bounds``). ``layer_starts``: index of each
+    layer's first region (``LayerGroup.layer_starts``; empty: one region per layer)."""
+    edges = [*(list(layer_starts) or range(n_regions)), n_regions]
     return [range(edges[a], edges[b]) for a, b in itertools.pairwise(bounds)]
+
+
+def bound_owner(bounds: Sequence[int]) -> np.ndarray:
+    """For each layer, the index of the slice of ``bounds`` that holds it."""
+    return np.searchsorted(np.array(bounds[1:]), np.arange(bounds[-1]), side="right").astype(
+        np.int64
+    )
+
+
+def layer_slices(layer_starts: Sequence[int], n_regions: int, slices: int) -> list[range]:
+    """Cut a group's layers into ``slices`` near-equal runs of consecutive layers and return each
+    run's regions (``slice_bounds`` with no ramp)."""
+    layers = len(layer_starts) or n_regions
+    return bound_regions(layer_starts, n_regions, slice_bounds(layers, slices))
 
 
 def slice_of_layer(layer_starts: Sequence[int], n_regions: int, slices: int) -> np.ndarray:
     """For each layer, the index of the slice (``layer_slices``) that holds it."""
-    layers = len(layer_starts) or n_regions
-    bounds = [layers * k // slices for k in range(1, slices + 1)]
-    return np.searchsorted(np.array(bounds), np.arange(layers), side="right").astype(np.int64)
+    return bound_owner(slice_bounds(len(layer_starts) or n_regions, slices))
+
+
+def first_slice_layers(page_bytes: Sequence[int], layer_starts: Sequence[int], nbytes: int) -> int:
+    """The fewest leading layers whose pages add up to at least ``nbytes`` per block (at least 1,
+    at most every layer): a ramp's first slice, kept large enough for the copy engines."""
+    starts = list(layer_starts) or list(range(len(page_bytes)))
+    total = 0
+    for k, start in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(page_bytes)
+        total += sum(page_bytes[start:end])
+        if total >= nbytes:
+            return k + 1
+    return len(starts)
 
 
 def slice_count(slot_bytes: int, layers: int, min_slice_bytes: int, most: int) -> int:

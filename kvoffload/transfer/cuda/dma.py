@@ -15,7 +15,7 @@ from kvoffload.transfer.cuda import driver as cu
 from kvoffload.transfer.cuda.base import INLINE_BYTES, CudaBackend, Lane
 from kvoffload.transfer.cuda.buffers import BufferRing
 from kvoffload.transfer.cuda.chunks import coalesce
-from kvoffload.transfer.descriptors import build_descriptors
+from kvoffload.transfer.descriptors import build_descriptors, region_arrays
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
 
@@ -35,11 +35,12 @@ class DmaBackend(CudaBackend):
     ) -> None:
         self._merge = merge  # merge contiguous descriptors (off: exactly one per piece)
         self._tables = BufferRing(None, with_device=False)
+        self._arrays = [region_arrays(g) for g in layout.groups]
         super().__init__(
             layout, arena, driver=driver, submit_thread=submit_thread, inline_bytes=inline_bytes
         )
 
-    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None) -> None:
+    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None, prepared: None) -> None:
         group = self.layout.groups[spec.group]
         regions = range(len(group.regions)) if part is None else self.load_parts[spec.group][part]
         n = len(spec) * len(regions)
@@ -54,6 +55,7 @@ class DmaBackend(CudaBackend):
                 self.arena.slot_bytes,
                 out=buf.host[: 3 * n].reshape(3, n),
                 regions=regions,
+                arrays=self._arrays[spec.group],
             )
             if self._merge:
                 table, _ = coalesce(table)

@@ -3,7 +3,8 @@
 Besides the ``Pending`` contract it offers ``wait_on(stream, layer)``: make an engine stream wait
 for the copy on the GPU (the host never blocks); an engine calls it before attention reads loaded
 blocks. A load is copied layer-major in slices of consecutive layers, each with its own event, so
-``wait_on(stream, layer=i)`` waits only for the slice holding layer i.
+``wait_on(stream, layer=i)`` waits only for the slice holding layer i: on the host, only until the
+submitter has recorded that slice's event (``mark_slice``), not for the whole transfer's enqueue.
 
 Timeouts: ``wait(timeout)`` polls the event with short sleeps and returns False at the deadline; it
 never blocks longer. Enqueued GPU work cannot be recalled, so a transfer that timed out may still
@@ -81,17 +82,33 @@ class CudaPending(Pending):
         self.layer_slice = layer_slice if slices else None
         weakref.finalize(self, pool.give if pool is not None else _destroy, events)
         self._enqueued = threading.Event()
+        # slices whose event is recorded (the submitter counts up; a layer wait needs no more)
+        self._recorded = 0
+        self._slice_cond = threading.Condition(threading.Lock()) if slices else None
         self._error: BaseException | None = None
         self.enqueue_seconds = 0.0  # host time spent enqueuing the copies (submitter side)
+        self.first_slice_seconds = 0.0  # ... until the first layer slice's event was recorded
         self.queued_at = time.perf_counter()  # when submit handed it over
         self.started_at = 0.0  # when the submitter started enqueuing it
         self.plan: dict[int, tuple[int, int]] = {}  # per group of a load: its layer slices
 
     # -- submitter side --------------------------------------------------------------------------
+    def mark_slice(self, k: int) -> None:
+        """Slice ``k``'s event is recorded: layer waits up to that slice may go ahead."""
+        if k == 0:
+            self.first_slice_seconds = time.perf_counter() - self.started_at
+        if self._slice_cond is not None:
+            with self._slice_cond:
+                self._recorded = k + 1
+                self._slice_cond.notify_all()
+
     def mark_enqueued(self, error: BaseException | None, seconds: float) -> None:
         self._error = error
         self.enqueue_seconds = seconds
         self._enqueued.set()
+        if self._slice_cond is not None:
+            with self._slice_cond:
+                self._slice_cond.notify_all()
 
     # -- Pending ---------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -122,24 +139,41 @@ class CudaPending(Pending):
     def wait_on(self, stream: Any = None, layer: int | None = None) -> None:
         """Make ``stream`` (a torch.cuda.Stream, a raw handle, or None for the current stream) wait
         on the GPU for this transfer, or with ``layer`` for the slice of the load holding that
-        layer (a layer outside the load's waits for the whole transfer). Raises TimeoutError if the
-        copy was not even enqueued within ``ENQUEUE_TIMEOUT`` seconds, and the transfer's error if
-        enqueuing it failed."""
-        if not self._enqueued.wait(ENQUEUE_TIMEOUT):
-            raise TimeoutError(f"the copy was not enqueued within {ENQUEUE_TIMEOUT} s")
-        if stream is None:
-            import torch
+        layer (a layer outside the load's waits for the whole transfer).
 
-            stream = torch.cuda.current_stream()
-        handle = stream if isinstance(stream, int) else int(stream.cuda_stream)
-        event = self.event  # a failed enqueue: its slices' events may never have been recorded
-        if (
-            self._error is None
-            and layer is not None
-            and self.layer_slice is not None
-            and 0 <= layer < len(self.layer_slice)
-        ):
-            event = self.layer_events[int(self.layer_slice[layer])]
-        cu.stream_wait_event(handle, event)
-        if self._error is not None:
-            raise self._error
+        On the host it waits only until the wanted event is recorded: for a layer, until its
+        slice's copies are enqueued (earlier slices' too), not the whole transfer's. Raises
+        TimeoutError if that takes over ``ENQUEUE_TIMEOUT`` seconds, and the transfer's error if
+        enqueuing it failed before that slice was recorded (the bytes of a slice recorded before
+        a failure are in place; the failure shows in ``error()`` once the transfer is done).
+        """
+        k = self._slice_of(layer)
+        cond = self._slice_cond
+        if k is not None and cond is not None and self._recorded <= k:
+            with cond:
+                ready = cond.wait_for(
+                    lambda: self._recorded > k or self._enqueued.is_set(), ENQUEUE_TIMEOUT
+                )
+            if not ready:
+                raise TimeoutError(f"the copy was not enqueued within {ENQUEUE_TIMEOUT} s")
+        if k is None or self._recorded <= k:  # the whole transfer, or a failed enqueue
+            if not self._enqueued.wait(ENQUEUE_TIMEOUT):
+                raise TimeoutError(f"the copy was not enqueued within {ENQUEUE_TIMEOUT} s")
+            if self._error is not None:  # its slices' events may never have been recorded
+                cu.stream_wait_event(_handle(stream), self.event)
+                raise self._error
+        event = self.event if k is None or self._recorded <= k else self.layer_events[k]
+        cu.stream_wait_event(_handle(stream), event)
+
+    def _slice_of(self, layer: int | None) -> int | None:
+        if layer is None or self.layer_slice is None or not 0 <= layer < len(self.layer_slice):
+            return None
+        return int(self.layer_slice[layer])
+
+
+def _handle(stream: Any) -> int:
+    if stream is None:
+        import torch
+
+        stream = torch.cuda.current_stream()
+    return stream if isinstance(stream, int) else int(stream.cuda_stream)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
 from kvoffload.transfer.cuda.base import INLINE_BYTES, CudaBackend, Lane
-from kvoffload.transfer.cuda.buffers import BufferRing
+from kvoffload.transfer.cuda.buffers import Buffer, BufferRing
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
 
@@ -84,39 +84,50 @@ class SmBackend(CudaBackend):
         ]
         self._index = BufferRing(self.device, with_device=True)
 
-    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None) -> None:
+    def _prepare(self, spec: TransferSpec, lane: Lane) -> Buffer | None:
+        """Block and slot ids uploaded once for every layer slice of the spec."""
         n = len(spec)
         if n == 0:
-            return
+            return None
         half = (n + 1) // 2 * 2  # slots start 16-byte aligned, as the compiled kernel assumes
         buf = self._index.take(2 * half)
-        try:
-            buf.host[:n] = spec.blocks
-            buf.host[half : half + n] = spec.slots
-            buf.upload(self.driver, half + n, lane.tail)
-            if part is None:
-                regions = self._regions[spec.group]
-            else:
-                regions = self._slice_regions[spec.group][part]
-            self._launcher.launch(
-                lane.streams[0],
-                self.config.programs,
-                buf.device,
-                buf.device[half:],
-                regions,
-                0,
-                n,
-                regions.shape[1],
-                self._host_base,
-                self.arena.slot_bytes,
-                to_host=spec.direction == "store",
-                identity=False,
-                jobs=1,
-                words=self.config.chunk_bytes // 8,
-                num_warps=self.config.num_warps,
-            )
-        finally:
-            self._index.release(buf, lane.tail)
+        buf.host[:n] = spec.blocks
+        buf.host[half : half + n] = spec.slots
+        buf.upload(self.driver, half + n, lane.tail)
+        return buf
+
+    def _release(self, prepared: Buffer | None, lane: Lane) -> None:
+        if prepared is not None:
+            self._index.release(prepared, lane.tail)
+
+    def _enqueue(
+        self, spec: TransferSpec, lane: Lane, part: int | None, prepared: Buffer | None
+    ) -> None:
+        if prepared is None:
+            return
+        n = len(spec)
+        half = (n + 1) // 2 * 2
+        if part is None:
+            regions = self._regions[spec.group]
+        else:
+            regions = self._slice_regions[spec.group][part]
+        self._launcher.launch(
+            lane.streams[0],
+            self.config.programs,
+            prepared.device,
+            prepared.device[half:],
+            regions,
+            0,
+            n,
+            regions.shape[1],
+            self._host_base,
+            self.arena.slot_bytes,
+            to_host=spec.direction == "store",
+            identity=False,
+            jobs=1,
+            words=self.config.chunk_bytes // 8,
+            num_warps=self.config.num_warps,
+        )
 
     def _close_buffers(self) -> None:
         self._index.close()

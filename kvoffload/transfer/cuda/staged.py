@@ -10,6 +10,9 @@ shrink toward the end) so the one exposed gather (or scatter) is short.
 
 The SMs are busy only for the gathers: HBM is ~50x faster than the link, so a few programs finish
 each chunk's gather in a fraction of its link time and leave the rest of the GPU to the model.
+Loads of large pieces scatter with fewer programs (``load_programs``) than stores gather with: a
+load runs beside the prefill that waits for it, and fewer programs slowed a GEMM beside it less at
+the same GB/s (measured, ``StagedConfig``).
 
 Chunks are sized in bytes (``first_chunk_bytes`` up to one staging area), whatever the slot size.
 With ``dma_streams`` > 1 consecutive chunks go to different DMA streams, so several copy engines
@@ -20,9 +23,9 @@ that slice's bytes (contiguous inside the host slot, since a slot holds the regi
 layer order) into a staging area laid out per slice, then the scatter of that slice; the slice's
 event is recorded after its last scatter. The slice count (``_slice_count``) keeps each
 descriptor at least ``layer_slice_bytes`` (one descriptor per block and slice; the driver costs
-~0.8 us of host time per descriptor and the copy engines lose a little per descriptor), at most
-``max_layer_slices``: measured on the H100, 8 slices of 256 KiB moved a 512-block load of 2 MiB
-slots as fast as one slice (see ``StagedConfig`` and docs/transfer.md); smaller slots load in one.
+~0.85 us of host time per descriptor and the copy engines lose a little per descriptor), at most
+``max_layer_slices``: measured on the H100, 16 slices of 128 KiB moved a 740-block load of 2 MiB
+slots as fast as 8 (see ``StagedConfig`` and docs/transfer.md); smaller slots load in fewer.
 
 Staging memory is ``2 * staging_bytes`` of device memory (one ring per direction, so stores and
 loads overlap); each ring area holds at least one block.
@@ -30,6 +33,7 @@ loads overlap); each ring area holds at least one block.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,7 +41,12 @@ import numpy as np
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.base import INLINE_BYTES, SLICE_TRANSFER_BYTES, CudaBackend, Lane
+from kvoffload.transfer.cuda.base import (
+    INLINE_BYTES,
+    SLICE_TRANSFER_BYTES,
+    CudaBackend,
+    Lane,
+)
 from kvoffload.transfer.cuda.buffers import Buffer, BufferRing
 from kvoffload.transfer.cuda.chunks import chunk_blocks, coalesce, slice_count, tile
 from kvoffload.transfer.cuda.sm import check_kernel_shape, check_words
@@ -59,20 +68,34 @@ class StagedConfig:
     # Programs of the gather/scatter kernel, and bytes each moves per loop step (a tile of
     # several pieces; see kernels.tile).
     programs: int = 16
+    # Programs of a load's scatter where a loop step moves one piece (pieces > 16 KiB: Llama-3-8B,
+    # Qwen2.5-7B at 32-token blocks); loads of smaller pieces use ``programs``. On the H100
+    # (2026-11-23, staged_sweep.py "programs", Llama-3-8B 512 blocks, 64 KiB pieces) 4 programs
+    # loaded 51.5 GB/s as 16 did (51.4), and a bf16 GEMM beside store+load (4 programs both ways)
+    # ran +2.1% slower against +3.3% with 16 and +5.7% with 32 (noise 0.8%). Store GB/s at 4
+    # programs and smaller pieces were not measured, so stores and those loads keep ``programs``.
+    load_programs: int = 4
     chunk_bytes: int = 32768
     num_warps: int = 8
     # DMA streams per direction; consecutive chunks alternate between them. Two gained nothing on
     # the H100 (2 MiB, 320 KiB and 486 KiB slots, same probe), so one.
     dma_streams: int = 1
     # A load's layer slices: each at least this many bytes per block (one descriptor per block and
-    # slice), at most ``max_layer_slices`` slices. On the H100 (2026-11-23, benchmarks/
-    # staged_sweep.py) 512-block loads moved 52.6 GB/s end to end in 8 slices of 256 KiB against
-    # 52.5 in one (Llama-3-8B, 2 MiB slots; Qwen2.5-7B at 32-token blocks 51.7 in 7 against 52.1),
-    # with layer 0 usable after 2.8 of 19.8 ms.
-    layer_slice_bytes: int = 256 << 10
-    max_layer_slices: int = 8
+    # slice), at most ``max_layer_slices`` slices. On the H100 (2026-11-23, staged_sweep.py
+    # "overlap": a Llama-3-8B load of 740 blocks beside a synthetic prefill that waits for each
+    # layer and computes it in 1.1x / 2x that layer's link time) the prefill waited 2.9 / 3.2 ms
+    # beyond its compute with 16 equal slices of 128 KiB, 4.8 / 4.9 ms with 8 of 256 KiB, 4.5 /
+    # 2.9 ms with 8 ramped from one layer, 3.4 / 2.2 ms with 16 ramped, 31 ms with one slice per
+    # layer (the host fell behind); the load moved 52.4, 52.8, 52.7, 50.8 and 47.1 GB/s.
+    layer_slice_bytes: int = 128 << 10
+    max_layer_slices: int = 16
     # ... and at most one slice per this many bytes of the load (see ``base``).
     layer_slice_transfer_bytes: int = SLICE_TRANSFER_BYTES
+    # > 0: ramped slices, the first holding the fewest layers that make this many bytes per block
+    # (``FIRST_SLICE_BYTES``: one Llama-3-8B layer), the next twice as many, up to an equal share
+    # (``chunks.slice_bounds``): better where the engine computes a layer in ~2x its link time
+    # (numbers above). 0: equal slices.
+    first_slice_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -80,6 +103,7 @@ class StagedConfig:
             "staging_bytes",
             "depth",
             "first_chunk_bytes",
+            "load_programs",
             "dma_streams",
             "layer_slice_bytes",
             "max_layer_slices",
@@ -88,6 +112,10 @@ class StagedConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"StagedConfig: expected {name} > 0, got {value!r}")
+        if not isinstance(self.first_slice_bytes, int) or self.first_slice_bytes < 0:
+            raise ValueError(
+                f"StagedConfig: expected first_slice_bytes >= 0, got {self.first_slice_bytes!r}"
+            )
 
 
 class _Ring:
@@ -118,6 +146,36 @@ class _Chunk:
     unit: int  # bytes per block in the staging area (a slot, or a slice of one)
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A spec's block ids on the GPU and host slot addresses, shared by its layer slices."""
+
+    index: Buffer
+    host: np.ndarray  # int64: address of each block's host slot
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """How a transfer of ``n`` blocks of ``unit`` bytes is cut into chunks (read-only arrays)."""
+
+    sizes: list[int]  # blocks per chunk
+    starts: list[int]  # first block of each chunk
+    breaks: np.ndarray  # ``starts`` as int64
+    chunk: np.ndarray  # chunk index of each block
+    offset: np.ndarray  # byte offset of each block in its chunk's staging area
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule(n: int, unit: int, first_bytes: int, area_bytes: int, store: bool) -> _Schedule:
+    sizes = chunk_blocks(n, unit, first_bytes, area_bytes, "up" if store else "down")
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    chunk = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    offset = (np.arange(n, dtype=np.int64) - starts[chunk]) * unit
+    for a in (starts, chunk, offset):
+        a.setflags(write=False)
+    return _Schedule(sizes.tolist(), starts.tolist(), starts, chunk, offset)
+
+
 class StagedBackend(CudaBackend):
     name = "staged"
     lane_streams = 2  # GATHER (kernels) and DMA (copy engines); 1 + dma_streams per instance
@@ -135,6 +193,8 @@ class StagedBackend(CudaBackend):
     ) -> None:
         check_words(layout)
         self.config = config = config or StagedConfig()
+        self.first_slice_bytes = config.first_slice_bytes
+        self._group_slot = [g.slot_bytes for g in layout.groups]
         self.lane_streams = 1 + config.dma_streams
         from kvoffload.transfer.cuda.kernels import CopyLauncher  # imports Triton
 
@@ -187,57 +247,68 @@ class StagedBackend(CudaBackend):
         """Device memory this backend holds for staging (both directions)."""
         return 2 * self.config.depth * self.area_bytes
 
-    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None) -> None:
+    def _prepare(self, spec: TransferSpec, lane: Lane) -> _Prepared | None:
         n = len(spec)
         if n == 0:
+            return None
+        index = self._index.take(n)
+        index.host[:n] = spec.blocks
+        index.upload(self.driver, n, lane.handles[GATHER])
+        host = spec.slots * self.arena.slot_bytes
+        host += self.arena.base_address
+        return _Prepared(index, host)
+
+    def _release(self, prepared: _Prepared | None, lane: Lane) -> None:
+        if prepared is not None:
+            self._index.release(prepared.index, lane.tail)
+
+    def _enqueue(
+        self, spec: TransferSpec, lane: Lane, part: int | None, prepared: _Prepared | None
+    ) -> None:
+        if prepared is None:  # no blocks
             return
+        n = len(spec)
         store = spec.direction == "store"
-        group = self.layout.groups[spec.group]
         if part is None:  # whole slot images
-            offset, unit, regions = 0, group.slot_bytes, self._regions[spec.group]
+            offset, unit = 0, self._group_slot[spec.group]
+            regions = self._regions[spec.group]
         else:  # one layer slice of every block: its bytes are contiguous inside each slot
             offset, unit = self._slice_spans[spec.group][part]
             regions = self._slice_regions[spec.group][part]
         ring = self._rings[spec.direction]
-        sizes = chunk_blocks(
-            n, unit, self.config.first_chunk_bytes, self.area_bytes, "up" if store else "down"
-        )
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        areas = (ring.position + np.arange(len(sizes))) % self.config.depth
-        ring.position = int((ring.position + len(sizes)) % self.config.depth)
-        bases = ring.bases[areas]
+        depth = self.config.depth
+        plan = _schedule(n, unit, self.config.first_chunk_bytes, self.area_bytes, store)
+        position = ring.position  # areas are used round-robin across transfers
+        areas = [(position + k) % depth for k in range(len(plan.sizes))]
+        ring.position = (position + len(plan.sizes)) % depth
         gather, dmas = lane.handles[GATHER], lane.handles[DMA:]
-        index = self._index.take(n)
+        index = prepared.index
         tables = self._tables.take(3 * n)
         try:
-            index.host[:n] = spec.blocks
-            index.upload(self.driver, n, gather)
             chunks = [
                 _Chunk(area, start, count, regions, unit)
-                for area, start, count in zip(
-                    areas.tolist(), starts.tolist(), sizes.tolist(), strict=True
-                )
+                for area, start, count in zip(areas, plan.starts, plan.sizes, strict=True)
             ]
             # The host runs ``ahead`` chunks in front: a store enqueues the first gathers before it
             # builds the descriptors, a load the first DMAs before the first scatter, so the GPU
             # has queued work while the host enqueues the rest. The area events keep the order.
-            ahead = min(self.config.depth, len(chunks))
+            ahead = min(depth, len(chunks))
             if store:
                 for k in range(ahead):
                     self._gather(lane, spec, index, ring, chunks[k])
             # One descriptor per block: its staged image <-> its bytes in the host slot.
             table = tables.host[: 3 * n].reshape(3, n)
-            within = np.arange(n, dtype=np.int64) - np.repeat(starts, sizes)
-            staged = np.repeat(bases, sizes) + within * unit
-            host = spec.slots * self.arena.slot_bytes + (self.arena.base_address + offset)
-            table[0], table[1] = (staged, host) if store else (host, staged)
+            staged, host = (table[0], table[1]) if store else (table[1], table[0])
+            np.take(ring.bases, (plan.chunk + position) % depth, out=staged)
+            staged += plan.offset
+            np.add(prepared.host, offset, out=host)
             table[2] = unit
-            if unit == self.arena.slot_bytes:  # whole slots: consecutive slots may merge
-                table, at = coalesce(table, starts)
-            else:  # a slice (or a block smaller than its slot) never continues into the next
-                at = starts
-            ends = np.append(at[1:], table.shape[1]).tolist()
-            parts = [table[:, a:e] for a, e in zip(at.tolist(), ends, strict=True)]
+            at: Any = plan.starts
+            if unit == self.arena.slot_bytes and n > 1:  # whole slots: consecutive ones merge
+                table, breaks = coalesce(table, plan.breaks)
+                at = breaks.tolist()
+            ends = [*at[1:], table.shape[1]]
+            parts = [table[:, a:e] for a, e in zip(at, ends, strict=True)]
             if store:
                 for k, chunk in enumerate(chunks):
                     dma = dmas[k % len(dmas)]
@@ -260,7 +331,6 @@ class StagedBackend(CudaBackend):
                         later = k + ahead
                         self._send(dmas[later % len(dmas)], ring, chunks[later].area, parts[later])
         finally:
-            self._index.release(index, lane.tail)
             self._tables.release(tables, lane.tail)
 
     def _gather(
@@ -283,9 +353,11 @@ class StagedBackend(CudaBackend):
     ) -> None:
         """Gather (store) or scatter (load) the chunk's blocks between the engine and ``area``."""
         jobs, words = self._tiles[spec.group]
+        store = spec.direction == "store"
+        programs = self.config.programs if store or jobs > 1 else self.config.load_programs
         self._launcher.launch(
             lane.streams[GATHER],
-            self.config.programs,
+            programs,
             index.device,
             index.device,
             chunk.regions,
@@ -294,7 +366,7 @@ class StagedBackend(CudaBackend):
             chunk.regions.shape[1],
             area,
             chunk.unit,
-            to_host=spec.direction == "store",
+            to_host=store,
             identity=True,
             jobs=jobs,
             words=words,
