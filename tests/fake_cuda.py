@@ -17,6 +17,8 @@ import contextlib
 import ctypes
 import gc
 import itertools
+import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -129,8 +131,6 @@ def no_pin(address: int, nbytes: int) -> Any:
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
     """Patch torch.cuda, the driver module and the kernel launcher for the duration of a test."""
-    from kvoffload.transfer.cuda import kernels
-
     calls = Calls()
     events = itertools.count(1 << 20)
     recorded: dict[int, int] = {}
@@ -155,7 +155,11 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
         monkeypatch.setattr(driver, name, fn)
     monkeypatch.setattr(driver.CudaDriver, "load", classmethod(lambda cls, **kw: FakeDriver(calls)))
     FakeLauncher.calls = calls
-    monkeypatch.setattr(kernels, "CopyLauncher", FakeLauncher)
+    # The backends import the launcher from this module when they start. CPU torch wheels come
+    # without Triton, so the module is replaced whole rather than patched after importing it.
+    kernels = types.ModuleType("kvoffload.transfer.cuda.kernels")
+    kernels.CopyLauncher = FakeLauncher  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, kernels.__name__, kernels)
     monkeypatch.setattr(base, "_current_stream", lambda device: 7)
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())

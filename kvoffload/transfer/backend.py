@@ -10,16 +10,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
-
-if TYPE_CHECKING:
-    from kvoffload.transfer.registry import BACKENDS as BACKENDS
-    from kvoffload.transfer.registry import make_backend as make_backend
-    from kvoffload.transfer.registry import register_backend as register_backend
 
 # wait_on() of a CPU copy blocks the host at most this long: far above any real copy (a 1 GiB
 # transfer takes ~0.3 s on a 2-core CI machine), so reaching it means something is stuck.
@@ -96,16 +90,3 @@ class CopyBackend(ABC):
 
 
 BackendFactory = Callable[[KVLayout, HostArena], CopyBackend]
-
-# The registry's names, still importable from here for callers outside kvoffload/offload and
-# kvoffload/transfer that predate kvoffload.transfer.registry; resolved on first use, so this
-# module never imports a backend. New code imports them from kvoffload.transfer.registry.
-_MOVED = ("BACKENDS", "make_backend", "register_backend")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from kvoffload.transfer import registry
-
-        return getattr(registry, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

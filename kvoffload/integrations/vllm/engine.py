@@ -45,9 +45,9 @@ from kvoffload.transfer.backend import (
     BackendFactory,
     CopyBackend,
     Pending,
-    make_backend,
 )
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.registry import make_backend
 from kvoffload.transfer.spec import Direction, TransferSpec
 
 log = logging.getLogger(__name__)
