@@ -1,4 +1,4 @@
-"""Prometheus metrics of the engine-neutral API (``pip install 'kvoffload[metrics]'``).
+"""Prometheus metrics of the engine-neutral API (``pip install -e '.[metrics]'``).
 
 ``LocalOffload.serve_metrics(port)`` (or ``serve(local, port)``) exposes them over HTTP;
 ``OffloadCollector(offloader, worker)`` registers them in a registry of your own. Every scrape
@@ -91,8 +91,8 @@ def _prometheus() -> Any:
         import prometheus_client.core
     except ImportError as err:
         raise ImportError(
-            "kvoffload metrics need prometheus-client: pip install 'kvoffload[metrics]' "
-            "(or pip install prometheus-client)"
+            "kvoffload metrics need prometheus-client: pip install prometheus-client "
+            "(or pip install -e '.[metrics]' in a kvoffload checkout)"
         ) from err
     return prometheus_client
 

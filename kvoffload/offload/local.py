@@ -43,7 +43,7 @@ class LocalOffload:
 
     def serve_metrics(self, port: int, addr: str = "0.0.0.0") -> MetricsServer:
         """Expose this offload's Prometheus metrics over HTTP on ``addr:port`` (0: any free
-        port; the server's ``port`` says which). Needs ``pip install 'kvoffload[metrics]'``;
+        port; the server's ``port`` says which). Needs ``pip install -e '.[metrics]'``;
         ``docs/api.md`` lists the metrics. Stopped by ``close``."""
         from kvoffload.metrics import serve
 
