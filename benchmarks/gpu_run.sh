@@ -14,7 +14,8 @@
 #
 # STEPS (default "tests doctor transfer e2e"; "calibrate" alone writes the table only; "probe" runs
 # benchmarks/staged_sweep.py, the developer probe of slice schedules and scatter programs). Writes
-# under $OUT: gpu_run.log (everything), transfer_gpu.json/.png, staged_probe.json, e2e_gpu.json/.png,
+# under $OUT: gpu_run.log (everything), transfer_gpu.json/.png, staged_probe.json, enqueue_probe.json
+# (STEPS "enqueue"), e2e_gpu.json/.png,
 # e2e_gpu_qwen.json/.png. Extra arguments go to `kvoffload bench transfer`.
 # Exit status: non-zero if any step failed.
 set -o pipefail
@@ -40,6 +41,8 @@ if want calibrate || want transfer; then
 fi
 want transfer && step timeout 330 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
 want probe && step timeout 150 python3 benchmarks/staged_sweep.py "$OUT/staged_probe.json" --label after
+# the compiled enqueue loop against the Python one, and inline submission (about 15 s)
+want enqueue && step timeout 120 python3 benchmarks/staged_sweep.py "$OUT/enqueue_probe.json" --label enqueue --sections enqueue
 # e2e: Llama-3-8B shapes on the chat workload (every mode) and the fitting one (gpu vs kvoffload,
 # 3 rounds), zero reuse, 3 sampled turns checked; then Qwen2.5-7B shapes with 32-token blocks.
 # Both took 226 s on the H100 (2026-11-23, run7 in docs/e2e.md).

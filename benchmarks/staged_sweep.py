@@ -13,6 +13,9 @@ Sections (each prints one JSON line per row, all go into OUT_JSON):
 - ``programs``: scatter/gather programs of the staged kernel: load GB/s and the slowdown of a
   bf16 GEMM stream beside store+load (``transfer_gpu.measure_gemm``).
 - ``profile``: cProfile of 1-block and 16-block transfers enqueued in the caller's thread.
+- ``enqueue``: the compiled enqueue loop (``native.c``) against the Python loop, and inline
+  submission, on small and large transfers of four shapes, with host CPU time per transfer and
+  the launch-bound Python loop beside them (not in the default sections).
 
 Only public API is used (``StagedBackend``, ``submit``, ``wait_on``), so the same script measures
 an older checkout: run it twice in one GPU session, ``PYTHONPATH=<old checkout>`` with
@@ -233,6 +236,69 @@ def programs(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
     return out
 
 
+# The enqueue variants of the ``native`` section: (StagedConfig fields, backend keywords).
+ENQUEUE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "python": ({"native": False}, {}),  # the Python chunk loop on the submitter thread
+    "native-thread": ({}, {"inline_bytes": 0}),  # the compiled loop on the submitter thread
+    # the default: the compiled loop, in the caller's thread up to NATIVE_INLINE_BYTES (32 MiB)
+    "native": ({}, {}),
+}
+
+
+def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
+    """The compiled enqueue loop against the Python one, side by side in one process: GB/s and
+    latency end to end (from ``submit`` on an idle GPU), the caller's submit time and the
+    submitter's enqueue time per transfer, the host CPU time per transfer, and the launch-bound
+    Python loop beside 2-block transfers (``transfer_gpu.measure_launch_stall``)."""
+    from kvoffload.bench.transfer_gpu import measure_launch_stall
+
+    rows: list[dict[str, Any]] = []
+    stalls: dict[str, Any] = {}
+    for model, layout, bs, sizes in (
+        ("llama3-8b", "page", 16, (1, 16, 740)),
+        ("llama3-70b-tp8-fp8", "kv_split", 16, (256, 1000)),
+        ("llama3-70b-tp8-fp8", "page", 16, (256,)),
+        ("deepseek-v2-lite-mla", "kv_split", 16, (1000,)),
+    ):
+        engine = Engine(model, layout, bs, 2 * max(sizes) + 8)
+        for name, (fields, kw) in ENQUEUE.items():
+            backend = StagedBackend(engine.kv, arena, config=StagedConfig(**fields), **kw)
+            try:
+                for n in sizes:
+                    row: dict[str, Any] = {
+                        "variant": name,
+                        "model": model,
+                        "layout": layout,
+                        "blocks": n,
+                    }
+                    nbytes = n * engine.kv.slot_bytes
+                    for d in ("store", "load"):
+                        sp = spec(d, n, engine.pool, arena.num_slots)
+                        time_transfers(sleeper, submitter(backend, sp), 3, lead=False)  # warm
+                        c0 = time.process_time()
+                        reps = 40 if n <= 16 else 8
+                        e2e = time_transfers(sleeper, submitter(backend, sp), reps, lead=False)
+                        cpu = (time.process_time() - c0) / reps
+                        row[f"{d}_GBps"] = nbytes / statistics.median(e2e["gpu_s"]) / 1e9
+                        row[f"{d}_p50_us"] = float(np.percentile(e2e["gpu_s"], 50)) * 1e6
+                        row[f"{d}_p99_us"] = float(np.percentile(e2e["gpu_s"], 99)) * 1e6
+                        row[f"{d}_submit_us"] = statistics.median(e2e["submit_s"]) * 1e6
+                        row[f"{d}_enqueue_us"] = statistics.median(e2e["enqueue_s"]) * 1e6
+                        row[f"{d}_cpu_us"] = cpu * 1e6
+                    row["native_parts"] = backend.native_parts
+                    row["native_reason"] = backend.native_reason
+                    rows.append(row)
+                    log("enqueue", row)
+                if model == "llama3-8b":
+                    stalls[name] = measure_launch_stall(engine, arena, backend, reps=5)
+                    log("enqueue-stall", {"variant": name, **stalls[name]})
+            finally:
+                backend.close()
+        del engine
+        torch.cuda.empty_cache()
+    return {"rows": rows, "launch_stall": stalls}
+
+
 def profile(arena: HostArena) -> dict[str, str]:
     """cProfile of submits enqueued in the caller's thread (submit_thread=False)."""
     engine = Engine("llama3-8b", "page", 16, 64)
@@ -285,6 +351,8 @@ def main() -> None:
             out["programs"] = programs(sleeper, arena)
         if "profile" in sections:
             out["profile"] = profile(arena)
+        if "enqueue" in sections:
+            out["enqueue"] = enqueue(sleeper, arena)
     finally:
         out["seconds"] = time.perf_counter() - began
         arena.close()

@@ -2,7 +2,8 @@
 
 Prints the GPU, the CUDA driver version, whether ``cuMemcpyBatchAsync`` resolved (else the
 ``cuMemcpyAsync`` fallback is used), Triton's and cuda-python's status, the calibration table in
-use, and the link GB/s measured now (contiguous pinned copies after a warm-up).
+use, which enqueue loop the ``staged`` backend runs (compiled or Python, and why), and the link
+GB/s measured now (contiguous pinned copies after a warm-up).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
             out[key] = str(importlib.import_module(mod).__version__)
         except ImportError as err:
             out[key] = f"unavailable ({err})"
+    out["staged_enqueue"] = staged_enqueue()
     if not cuda_available():
         out["gpu"] = "none (CUDA not available): the host backend is used"
         return out
@@ -54,6 +56,15 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         link = measure_link(Sleeper(), args.link_mib << 20, args.reps)
         out["link_GBps"] = {k: round(v["median"], 1) for k, v in link["GBps"].items()}
     return out
+
+
+def staged_enqueue() -> str:
+    """Which chunk loop the ``staged`` backend runs: compiled (``native.c``) or Python, and why."""
+    from kvoffload.transfer.cuda import native
+
+    if native.library() is not None:
+        return "compiled loop (native.c, built with the system C compiler)"
+    return f"Python loop: {native.unavailable()}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.transfer.cuda import base, driver, pending
+from kvoffload.transfer.cuda import base, driver, native, pending
 from kvoffload.transfer.layout import KVLayout
 
 _ids = itertools.count(16)
@@ -51,6 +51,11 @@ class Calls:
     log: list[tuple[Any, ...]] = field(default_factory=list)
     descriptors: int = 0
     launches: int = 0
+    # errors raised inside the fake driver's C callbacks (ctypes cannot raise them into C); the
+    # fixture fails the test if any is left
+    errors: list[BaseException] = field(default_factory=list)
+    # a batch copy through the C entry point fails at this descriptor of the batch (None: never)
+    fail_batch_at: int | None = None
 
 
 class FakeDriver:
@@ -76,11 +81,27 @@ class FakeDriver:
         ctypes.memmove(dst, src, nbytes)
         self.calls.log.append(("copy", stream, nbytes))
 
+    @property
+    def entry(self) -> dict[str, int]:
+        """The raw entry points ``native.c`` calls: ctypes callbacks doing what the Python fake
+        does, with the same log entries (so both loops' logs compare)."""
+        if not hasattr(self, "_entry"):
+            self._callbacks = _entry_callbacks(self.calls)
+            self._entry = {
+                k: ctypes.cast(f, ctypes.c_void_p).value or 0 for k, f in self._callbacks.items()
+            }
+            self._entry["attrs"] = ctypes.addressof(driver._ATTRS)
+            self._entry["attr_index"] = ctypes.addressof(driver._ATTR_INDEX)
+        return self._entry
+
 
 class FakeLauncher:
     """``kernels.CopyLauncher``: the copy kernel's contract, block by block, region by region."""
 
     calls: Calls
+
+    def __init__(self) -> None:
+        self.compiled: dict[tuple[Any, ...], int] = {}  # variants launched: key -> function
 
     def launch(
         self,
@@ -100,23 +121,142 @@ class FakeLauncher:
         words: int,
         num_warps: int = 4,
     ) -> None:
-        table = regions.numpy()
-        bases, strides, pages, offsets = (table[k, :n_regions].tolist() for k in range(4))
         ids = blocks.numpy()[first : first + n_blocks].tolist()
         slot_ids = (
             list(range(n_blocks)) if identity else slots.numpy()[first : first + n_blocks].tolist()
         )
-        for b, s in zip(ids, slot_ids, strict=True):
-            for base_, stride, page, off in zip(bases, strides, pages, offsets, strict=True):
-                eng = base_ + b * stride
-                slot = host_base + s * slot_stride + off
-                size = page // 8 * 8
-                if to_host:
-                    ctypes.memmove(slot, eng, size)
-                else:
-                    ctypes.memmove(eng, slot, size)
+        copy_pieces(regions.numpy()[:, :n_regions], ids, slot_ids, host_base, slot_stride, to_host)
         FakeLauncher.calls.launches += 1
         FakeLauncher.calls.log.append(("launch", stream.cuda_stream, n_blocks))
+        # "compiled": later launches of this variant may go through the C loop
+        ints = (first, n_blocks, n_regions, host_base, slot_stride)
+        key = (to_host, identity, jobs, words, num_warps, *(native.wide(v) for v in ints))
+        if key not in self.compiled:
+            self.compiled[key] = len(_FUNCTIONS) + 1
+            _FUNCTIONS[self.compiled[key]] = key
+
+    def native_kernel(
+        self,
+        to_host: bool,
+        identity: bool,
+        jobs: int,
+        words: int,
+        num_warps: int,
+        ints: tuple[int, ...],
+    ) -> native.NativeKernel | None:
+        """As ``CopyLauncher.native_kernel``: known once ``launch`` ran the variant; the function
+        handle tells the fake cuLaunchKernel the direction and the integer widths."""
+        wide = tuple(native.wide(v) for v in ints)
+        function = self.compiled.get((to_host, identity, jobs, words, num_warps, *wide))
+        if function is None:
+            return None
+        mask = sum(1 << j for j, w in enumerate(wide) if w)
+        return native.NativeKernel(function, 32 * num_warps, 0, mask, 2)
+
+
+# every fake "compiled" copy-kernel variant: function handle -> its key
+_FUNCTIONS: dict[int, tuple[Any, ...]] = {}
+
+
+def copy_pieces(
+    regions: np.ndarray,
+    ids: list[int],
+    slot_ids: list[int],
+    host_base: int,
+    slot_stride: int,
+    to_host: bool,
+) -> None:
+    """What ``kernels.copy_blocks`` does, with memmove: every region of every block."""
+    bases, strides, pages, offsets = (regions[k].tolist() for k in range(4))
+    for b, s in zip(ids, slot_ids, strict=True):
+        for base_, stride, page, off in zip(bases, strides, pages, offsets, strict=True):
+            eng = base_ + b * stride
+            slot = host_base + s * slot_stride + off
+            size = page // 8 * 8
+            if to_host:
+                ctypes.memmove(slot, eng, size)
+            else:
+                ctypes.memmove(eng, slot, size)
+
+
+_P = ctypes.c_void_p
+_U = ctypes.c_uint
+_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, _P, _U, _U, _U, _U, _U, _U, _U, _P, _P, _P)
+_BATCH = ctypes.CFUNCTYPE(
+    ctypes.c_int, _P, _P, _P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P, _P
+)
+_COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, _P)
+_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)
+_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _U)
+_FAILED = 999  # the CUresult the callbacks return after an exception (recorded in calls.errors)
+
+
+def _entry_callbacks(calls: Calls) -> dict[str, Any]:
+    """The driver entry points as C callbacks over real memory (see ``FakeDriver.entry``)."""
+
+    def guarded(fn: Any) -> Any:
+        def run(*args: Any) -> int:
+            try:
+                return int(fn(*args))
+            except Exception as err:  # noqa: BLE001 (kept in calls.errors; the fixture fails on it)
+                calls.errors.append(err)
+                return _FAILED
+
+        return run
+
+    def int64s(address: int, n: int) -> list[int]:
+        return list((ctypes.c_int64 * n).from_address(address)) if n else []
+
+    def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        key = _FUNCTIONS[function]
+        to_host, identity, wide = key[0], key[1], key[5:]
+        slot = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        blocks, slots, regions = (ctypes.c_uint64.from_address(slot[j]).value for j in range(3))
+        ints = [
+            (ctypes.c_int64 if w else ctypes.c_int32).from_address(slot[3 + j]).value
+            for j, w in enumerate(wide)
+        ]
+        first, n_blocks, n_regions, host_base, slot_stride = ints
+        table = np.array(int64s(regions, 4 * n_regions), dtype=np.int64).reshape(4, n_regions)
+        ids = int64s(blocks + 8 * first, n_blocks)
+        slot_ids = list(range(n_blocks)) if identity else int64s(slots + 8 * first, n_blocks)
+        copy_pieces(table, ids, slot_ids, host_base, slot_stride, to_host)
+        calls.launches += 1
+        calls.log.append(("launch", stream, n_blocks))
+        return 0
+
+    def batch(dsts, srcs, sizes, count, attrs, attr_index, n_attrs, fail, stream):
+        for i, (d, s, n) in enumerate(
+            zip(int64s(dsts, count), int64s(srcs, count), int64s(sizes, count), strict=True)
+        ):
+            if calls.fail_batch_at == i:
+                ctypes.c_size_t.from_address(fail).value = i
+                return driver.CUDA_ERROR_INVALID_VALUE
+            ctypes.memmove(d, s, n)
+        calls.descriptors += count
+        calls.log.append(("batch", stream, count))
+        return 0
+
+    def copy(dst, src, nbytes, stream):
+        ctypes.memmove(dst, src, nbytes)
+        calls.log.append(("copy", stream, nbytes))
+        return 0
+
+    def record(event, stream):
+        calls.log.append(("record", stream, event))
+        return 0
+
+    def wait(stream, event, flags):
+        calls.log.append(("wait", stream, event))
+        return 0
+
+    return {
+        "launch": _LAUNCH(guarded(launch)),
+        "batch": _BATCH(guarded(batch)),
+        "copy": _COPY(guarded(copy)),
+        "record": _RECORD(guarded(record)),
+        "wait": _WAIT(guarded(wait)),
+    }
 
 
 def cuda_layout(kv: KVLayout) -> KVLayout:
@@ -182,4 +322,5 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
     monkeypatch.setattr(torch.Tensor, "to", to)
     monkeypatch.setattr(pending, "ENQUEUE_TIMEOUT", 10.0)
     yield calls
+    assert not calls.errors, f"the fake driver's C callbacks raised: {calls.errors}"
     gc.collect()  # pendings left over give their events back while the fake is in place

@@ -14,6 +14,7 @@ class HeldAfterFirstSlice:
 
     def __init__(self, backend: Any, load: list[TransferSpec], timeout: float = 30.0) -> None:
         self.go, self.held = threading.Event(), threading.Event()
+        backend.inline_bytes = 0  # the load runs on the lane's thread, to be held there
         first, self.slices = backend._load_plan(load)[0][load[0].group]
         enqueue = backend._enqueue
 

@@ -55,6 +55,7 @@ def make(method: str, kv: KVLayout, arena: HostArena) -> Any:
 def gpu_info() -> dict[str, Any]:
     import triton
 
+    from kvoffload.doctor import staged_enqueue
     from kvoffload.transfer.cuda.driver import CudaDriver
 
     drv = CudaDriver.load()
@@ -74,6 +75,7 @@ def gpu_info() -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "triton": triton.__version__,
         "cuda_python": cuda_python,
+        "staged_enqueue": staged_enqueue(),
     }
 
 

@@ -8,6 +8,9 @@ oracle's, everything else (other slots, other blocks, the sources) is unchanged.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -83,6 +86,8 @@ BACKENDS = {
     "sm-odd": lambda kv, a: SmBackend(kv, a, config=SmConfig(programs=5, chunk_bytes=1024)),
     "staged": lambda kv, a: StagedBackend(kv, a),
     "staged-sync": lambda kv, a: StagedBackend(kv, a, submit_thread=False),
+    # the chunk loop in Python (the fallback where no C compiler exists)
+    "staged-python": lambda kv, a: StagedBackend(kv, a, config=StagedConfig(native=False)),
     # enqueued in the caller's thread whenever the lane is idle (the default hands every job over)
     "staged-inline": lambda kv, a: StagedBackend(kv, a, inline_bytes=1 << 40),
     "dma-inline": lambda kv, a: DmaBackend(kv, a, inline_bytes=1 << 40),
@@ -118,5 +123,29 @@ def test_store_then_load_matches_host_oracle(pair, name):
             assert pending.error() is None
             pair.oracle.copy(load)
             pair.check_equal()  # blocks written, other blocks and the arena (source) unchanged
+    finally:
+        backend.close()
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler")
+def test_staged_runs_the_compiled_loop_on_this_gpu_with_the_oracles_bytes(pair):
+    """Triton's compiled copy kernel launched from C (native.c): its parameters as this Triton
+    lays them out, every transfer after the first of each kernel variant."""
+    rng = np.random.default_rng(11)
+    backend = StagedBackend(pair.kv_gpu, pair.arena_gpu)
+    try:
+        for count in (5, 13, 1, 27, 2):
+            blocks = rng.choice(POOL, count, replace=False)
+            slots = rng.choice(POOL, count, replace=False)
+            for specs in (
+                [TransferSpec.of("store", blocks, slots)],
+                [TransferSpec.of("load", rng.choice(POOL, count, replace=False), slots)],
+            ):
+                pending = backend.submit(specs)
+                assert pending.wait(60) and pending.error() is None
+                pair.oracle.copy(specs)
+                pair.check_equal()
+        assert backend.native_reason is None
+        assert backend.native_parts > backend.python_parts > 0
     finally:
         backend.close()

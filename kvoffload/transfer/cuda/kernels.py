@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import triton
 import triton.language as tl
+
+from kvoffload.transfer.cuda.native import wide as _wide
+
+if TYPE_CHECKING:
+    from kvoffload.transfer.cuda.native import NativeKernel
 
 _INT_ARGS = ["first", "n_blocks", "n_regions", "host_base", "slot_stride"]
 
@@ -114,9 +119,62 @@ class CopyLauncher:
             return
         kernel[(programs, 1, 1)](*args, stream=stream.cuda_stream)
 
+    def native_kernel(
+        self,
+        to_host: bool,
+        identity: bool,
+        jobs: int,
+        words: int,
+        num_warps: int,
+        ints: tuple[int, ...],
+    ) -> NativeKernel | None:
+        """How C launches the variant that ``launch`` would use for these arguments, once Triton
+        has compiled it (None before that: the first launch of a variant goes through ``launch``).
 
-def _wide(v: int) -> bool:
-    return not -(2**31) <= v < 2**31
+        Raises ValueError where the compiled kernel does not have the parameters
+        ``native.kvo_staged`` passes (a Triton whose ABI differs from the one this was written
+        for): the caller then keeps launching through Triton."""
+        key = (to_host, identity, jobs, words, num_warps, *(_wide(v) for v in ints))
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            return None
+        return native_info(kernel)
+
+
+def native_info(kernel: Any) -> NativeKernel:
+    """``NativeKernel`` of a Triton ``CompiledKernel`` of ``copy_blocks``; ValueError when its
+    parameters or launch options are not those ``native.c`` passes."""
+    from kvoffload.transfer.cuda.native import NativeKernel
+
+    md = kernel.metadata
+    for name, expected in (
+        ("num_ctas", 1),
+        ("global_scratch_size", 0),
+        ("profile_scratch_size", 0),
+        ("launch_cooperative_grid", False),
+        ("launch_pdl", False),
+    ):
+        value = getattr(md, name, expected)
+        if value != expected:
+            raise ValueError(f"expected {name}={expected!r} in the copy kernel, got {value!r}")
+    signature = dict(kernel.src.signature)
+    params = [n for n, t in signature.items() if t != "constexpr"]
+    expected_params = ["blocks", "slots", "regions", *_INT_ARGS]
+    if params != expected_params:
+        raise ValueError(f"expected copy kernel parameters {expected_params}, got {params}")
+    if any(not str(signature[n]).startswith("*") for n in expected_params[:3]):
+        raise ValueError(f"expected pointer parameters, got {signature}")
+    wide = 0
+    for j, name in enumerate(_INT_ARGS):
+        ty = signature[name]
+        if ty not in ("i32", "i64"):
+            raise ValueError(f"expected {name} typed i32 or i64, got {ty!r}")
+        wide |= (ty == "i64") << j
+    if hasattr(kernel, "_init_handles"):
+        kernel._init_handles()
+    hidden = int(hasattr(md, "global_scratch_size")) + int(hasattr(md, "profile_scratch_size"))
+    shared = int(getattr(kernel, "shared", None) or md.shared)
+    return NativeKernel(int(kernel.function), 32 * int(md.num_warps), shared, wide, hidden)
 
 
 @functools.cache

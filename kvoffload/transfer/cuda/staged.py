@@ -34,6 +34,7 @@ loads overlap); each ring area holds at least one block.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -41,6 +42,7 @@ import numpy as np
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
+from kvoffload.transfer.cuda import native
 from kvoffload.transfer.cuda.base import (
     INLINE_BYTES,
     SLICE_TRANSFER_BYTES,
@@ -52,6 +54,19 @@ from kvoffload.transfer.cuda.chunks import chunk_blocks, coalesce, slice_count, 
 from kvoffload.transfer.cuda.sm import check_kernel_shape, check_words
 from kvoffload.transfer.layout import KVLayout, LayerGroup
 from kvoffload.transfer.spec import TransferSpec
+
+log = logging.getLogger(__name__)
+_wide = native.wide
+# With the compiled loop, transfers up to this many bytes are enqueued in the caller's thread when
+# their direction is idle (``base.INLINE_BYTES`` without it: every transfer to the thread). On the
+# H100 (2026-11-23, staged_sweep.py "enqueue"), a launch-bound Python loop submitting a 2-block
+# store and load per step ran +128% slower per step with the compiled loop on the thread and +54%
+# inline (host CPU per transfer 590 vs 192 us; +150% / 648 us with the Python loop on the
+# thread), and a 1-block store took 215 vs 147 us end to end: waking the thread costs more than
+# the compiled enqueue of a small transfer. Larger transfers (a 740-block load enqueues for
+# ~15 ms, mostly in the driver) stay on the thread so the caller goes on at once. 32 MiB: 16
+# Llama-3-8B blocks; a load this small is one layer slice (``SLICE_TRANSFER_BYTES``).
+NATIVE_INLINE_BYTES = 32 << 20
 
 GATHER, DMA = 0, 1  # a lane's streams: the gather/scatter kernels, then the DMA stream(s)
 
@@ -96,6 +111,10 @@ class StagedConfig:
     # (``chunks.slice_bounds``): better where the engine computes a layer in ~2x its link time
     # (numbers above). 0: equal slices.
     first_slice_bytes: int = 0
+    # Enqueue each transfer part's chunks with the compiled loop (``native.c``, built at first use
+    # with the system C compiler; the GIL is released while it runs) once the copy kernel's
+    # variant is compiled; False, or no compiler, or ``KVOFFLOAD_NATIVE=0``: the Python loop.
+    native: bool = True
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -131,6 +150,10 @@ class _Ring:
         self.free = [cu.event_create() for _ in range(depth)]  # area's data has left
         self.joins = [cu.event_create() for _ in range(dma_streams - 1)]  # extra DMA streams' ends
         self.position = 0  # areas are used round-robin across transfers
+        # the same handles as arrays, for the compiled loop
+        self.filled_array = np.array(self.filled, dtype=np.uint64).view(np.int64)
+        self.free_array = np.array(self.free, dtype=np.uint64).view(np.int64)
+        self.dma_array = np.zeros(0, dtype=np.int64)  # the lane's DMA streams (set by the backend)
 
     def close(self) -> None:
         for e in self.filled + self.free + self.joins:
@@ -163,6 +186,9 @@ class _Schedule:
     breaks: np.ndarray  # ``starts`` as int64
     chunk: np.ndarray  # chunk index of each block
     offset: np.ndarray  # byte offset of each block in its chunk's staging area
+    sizes_array: np.ndarray  # ``sizes`` as int64
+    starts_address: int  # of ``breaks`` (for the compiled loop)
+    sizes_address: int  # of ``sizes_array``
 
 
 @functools.lru_cache(maxsize=1024)
@@ -171,9 +197,18 @@ def _schedule(n: int, unit: int, first_bytes: int, area_bytes: int, store: bool)
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
     chunk = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
     offset = (np.arange(n, dtype=np.int64) - starts[chunk]) * unit
-    for a in (starts, chunk, offset):
+    for a in (starts, chunk, offset, sizes):
         a.setflags(write=False)
-    return _Schedule(sizes.tolist(), starts.tolist(), starts, chunk, offset)
+    return _Schedule(
+        sizes.tolist(),
+        starts.tolist(),
+        starts,
+        chunk,
+        offset,
+        sizes,
+        native.address(starts),
+        native.address(sizes),
+    )
 
 
 class StagedBackend(CudaBackend):
@@ -189,7 +224,7 @@ class StagedBackend(CudaBackend):
         config: StagedConfig | None = None,
         driver: cu.CudaDriver | None = None,
         submit_thread: bool = True,
-        inline_bytes: int = INLINE_BYTES,
+        inline_bytes: int | None = None,
     ) -> None:
         check_words(layout)
         self.config = config = config or StagedConfig()
@@ -208,7 +243,11 @@ class StagedBackend(CudaBackend):
             tile(max(r.page_bytes for r in g.regions), config.chunk_bytes) for g in layout.groups
         ]
         super().__init__(
-            layout, arena, driver=driver, submit_thread=submit_thread, inline_bytes=inline_bytes
+            layout,
+            arena,
+            driver=driver,
+            submit_thread=submit_thread,
+            inline_bytes=INLINE_BYTES if inline_bytes is None else inline_bytes,
         )
         import torch
 
@@ -233,6 +272,131 @@ class StagedBackend(CudaBackend):
             self._slice_regions.append(tables)
         self._index = BufferRing(self.device, with_device=True)
         self.min_slice_transfer_bytes = config.layer_slice_transfer_bytes
+        self._setup_native()
+        if inline_bytes is None and self._native is not None:
+            self.inline_bytes = NATIVE_INLINE_BYTES
+
+    # -- the compiled loop (native.c) -----------------------------------------------------------
+    def _setup_native(self) -> None:
+        """Use ``native.kvo_staged`` where it can run: a built library, the driver's raw entry
+        points, and staging areas whose addresses all share one integer width."""
+        self.native_parts = 0  # transfer parts enqueued by the compiled loop
+        self.python_parts = 0  # ... by the Python loop
+        self._native: Any = None
+        self.native_reason: str | None = None
+        entry: dict[str, int] = getattr(self.driver, "entry", {})
+        bases = [int(b) for ring in self._rings.values() for b in ring.bases]
+        self._area0 = bases[0]  # any area's address: they all have one width (checked below)
+        if not self.config.native:
+            self.native_reason = "StagedConfig(native=False)"
+        elif native.library() is None:
+            self.native_reason = native.unavailable()
+        elif not all(entry.get(k) for k in ("launch", "copy", "record", "wait")):
+            self.native_reason = "the CUDA driver lacks an entry point the compiled loop calls"
+        elif len({_wide(b) for b in bases}) > 1:
+            self.native_reason = "staging areas on both sides of 2**31 (mixed argument widths)"
+        else:
+            self._native = native.library()
+        if self._native is None:
+            return
+        self._native_driver = native.pack_driver(entry)
+        self._native_kernels: dict[tuple[Any, ...], np.ndarray] = {}
+        self._native_args: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for d, ring in self._rings.items():
+            args = native.new_transfer()
+            lane = self.lanes[d]
+            dmas = np.array(lane.handles[DMA:], dtype=np.uint64).view(np.int64)
+            ring.dma_array = dmas  # kept alive with the ring
+            for name, value in (
+                ("store", int(d == "store")),
+                ("depth", self.config.depth),
+                ("bases", native.address(ring.bases)),
+                ("filled", native.address(ring.filled_array)),
+                ("freed", native.address(ring.free_array)),
+                ("gather", lane.handles[GATHER]),
+                ("dmas", native.address(dmas)),
+                ("n_dmas", len(dmas)),
+            ):
+                args[native.field(name)] = value
+            self._native_args[d] = (args, np.zeros(4, dtype=np.int64))
+
+    def _native_kernel(self, spec: TransferSpec, ints: tuple[int, ...]) -> np.ndarray | None:
+        """The packed ``kvo_kernel`` of this part's copy-kernel variant, or None (not compiled
+        yet: this part goes through Python and Triton, which compiles it)."""
+        jobs, words = self._tiles[spec.group]
+        store = spec.direction == "store"
+        programs = self.config.programs if store or jobs > 1 else self.config.load_programs
+        key = (store, jobs, words, programs, *(_wide(v) for v in ints))
+        packed = self._native_kernels.get(key)
+        if packed is not None:
+            return packed
+        try:
+            info = self._launcher.native_kernel(
+                store, True, jobs, words, self.config.num_warps, ints
+            )
+        except ValueError as err:  # a Triton whose kernel ABI native.c does not know
+            self.native_reason = f"copy kernel: {err}"
+            log.warning("kvoffload: the staged backend enqueues in Python: %s", err)
+            self._native = None
+            return None
+        if info is None:
+            return None
+        packed = self._native_kernels[key] = info.pack(programs)
+        return packed
+
+    def _run_native(
+        self,
+        spec: TransferSpec,
+        kernel: np.ndarray,
+        plan: _Schedule,
+        at: np.ndarray,
+        table: np.ndarray,
+        position: int,
+        index: Buffer,
+        regions: Any,
+        unit: int,
+    ) -> None:
+        args, out = self._native_args[spec.direction]
+        if table.strides[1] != 8:
+            table = np.ascontiguousarray(table)
+        row = table.strides[0]
+        start = native.address(table)
+        f = native.field
+        args[f("n_chunks")] = len(plan.sizes)
+        args[f("starts")] = plan.starts_address
+        args[f("counts")] = plan.sizes_address
+        args[f("part_at")] = native.address(at)
+        args[f("src")] = start
+        args[f("dst")] = start + row
+        args[f("size")] = start + 2 * row
+        args[f("position")] = position
+        args[f("ahead")] = self.config.depth
+        args[f("blocks")] = int(index.device.data_ptr())
+        args[f("regions")] = int(regions.data_ptr())
+        args[f("n_regions")] = regions.shape[1]
+        args[f("unit")] = unit
+        err = self._native.kvo_staged(
+            native.address(self._native_driver),
+            native.address(kernel),
+            native.address(args),
+            native.address(out),
+        )
+        self.native_parts += 1
+        if err:
+            code, step, chunk, desc = (int(v) for v in out)
+            where = f"chunk {chunk} of {len(plan.sizes)}"
+            if step == 2:
+                n = table.shape[1]
+                index_ = desc if 0 <= desc < n else None
+                raise cu.CudaCopyError(
+                    f"copy of {where} failed with {cu.error_name(code)} at descriptor "
+                    f"{index_} of {n}",
+                    code,
+                    index_,
+                )
+            raise RuntimeError(
+                f"{native.STEPS.get(step, step)} of {where} failed: {cu.error_name(code)}"
+            )
 
     def _slice_count(self, group: LayerGroup) -> int:
         return slice_count(
@@ -279,59 +443,110 @@ class StagedBackend(CudaBackend):
         depth = self.config.depth
         plan = _schedule(n, unit, self.config.first_chunk_bytes, self.area_bytes, store)
         position = ring.position  # areas are used round-robin across transfers
-        areas = [(position + k) % depth for k in range(len(plan.sizes))]
         ring.position = (position + len(plan.sizes)) % depth
-        gather, dmas = lane.handles[GATHER], lane.handles[DMA:]
         index = prepared.index
         tables = self._tables.take(3 * n)
         try:
-            chunks = [
-                _Chunk(area, start, count, regions, unit)
-                for area, start, count in zip(areas, plan.starts, plan.sizes, strict=True)
-            ]
-            # The host runs ``ahead`` chunks in front: a store enqueues the first gathers before it
-            # builds the descriptors, a load the first DMAs before the first scatter, so the GPU
-            # has queued work while the host enqueues the rest. The area events keep the order.
-            ahead = min(depth, len(chunks))
-            if store:
-                for k in range(ahead):
-                    self._gather(lane, spec, index, ring, chunks[k])
-            # One descriptor per block: its staged image <-> its bytes in the host slot.
-            table = tables.host[: 3 * n].reshape(3, n)
-            staged, host = (table[0], table[1]) if store else (table[1], table[0])
-            np.take(ring.bases, (plan.chunk + position) % depth, out=staged)
-            staged += plan.offset
-            np.add(prepared.host, offset, out=host)
-            table[2] = unit
-            at: Any = plan.starts
-            if unit == self.arena.slot_bytes and n > 1:  # whole slots: consecutive ones merge
-                table, breaks = coalesce(table, plan.breaks)
-                at = breaks.tolist()
-            ends = [*at[1:], table.shape[1]]
-            parts = [table[:, a:e] for a, e in zip(at, ends, strict=True)]
-            if store:
-                for k, chunk in enumerate(chunks):
-                    dma = dmas[k % len(dmas)]
-                    cu.stream_wait_event(dma, ring.filled[chunk.area])
-                    self.driver.memcpy_batch(parts[k], dma)
-                    cu.event_record(ring.free[chunk.area], dma)
-                    if k + ahead < len(chunks):
-                        self._gather(lane, spec, index, ring, chunks[k + ahead])
-                for extra, join in zip(dmas[1:], ring.joins, strict=False):  # the tail waits
+            kernel = None
+            if self._native is not None:
+                last = len(plan.sizes) - 1
+                ints = (plan.starts[last], max(plan.sizes), regions.shape[1], self._area0, unit)
+                kernel = self._native_kernel(spec, ints)
+            if kernel is not None:
+                table, at = self._descriptors(spec, plan, prepared, tables, position, offset, unit)
+                parts_at = np.array([*at, table.shape[1]], dtype=np.int64)
+                self._run_native(
+                    spec, kernel, plan, parts_at, table, position, index, regions, unit
+                )
+            else:
+                self._python_loop(
+                    spec, lane, plan, prepared, tables, position, offset, unit, regions
+                )
+            if store:  # the tail stream waits for the extra DMA streams
+                for extra, join in zip(lane.handles[DMA + 1 :], ring.joins, strict=False):
                     cu.event_record(join, extra)
                     cu.stream_wait_event(lane.tail, join)
-            else:
-                for k in range(ahead):
-                    self._send(dmas[k % len(dmas)], ring, chunks[k].area, parts[k])
-                for k, chunk in enumerate(chunks):
-                    cu.stream_wait_event(gather, ring.filled[chunk.area])
-                    self._move(lane, spec, index, chunk, int(ring.bases[chunk.area]))
-                    cu.event_record(ring.free[chunk.area], gather)
-                    if k + ahead < len(chunks):
-                        later = k + ahead
-                        self._send(dmas[later % len(dmas)], ring, chunks[later].area, parts[later])
         finally:
             self._tables.release(tables, lane.tail)
+
+    def _descriptors(
+        self,
+        spec: TransferSpec,
+        plan: _Schedule,
+        prepared: _Prepared,
+        tables: Buffer,
+        position: int,
+        offset: int,
+        unit: int,
+    ) -> tuple[np.ndarray, list[int]]:
+        """One descriptor per block (its staged image <-> its bytes in the host slot), whole
+        slots that continue each other merged; and where each chunk's descriptors start."""
+        n, depth = len(spec), self.config.depth
+        ring = self._rings[spec.direction]
+        table = tables.host[: 3 * n].reshape(3, n)
+        staged, host = (table[0], table[1]) if spec.direction == "store" else (table[1], table[0])
+        np.take(ring.bases, (plan.chunk + position) % depth, out=staged)
+        staged += plan.offset
+        np.add(prepared.host, offset, out=host)
+        table[2] = unit
+        at: list[int] = plan.starts
+        if unit == self.arena.slot_bytes and n > 1:  # whole slots: consecutive ones merge
+            table, breaks = coalesce(table, plan.breaks)
+            at = breaks.tolist()
+        return table, at
+
+    def _python_loop(
+        self,
+        spec: TransferSpec,
+        lane: Lane,
+        plan: _Schedule,
+        prepared: _Prepared,
+        tables: Buffer,
+        position: int,
+        offset: int,
+        unit: int,
+        regions: Any,
+    ) -> None:
+        """``native.kvo_staged`` in Python: the fallback, and the first use of a kernel variant
+        (Triton compiles it)."""
+        self.python_parts += 1
+        store = spec.direction == "store"
+        ring, depth = self._rings[spec.direction], self.config.depth
+        gather, dmas = lane.handles[GATHER], lane.handles[DMA:]
+        index = prepared.index
+        areas = [(position + k) % depth for k in range(len(plan.sizes))]
+        chunks = [
+            _Chunk(area, start, count, regions, unit)
+            for area, start, count in zip(areas, plan.starts, plan.sizes, strict=True)
+        ]
+        # The host runs ``ahead`` chunks in front: a store enqueues the first gathers before it
+        # builds the descriptors, a load the first DMAs before the first scatter, so the GPU has
+        # queued work while the host enqueues the rest. The area events keep the order.
+        ahead = min(depth, len(chunks))
+        if store:
+            for k in range(ahead):
+                self._gather(lane, spec, index, ring, chunks[k])
+        table, at = self._descriptors(spec, plan, prepared, tables, position, offset, unit)
+        ends = [*at[1:], table.shape[1]]
+        parts = [table[:, a:e] for a, e in zip(at, ends, strict=True)]
+        if store:
+            for k, chunk in enumerate(chunks):
+                dma = dmas[k % len(dmas)]
+                cu.stream_wait_event(dma, ring.filled[chunk.area])
+                self.driver.memcpy_batch(parts[k], dma)
+                cu.event_record(ring.free[chunk.area], dma)
+                if k + ahead < len(chunks):
+                    self._gather(lane, spec, index, ring, chunks[k + ahead])
+        else:
+            for k in range(ahead):
+                self._send(dmas[k % len(dmas)], ring, chunks[k].area, parts[k])
+            for k, chunk in enumerate(chunks):
+                cu.stream_wait_event(gather, ring.filled[chunk.area])
+                self._move(lane, spec, index, chunk, int(ring.bases[chunk.area]))
+                cu.event_record(ring.free[chunk.area], gather)
+                if k + ahead < len(chunks):
+                    later = k + ahead
+                    self._send(dmas[later % len(dmas)], ring, chunks[later].area, parts[later])
 
     def _gather(
         self, lane: Lane, spec: TransferSpec, index: Buffer, ring: _Ring, chunk: _Chunk
