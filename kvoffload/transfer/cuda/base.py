@@ -20,7 +20,8 @@ shortens an engine's wait depends on its compute per layer against the link time
 (measured in docs/transfer.md, "Layer slices"); equal slices are the default.
 
 Submission (``submitter.Submitter``, one per direction, FIFO): a transfer of at most
-``inline_bytes`` (default 0) is enqueued in the caller's thread when its direction is idle (no
+``inline_bytes`` (default 0; ``staged`` with its compiled loop: 32 MiB) is enqueued in the
+caller's thread when its direction is idle (no
 thread hand-off); a larger one, or one arriving while another is being enqueued, goes to the
 direction's thread, which sleeps when idle (no polling). ``submit_thread=False`` always enqueues
 in the caller's thread. The host time of each transfer's enqueue is in

@@ -27,6 +27,12 @@ descriptor at least ``layer_slice_bytes`` (one descriptor per block and slice; t
 ``max_layer_slices``: measured on the H100, 16 slices of 128 KiB moved a 740-block load of 2 MiB
 slots as fast as 8 (see ``StagedConfig`` and docs/transfer.md); smaller slots load in fewer.
 
+The per-chunk loop (waits, kernel launches, batch copies, records) runs compiled (``native.c``,
+``native.py``) with the GIL released, once Triton has compiled the kernel variant a transfer part
+needs; the first use of a variant, and machines without a C compiler, run it in Python
+(``_python_loop``, the same calls in the same order). With the compiled loop, transfers up to
+``NATIVE_INLINE_BYTES`` are enqueued in the caller's thread.
+
 Staging memory is ``2 * staging_bytes`` of device memory (one ring per direction, so stores and
 loads overlap); each ring area holds at least one block.
 """
