@@ -106,9 +106,7 @@ class CopyLauncher:
         num_warps: int = 4,
     ) -> None:
         ints = (first, n_blocks, n_regions, host_base, slot_stride)
-        # Triton types an int argument i32 or i64 by its value: a compiled variant fits only
-        # values of the same widths.
-        key = (to_host, identity, jobs, words, num_warps, *(_wide(v) for v in ints))
+        key = variant(to_host, identity, jobs, words, num_warps, ints)
         args = (blocks, slots, regions, *ints, to_host, identity, jobs, words)
         kernel = self._compiled.get(key)
         if kernel is None:
@@ -134,11 +132,18 @@ class CopyLauncher:
         Raises ValueError where the compiled kernel does not have the parameters
         ``native.kvo_staged`` passes (a Triton whose ABI differs from the one this was written
         for): the caller then keeps launching through Triton."""
-        key = (to_host, identity, jobs, words, num_warps, *(_wide(v) for v in ints))
-        kernel = self._compiled.get(key)
+        kernel = self._compiled.get(variant(to_host, identity, jobs, words, num_warps, ints))
         if kernel is None:
             return None
         return native_info(kernel)
+
+
+def variant(
+    to_host: bool, identity: bool, jobs: int, words: int, num_warps: int, ints: tuple[int, ...]
+) -> tuple[Any, ...]:
+    """The key of one compiled variant: Triton types an int argument i32 or i64 by its value, so
+    a compiled variant fits only values of the same widths."""
+    return (to_host, identity, jobs, words, num_warps, *(_wide(v) for v in ints))
 
 
 def native_info(kernel: Any) -> NativeKernel:

@@ -331,7 +331,7 @@ class StagedBackend(CudaBackend):
         yet: this part goes through Python and Triton, which compiles it)."""
         jobs, words = self._tiles[spec.group]
         store = spec.direction == "store"
-        programs = self.config.programs if store or jobs > 1 else self.config.load_programs
+        programs = self._programs(spec)
         key = (store, jobs, words, programs, *(_wide(v) for v in ints))
         packed = self._native_kernels.get(key)
         if packed is not None:
@@ -575,7 +575,7 @@ class StagedBackend(CudaBackend):
         """Gather (store) or scatter (load) the chunk's blocks between the engine and ``area``."""
         jobs, words = self._tiles[spec.group]
         store = spec.direction == "store"
-        programs = self.config.programs if store or jobs > 1 else self.config.load_programs
+        programs = self._programs(spec)
         self._launcher.launch(
             lane.streams[GATHER],
             programs,
@@ -593,6 +593,13 @@ class StagedBackend(CudaBackend):
             words=words,
             num_warps=self.config.num_warps,
         )
+
+    def _programs(self, spec: TransferSpec) -> int:
+        """Programs of the copy kernel for ``spec``: ``load_programs`` for loads of pieces that
+        fill a loop step alone (one job per step), ``programs`` otherwise."""
+        jobs = self._tiles[spec.group][0]
+        store = spec.direction == "store"
+        return self.config.programs if store or jobs > 1 else self.config.load_programs
 
     def _close_buffers(self) -> None:
         self._index.close()
