@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.transfer.cuda import base, driver, native, pending
+from kvoffload.transfer.cuda import base, driver, engine, native, pending
 from kvoffload.transfer.layout import KVLayout
 
 _ids = itertools.count(16)
@@ -56,6 +56,12 @@ class Calls:
     errors: list[BaseException] = field(default_factory=list)
     # a batch copy through the C entry point fails at this descriptor of the batch (None: never)
     fail_batch_at: int | None = None
+    # cuEventRecord through the C entry point fails on this stream (None: never)
+    fail_record_on: int | None = None
+    events: int = 0  # events the C entry points created and not destroyed
+    memory: dict[int, Any] = field(default_factory=dict)  # allocations: address -> buffer
+    # what the C entry point cuLaunchKernel runs (tests swap it to hold a launch)
+    launch_impl: Any = None
 
 
 class FakeDriver:
@@ -81,18 +87,18 @@ class FakeDriver:
         ctypes.memmove(dst, src, nbytes)
         self.calls.log.append(("copy", stream, nbytes))
 
-    @property
-    def entry(self) -> dict[str, int]:
-        """The raw entry points ``native.c`` calls: ctypes callbacks doing what the Python fake
-        does, with the same log entries (so both loops' logs compare)."""
-        if not hasattr(self, "_entry"):
+    def table(self) -> int:
+        """The address of a ``kvo_driver`` table (native/kvo.h) whose entry points are ctypes
+        callbacks doing what the Python fake does, with the same log entries (so the native
+        engine's calls and the Python path's compare)."""
+        if not hasattr(self, "_table"):
             self._callbacks = _entry_callbacks(self.calls)
-            self._entry = {
-                k: ctypes.cast(f, ctypes.c_void_p).value or 0 for k, f in self._callbacks.items()
-            }
-            self._entry["attrs"] = ctypes.addressof(driver._ATTRS)
-            self._entry["attr_index"] = ctypes.addressof(driver._ATTR_INDEX)
-        return self._entry
+            addresses = [
+                ctypes.cast(self._callbacks[k], ctypes.c_void_p).value or 0
+                for k in native.DRIVER_FIELDS
+            ]
+            self._table = (ctypes.c_uint64 * len(addresses))(*addresses)
+        return ctypes.addressof(self._table)
 
 
 class FakeLauncher:
@@ -243,6 +249,8 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         return 0
 
     def record(event, stream):
+        if calls.fail_record_on == stream:
+            return driver.CUDA_ERROR_INVALID_VALUE
         calls.log.append(("record", stream, event))
         return 0
 
@@ -250,12 +258,59 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         calls.log.append(("wait", stream, event))
         return 0
 
+    def event_create(out, flags):
+        ctypes.c_void_p.from_address(out).value = next(_ids) << 8
+        calls.events += 1
+        return 0
+
+    def event_destroy(event):
+        calls.events -= 1
+        return 0
+
+    def ok(*args):
+        return 0
+
+    def ctx_get(out):
+        ctypes.c_void_p.from_address(out).value = 1
+        return 0
+
+    def alloc(out, nbytes, *flags):
+        buf = ctypes.create_string_buffer(nbytes)
+        address = ctypes.addressof(buf)
+        calls.memory[address] = buf
+        ctypes.c_uint64.from_address(out).value = address
+        return 0
+
+    def free(address):
+        return 0 if calls.memory.pop(address, None) is not None else driver.CUDA_ERROR_INVALID_VALUE
+
+    names: dict[int, Any] = {}
+
+    def error_name(code, out):
+        text = names.setdefault(code, ctypes.create_string_buffer(f"FAKE_ERROR_{code}".encode()))
+        ctypes.c_void_p.from_address(out).value = ctypes.addressof(text)
+        return 0
+
+    pointer = ctypes.CFUNCTYPE(ctypes.c_int, _P)
+    calls.launch_impl = launch
     return {
-        "launch": _LAUNCH(guarded(launch)),
+        "launch": _LAUNCH(guarded(lambda *args: calls.launch_impl(*args))),
         "batch": _BATCH(guarded(batch)),
         "copy": _COPY(guarded(copy)),
         "record": _RECORD(guarded(record)),
         "wait": _WAIT(guarded(wait)),
+        "event_create": ctypes.CFUNCTYPE(ctypes.c_int, _P, _U)(guarded(event_create)),
+        "event_destroy": pointer(guarded(event_destroy)),
+        "event_query": pointer(guarded(ok)),
+        "event_sync": pointer(guarded(ok)),
+        "ctx_get": pointer(guarded(ctx_get)),
+        "ctx_set": pointer(guarded(ok)),
+        "mem_alloc": ctypes.CFUNCTYPE(ctypes.c_int, _P, ctypes.c_size_t)(guarded(alloc)),
+        "mem_free": ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64)(guarded(free)),
+        "host_alloc": ctypes.CFUNCTYPE(ctypes.c_int, _P, ctypes.c_size_t, _U)(guarded(alloc)),
+        "host_free": ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64)(guarded(free)),
+        "stream_sync": pointer(guarded(ok)),
+        "error_name": ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, _P)(guarded(error_name)),
     }
 
 
@@ -321,6 +376,14 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.Tensor, "to", to)
     monkeypatch.setattr(pending, "ENQUEUE_TIMEOUT", 10.0)
+    fake = FakeDriver(calls)
+    monkeypatch.setattr(engine, "_driver_table", fake.table)
+    real_zeros = torch.zeros
+
+    def zeros(*shape: Any, device: Any = None, **kw: Any) -> Any:
+        return real_zeros(*shape, **kw)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
     yield calls
     assert not calls.errors, f"the fake driver's C callbacks raised: {calls.errors}"
     gc.collect()  # pendings left over give their events back while the fake is in place

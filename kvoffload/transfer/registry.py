@@ -28,12 +28,25 @@ def _sm(layout: KVLayout, arena: HostArena) -> CopyBackend:
 
 
 def _staged(layout: KVLayout, arena: HostArena) -> CopyBackend:
+    from kvoffload.transfer.cuda.engine import make_staged
+
+    return make_staged(layout, arena)
+
+
+def _staged_python(layout: KVLayout, arena: HostArena) -> CopyBackend:
     from kvoffload.transfer.cuda.staged import StagedBackend
+    from kvoffload.transfer.cuda.staged_config import StagedConfig
 
-    return StagedBackend(layout, arena)
+    return StagedBackend(layout, arena, config=StagedConfig(native=False))
 
 
-BACKENDS: dict[str, BackendFactory] = {"host": _host, "dma": _dma, "sm": _sm, "staged": _staged}
+BACKENDS: dict[str, BackendFactory] = {
+    "host": _host,
+    "dma": _dma,
+    "sm": _sm,
+    "staged": _staged,  # the native engine where it is built, else its Python path
+    "staged-python": _staged_python,  # the Python path always (the fallback, for comparison)
+}
 
 
 def register_backend(name: str, factory: BackendFactory) -> None:

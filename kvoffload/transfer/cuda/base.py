@@ -46,12 +46,7 @@ import numpy as np
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import CopyBackend
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.chunks import (
-    bound_owner,
-    bound_regions,
-    first_slice_layers,
-    slice_bounds,
-)
+from kvoffload.transfer.cuda.chunks import first_slice_layers, load_schedules
 from kvoffload.transfer.cuda.pending import CudaPending, EventPool
 from kvoffload.transfer.cuda.submitter import Submitter
 from kvoffload.transfer.descriptors import region_arrays
@@ -145,15 +140,13 @@ class CudaBackend(CopyBackend):
         self.load_parts: list[list[range]] = []
         self._plans: list[dict[int, tuple[int, np.ndarray]]] = []
         for g in layout.groups:
-            most = self._slice_count(g)
-            counts = sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {most})
-            first = self._first_slice_layers(g)
-            flat: list[range] = []
-            plans = {}
-            for c in counts:  # a later count's schedule has smaller slices: it wins a tie
-                bounds = slice_bounds(g.num_layers, c, first if c > 1 else 0)
-                plans[len(bounds) - 1] = (len(flat), bound_owner(bounds))
-                flat.extend(bound_regions(g.layer_starts, len(g.regions), bounds))
+            flat, plans = load_schedules(
+                g.num_layers,
+                g.layer_starts,
+                len(g.regions),
+                self._slice_count(g),
+                self._first_slice_layers(g),
+            )
             self.load_parts.append(flat)
             self._plans.append(plans)
         self.min_slice_transfer_bytes = SLICE_TRANSFER_BYTES

@@ -94,6 +94,25 @@ def bound_owner(bounds: Sequence[int]) -> np.ndarray:
     )
 
 
+def load_schedules(
+    layers: int, layer_starts: Sequence[int], n_regions: int, most: int, first: int
+) -> tuple[list[range], dict[int, tuple[int, np.ndarray]]]:
+    """Every layer-slice schedule a load of one layer group may take: equal counts of powers of
+    two up to ``most``, and ``most`` itself, each ramped from ``first`` layers (0: equal slices).
+
+    Returns the regions of every slice of every schedule, flat, and per schedule (keyed by its
+    number of slices; a later count's schedule has smaller slices and wins a tie) where its slices
+    start in that list and which slice holds each layer."""
+    counts = sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {most})
+    flat: list[range] = []
+    plans: dict[int, tuple[int, np.ndarray]] = {}
+    for c in counts:
+        bounds = slice_bounds(layers, c, first if c > 1 else 0)
+        plans[len(bounds) - 1] = (len(flat), bound_owner(bounds))
+        flat.extend(bound_regions(layer_starts, n_regions, bounds))
+    return flat, plans
+
+
 def layer_slices(layer_starts: Sequence[int], n_regions: int, slices: int) -> list[range]:
     """Cut a group's layers into ``slices`` near-equal runs of consecutive layers and return each
     run's regions (``slice_bounds`` with no ramp)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -114,8 +114,6 @@ class CudaDriver:
     batch: BatchFn | None
     copy: CopyFn
     version: int
-    # raw addresses of the entry points the compiled enqueue loop calls (native.DRIVER_FIELDS)
-    entry: dict[str, int] = field(default_factory=dict)
 
     @property
     def batch_resolved(self) -> bool:
@@ -128,16 +126,7 @@ class CudaDriver:
             raise RuntimeError("the CUDA driver has no cuMemcpyAsync entry point")
         batch_addr = resolve("cuMemcpyBatchAsync", BATCH_VERSION) if use_batch else None
         batch = _BatchFn(batch_addr) if batch_addr else None
-        entry = {"batch": batch_addr or 0, "copy": copy_addr}
-        for key, name in (
-            ("launch", "cuLaunchKernel"),
-            ("record", "cuEventRecord"),
-            ("wait", "cuStreamWaitEvent"),
-        ):
-            entry[key] = resolve(name, 12000) or 0
-        entry["attrs"] = ctypes.addressof(_ATTRS)
-        entry["attr_index"] = ctypes.addressof(_ATTR_INDEX)
-        return cls(batch, _CopyFn(copy_addr), driver_version(), entry)
+        return cls(batch, _CopyFn(copy_addr), driver_version())
 
     def memcpy_batch(self, table: np.ndarray, stream: int) -> None:
         """Enqueue the copies of a (3, n) int64 ``table`` of rows (src, dst, bytes) on ``stream``.

@@ -1,124 +1,83 @@
-"""The compiled enqueue loop of the ``staged`` backend (``native.c``): build, load, call.
+"""The native transfer engine's extension module (``kvoffload.transfer.cuda._engine``): whether it
+is there, and why not.
 
-Why: the Python chunk loop holds the GIL for ~20-40 us per chunk (a Triton launch through its
-Python launcher, five ctypes calls, list work), 0.4-0.75 ms per transfer on the H100 VM, and an
-engine that launches its kernels from Python in the same process waits for the GIL meanwhile
-(docs/transfer.md, "Host time"). ``kvo_staged`` runs one transfer part's whole chunk loop in C with
-the GIL released (ctypes releases it for the call): Python keeps the validation, the chunk plan and
-the descriptor table (numpy, vectorized), C does the per-chunk driver calls.
-
-How it is built: at first use, with the system C compiler (``$CC``, else ``cc``), into the cache
-directory (``$KVOFFLOAD_CACHE_DIR``, else ``~/.cache/kvoffload``), named by a hash of the source,
-so a new version never loads an old build. It needs no CUDA headers and no Python headers, so a
-C compiler alone suffices; ``pip install`` compiles nothing. Without a compiler (or with
-``KVOFFLOAD_NATIVE=0``) ``library()`` returns None and ``unavailable()`` says why; the backend
-then runs the same loop in Python, with the same bytes and the same ordering.
+The extension is compiled when the package is installed (``setup.py``: plain C, no CUDA toolkit;
+the driver is resolved from ``libcuda.so.1`` at run time), never at run time. Where it is missing
+(an install without a C compiler) or disabled (``KVOFFLOAD_NATIVE=0``), ``module()`` returns None,
+``unavailable()`` says why, and the ``staged`` backend runs its pure-Python path
+(``kvoffload.transfer.cuda.staged``), which moves the same bytes in the same order.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
-from kvoffload.transfer.calibration import cache_dir
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("native.c")
 ABI = 1
-STEPS = {1: "cuLaunchKernel", 2: "copy", 3: "cuEventRecord", 4: "cuStreamWaitEvent"}
-# kvo_transfer's fields, in order (all 64-bit)
-TRANSFER_FIELDS = (
-    *("store", "n_chunks", "starts", "counts", "part_at", "src", "dst", "size"),
-    *("position", "depth", "bases", "filled", "freed", "gather", "dmas", "n_dmas", "ahead"),
-    *("blocks", "regions", "n_regions", "unit"),
+# kvo_driver's entry points, in order (kvoffload/transfer/cuda/native/kvo.h)
+DRIVER_FIELDS = (
+    *("launch", "batch", "copy", "record", "wait", "event_create", "event_destroy"),
+    *("event_query", "event_sync", "ctx_get", "ctx_set", "mem_alloc", "mem_free"),
+    *("host_alloc", "host_free", "stream_sync", "error_name"),
 )
-_FIELD = {name: i for i, name in enumerate(TRANSFER_FIELDS)}
-DRIVER_FIELDS = ("launch", "batch", "copy", "record", "wait", "attrs", "attr_index")
+STEPS = {
+    1: "cuLaunchKernel",
+    2: "copy",
+    3: "cuEventRecord",
+    4: "cuStreamWaitEvent",
+    5: "allocation",
+    6: "kernel argument",
+    7: "cuEventQuery",
+    8: "cancel",
+    9: "close",
+}
+STEP_COPY = 2
 
 _reason: str | None = None
 
 
-def unavailable() -> str | None:
-    """Why the compiled loop is not in use (None: it is, or ``library()`` was not called yet)."""
-    return _reason
+def disabled() -> bool:
+    return os.environ.get("KVOFFLOAD_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built and loaded library, or None (the reason in ``unavailable()``)."""
-    global _reason
-    if os.environ.get("KVOFFLOAD_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-        _reason = "disabled by KVOFFLOAD_NATIVE=0"
-        return None
+def _load() -> tuple[ModuleType | None, str | None]:
+    if disabled():
+        return None, "disabled by KVOFFLOAD_NATIVE=0"
     try:
-        path = build()
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError) as err:
-        _reason = str(err)
-        log.warning(
-            "kvoffload: the staged backend enqueues in Python (slower host path): %s", _reason
+        from kvoffload.transfer.cuda import _engine  # type: ignore[attr-defined]
+    except ImportError as err:
+        return None, (
+            f"the native engine extension is not built ({err}); reinstall kvoffload with a C "
+            "compiler present (gcc or clang) to build it"
         )
-        return None
-    if lib.kvo_abi() != ABI:
-        _reason = f"expected native ABI {ABI} in {path}, got {lib.kvo_abi()}"
-        return None
-    fn = lib.kvo_staged
-    fn.argtypes = [ctypes.c_void_p] * 4
-    fn.restype = ctypes.c_int
-    _reason = None
-    return lib
+    if _engine.ABI != ABI or len(DRIVER_FIELDS) != _engine.DRIVER_FIELDS:
+        return None, f"expected native engine ABI {ABI}, got {_engine.ABI} (a stale build)"
+    return _engine, None
 
 
-def build(directory: Path | None = None) -> Path:
-    """Compile ``native.c`` (once per source version) and return the shared library's path.
+def module() -> ModuleType | None:
+    """The extension module, or None (the reason in ``unavailable()``)."""
+    return _load()[0]
 
-    RuntimeError naming the compiler and its output when it is missing or fails."""
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
-    directory = directory or cache_dir() / "native"
-    path = directory / f"kvoffload_native_{tag}.so"
-    if path.exists():
-        return path
-    compiler = os.environ.get("CC") or "cc"
-    found = shutil.which(compiler)
-    if found is None:
-        raise RuntimeError(
-            f"expected a C compiler ({compiler!r}, from $CC or 'cc') on PATH to build the "
-            "staged backend's enqueue loop, found none (install gcc, or set CC)"
-        )
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-    os.close(fd)
-    cmd = [found, "-O2", "-std=c99", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"expected {' '.join(cmd[:-3])} to build {SOURCE.name}, it failed with exit "
-                f"{done.returncode}: {(done.stderr or done.stdout).strip()[:500]}"
-            )
-        os.replace(tmp, path)  # atomic: concurrent builders leave one complete file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+
+def unavailable() -> str | None:
+    """Why the native engine is not in use (None: it is available)."""
+    return _load()[1]
+
+
+def reset() -> None:
+    """Forget the cached answer (tests toggle ``KVOFFLOAD_NATIVE``)."""
+    _load.cache_clear()
 
 
 @dataclass(frozen=True)
 class NativeKernel:
-    """How to launch one compiled variant of the copy kernel from C (``kvo_kernel``)."""
+    """How C launches one compiled variant of the copy kernel (``kvo_kernel`` in kvo.h)."""
 
     function: int  # CUfunction
     block: int  # threads per program
@@ -126,24 +85,8 @@ class NativeKernel:
     wide: int  # bit j: integer argument j is i64
     hidden: int  # trailing pointer parameters the compiler added
 
-    def pack(self, programs: int) -> np.ndarray:
-        return np.array(
-            [self.function, programs, self.block, self.shared, self.wide, self.hidden],
-            dtype=np.int64,
-        )
-
-
-def pack_driver(entry: dict[str, int]) -> np.ndarray:
-    """``kvo_driver`` from the driver's entry-point addresses (``batch`` may be 0)."""
-    return np.array([entry[name] for name in DRIVER_FIELDS], dtype=np.uint64).view(np.int64)
-
-
-def new_transfer() -> np.ndarray:
-    return np.zeros(len(TRANSFER_FIELDS), dtype=np.int64)
-
-
-def field(name: str) -> int:
-    return _FIELD[name]
+    def pack(self, programs: int) -> list[int]:
+        return [self.function, programs, self.block, self.shared, self.wide, self.hidden]
 
 
 def wide(v: int) -> bool:

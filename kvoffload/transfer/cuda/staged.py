@@ -27,11 +27,9 @@ descriptor at least ``layer_slice_bytes`` (one descriptor per block and slice; t
 ``max_layer_slices``: measured on the H100, 16 slices of 128 KiB moved a 740-block load of 2 MiB
 slots as fast as 8 (see ``StagedConfig`` and docs/transfer.md); smaller slots load in fewer.
 
-The per-chunk loop (waits, kernel launches, batch copies, records) runs compiled (``native.c``,
-``native.py``) with the GIL released, once Triton has compiled the kernel variant a transfer part
-needs; the first use of a variant, and machines without a C compiler, run it in Python
-(``_python_loop``, the same calls in the same order). With the compiled loop, transfers up to
-``NATIVE_INLINE_BYTES`` are enqueued in the caller's thread.
+This is the Python path of the ``staged`` backend: the fallback where the native engine
+(``engine.py``, the compiled extension built at install) is missing or disabled, and the oracle its
+CPU tests compare call orders with. ``native/pipeline.c`` runs the same steps in the same order.
 
 Staging memory is ``2 * staging_bytes`` of device memory (one ring per direction, so stores and
 loads overlap); each ring area holds at least one block.
@@ -48,99 +46,18 @@ import numpy as np
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda import native
-from kvoffload.transfer.cuda.base import (
-    INLINE_BYTES,
-    SLICE_TRANSFER_BYTES,
-    CudaBackend,
-    Lane,
-)
+from kvoffload.transfer.cuda.base import INLINE_BYTES, CudaBackend, Lane
 from kvoffload.transfer.cuda.buffers import Buffer, BufferRing
 from kvoffload.transfer.cuda.chunks import chunk_blocks, coalesce, slice_count, tile
-from kvoffload.transfer.cuda.sm import check_kernel_shape, check_words
+from kvoffload.transfer.cuda.sm import check_words
+from kvoffload.transfer.cuda.staged_config import StagedConfig
+
+__all__ = ["StagedBackend", "StagedConfig"]
 from kvoffload.transfer.layout import KVLayout, LayerGroup
 from kvoffload.transfer.spec import TransferSpec
 
 log = logging.getLogger(__name__)
-_wide = native.wide
-# With the compiled loop, transfers up to this many bytes are enqueued in the caller's thread when
-# their direction is idle (``base.INLINE_BYTES`` without it: every transfer to the thread). On the
-# H100 (2026-11-23, staged_sweep.py "enqueue"), a launch-bound Python loop submitting a 2-block
-# store and load per step ran +128% slower per step with the compiled loop on the thread and +54%
-# inline (host CPU per transfer 590 vs 192 us; +150% / 648 us with the Python loop on the
-# thread), and a 1-block store took 215 vs 147 us end to end: waking the thread costs more than
-# the compiled enqueue of a small transfer. Larger transfers (a 740-block load enqueues for
-# ~15 ms, mostly in the driver) stay on the thread so the caller goes on at once. 32 MiB: 16
-# Llama-3-8B blocks; a load this small is one layer slice (``SLICE_TRANSFER_BYTES``).
-NATIVE_INLINE_BYTES = 32 << 20
-
 GATHER, DMA = 0, 1  # a lane's streams: the gather/scatter kernels, then the DMA stream(s)
-
-
-@dataclass(frozen=True)
-class StagedConfig:
-    # Device staging memory per direction, in bytes (cut into ``depth`` areas, each at least one
-    # block).
-    staging_bytes: int = 128 << 20
-    # Staging areas per direction: how many chunks can be in flight (gathered, not yet sent).
-    depth: int = 4
-    # Bytes of the first chunk of a store (the last of a load); chunks double from there.
-    first_chunk_bytes: int = 4 << 20
-    # Programs of the gather/scatter kernel, and bytes each moves per loop step (a tile of
-    # several pieces; see kernels.tile).
-    programs: int = 16
-    # Programs of a load's scatter where a loop step moves one piece (pieces > 16 KiB: Llama-3-8B,
-    # Qwen2.5-7B at 32-token blocks); loads of smaller pieces use ``programs``. On the H100
-    # (2026-11-23, staged_sweep.py "programs", Llama-3-8B 512 blocks, 64 KiB pieces) 4 programs
-    # loaded 51.5 GB/s as 16 did (51.4), and a bf16 GEMM beside store+load (4 programs both ways)
-    # ran +2.1% slower against +3.3% with 16 and +5.7% with 32 (noise 0.8%). Store GB/s at 4
-    # programs and smaller pieces were not measured, so stores and those loads keep ``programs``.
-    load_programs: int = 4
-    chunk_bytes: int = 32768
-    num_warps: int = 8
-    # DMA streams per direction; consecutive chunks alternate between them. Two gained nothing on
-    # the H100 (2 MiB, 320 KiB and 486 KiB slots, same probe), so one.
-    dma_streams: int = 1
-    # A load's layer slices: each at least this many bytes per block (one descriptor per block and
-    # slice), at most ``max_layer_slices`` slices. On the H100 (2026-11-23, staged_sweep.py
-    # "overlap": a Llama-3-8B load of 740 blocks beside a synthetic prefill that waits for each
-    # layer and computes it in 1.1x / 2x that layer's link time) the prefill waited 2.9 / 3.2 ms
-    # beyond its compute with 16 equal slices of 128 KiB, 4.8 / 4.9 ms with 8 of 256 KiB, 4.5 /
-    # 2.9 ms with 8 ramped from one layer, 3.4 / 2.2 ms with 16 ramped, 31 ms with one slice per
-    # layer (the host fell behind); the load moved 52.4, 52.8, 52.7, 50.8 and 47.1 GB/s.
-    layer_slice_bytes: int = 128 << 10
-    max_layer_slices: int = 16
-    # ... and at most one slice per this many bytes of the load (see ``base``).
-    layer_slice_transfer_bytes: int = SLICE_TRANSFER_BYTES
-    # > 0: ramped slices, the first holding the fewest layers that make this many bytes per block
-    # (``FIRST_SLICE_BYTES``: one Llama-3-8B layer), the next twice as many, up to an equal share
-    # (``chunks.slice_bounds``): better where the engine computes a layer in ~2x its link time
-    # (numbers above). 0: equal slices.
-    first_slice_bytes: int = 0
-    # Enqueue each transfer part's chunks with the compiled loop (``native.c``, built at first use
-    # with the system C compiler; the GIL is released while it runs) once the copy kernel's
-    # variant is compiled; False, or no compiler, or ``KVOFFLOAD_NATIVE=0``: the Python loop.
-    native: bool = True
-
-    def __post_init__(self) -> None:
-        check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
-        for name in (
-            "staging_bytes",
-            "depth",
-            "first_chunk_bytes",
-            "load_programs",
-            "dma_streams",
-            "layer_slice_bytes",
-            "max_layer_slices",
-            "layer_slice_transfer_bytes",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"StagedConfig: expected {name} > 0, got {value!r}")
-        if not isinstance(self.first_slice_bytes, int) or self.first_slice_bytes < 0:
-            raise ValueError(
-                f"StagedConfig: expected first_slice_bytes >= 0, got {self.first_slice_bytes!r}"
-            )
 
 
 class _Ring:
@@ -156,10 +73,6 @@ class _Ring:
         self.free = [cu.event_create() for _ in range(depth)]  # area's data has left
         self.joins = [cu.event_create() for _ in range(dma_streams - 1)]  # extra DMA streams' ends
         self.position = 0  # areas are used round-robin across transfers
-        # the same handles as arrays, for the compiled loop
-        self.filled_array = np.array(self.filled, dtype=np.uint64).view(np.int64)
-        self.free_array = np.array(self.free, dtype=np.uint64).view(np.int64)
-        self.dma_array = np.zeros(0, dtype=np.int64)  # the lane's DMA streams (set by the backend)
 
     def close(self) -> None:
         for e in self.filled + self.free + self.joins:
@@ -193,8 +106,6 @@ class _Schedule:
     chunk: np.ndarray  # chunk index of each block
     offset: np.ndarray  # byte offset of each block in its chunk's staging area
     sizes_array: np.ndarray  # ``sizes`` as int64
-    starts_address: int  # of ``breaks`` (for the compiled loop)
-    sizes_address: int  # of ``sizes_array``
 
 
 @functools.lru_cache(maxsize=1024)
@@ -212,8 +123,6 @@ def _schedule(n: int, unit: int, first_bytes: int, area_bytes: int, store: bool)
         chunk,
         offset,
         sizes,
-        native.address(starts),
-        native.address(sizes),
     )
 
 
@@ -231,6 +140,7 @@ class StagedBackend(CudaBackend):
         driver: cu.CudaDriver | None = None,
         submit_thread: bool = True,
         inline_bytes: int | None = None,
+        path_reason: str | None = "StagedConfig(native=False)",
     ) -> None:
         check_words(layout)
         self.config = config = config or StagedConfig()
@@ -278,131 +188,8 @@ class StagedBackend(CudaBackend):
             self._slice_regions.append(tables)
         self._index = BufferRing(self.device, with_device=True)
         self.min_slice_transfer_bytes = config.layer_slice_transfer_bytes
-        self._setup_native()
-        if inline_bytes is None and self._native is not None:
-            self.inline_bytes = NATIVE_INLINE_BYTES
-
-    # -- the compiled loop (native.c) -----------------------------------------------------------
-    def _setup_native(self) -> None:
-        """Use ``native.kvo_staged`` where it can run: a built library, the driver's raw entry
-        points, and staging areas whose addresses all share one integer width."""
-        self.native_parts = 0  # transfer parts enqueued by the compiled loop
-        self.python_parts = 0  # ... by the Python loop
-        self._native: Any = None
-        self.native_reason: str | None = None
-        entry: dict[str, int] = getattr(self.driver, "entry", {})
-        bases = [int(b) for ring in self._rings.values() for b in ring.bases]
-        self._area0 = bases[0]  # any area's address: they all have one width (checked below)
-        if not self.config.native:
-            self.native_reason = "StagedConfig(native=False)"
-        elif native.library() is None:
-            self.native_reason = native.unavailable()
-        elif not all(entry.get(k) for k in ("launch", "copy", "record", "wait")):
-            self.native_reason = "the CUDA driver lacks an entry point the compiled loop calls"
-        elif len({_wide(b) for b in bases}) > 1:
-            self.native_reason = "staging areas on both sides of 2**31 (mixed argument widths)"
-        else:
-            self._native = native.library()
-        if self._native is None:
-            return
-        self._native_driver = native.pack_driver(entry)
-        self._native_kernels: dict[tuple[Any, ...], np.ndarray] = {}
-        self._native_args: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for d, ring in self._rings.items():
-            args = native.new_transfer()
-            lane = self.lanes[d]
-            dmas = np.array(lane.handles[DMA:], dtype=np.uint64).view(np.int64)
-            ring.dma_array = dmas  # kept alive with the ring
-            for name, value in (
-                ("store", int(d == "store")),
-                ("depth", self.config.depth),
-                ("bases", native.address(ring.bases)),
-                ("filled", native.address(ring.filled_array)),
-                ("freed", native.address(ring.free_array)),
-                ("gather", lane.handles[GATHER]),
-                ("dmas", native.address(dmas)),
-                ("n_dmas", len(dmas)),
-            ):
-                args[native.field(name)] = value
-            self._native_args[d] = (args, np.zeros(4, dtype=np.int64))
-
-    def _native_kernel(self, spec: TransferSpec, ints: tuple[int, ...]) -> np.ndarray | None:
-        """The packed ``kvo_kernel`` of this part's copy-kernel variant, or None (not compiled
-        yet: this part goes through Python and Triton, which compiles it)."""
-        jobs, words = self._tiles[spec.group]
-        store = spec.direction == "store"
-        programs = self._programs(spec)
-        key = (store, jobs, words, programs, *(_wide(v) for v in ints))
-        packed = self._native_kernels.get(key)
-        if packed is not None:
-            return packed
-        try:
-            info = self._launcher.native_kernel(
-                store, True, jobs, words, self.config.num_warps, ints
-            )
-        except ValueError as err:  # a Triton whose kernel ABI native.c does not know
-            self.native_reason = f"copy kernel: {err}"
-            log.warning("kvoffload: the staged backend enqueues in Python: %s", err)
-            self._native = None
-            return None
-        if info is None:
-            return None
-        packed = self._native_kernels[key] = info.pack(programs)
-        return packed
-
-    def _run_native(
-        self,
-        spec: TransferSpec,
-        kernel: np.ndarray,
-        plan: _Schedule,
-        at: np.ndarray,
-        table: np.ndarray,
-        position: int,
-        index: Buffer,
-        regions: Any,
-        unit: int,
-    ) -> None:
-        args, out = self._native_args[spec.direction]
-        if table.strides[1] != 8:
-            table = np.ascontiguousarray(table)
-        row = table.strides[0]
-        start = native.address(table)
-        f = native.field
-        args[f("n_chunks")] = len(plan.sizes)
-        args[f("starts")] = plan.starts_address
-        args[f("counts")] = plan.sizes_address
-        args[f("part_at")] = native.address(at)
-        args[f("src")] = start
-        args[f("dst")] = start + row
-        args[f("size")] = start + 2 * row
-        args[f("position")] = position
-        args[f("ahead")] = self.config.depth
-        args[f("blocks")] = int(index.device.data_ptr())
-        args[f("regions")] = int(regions.data_ptr())
-        args[f("n_regions")] = regions.shape[1]
-        args[f("unit")] = unit
-        err = self._native.kvo_staged(
-            native.address(self._native_driver),
-            native.address(kernel),
-            native.address(args),
-            native.address(out),
-        )
-        self.native_parts += 1
-        if err:
-            code, step, chunk, desc = (int(v) for v in out)
-            where = f"chunk {chunk} of {len(plan.sizes)}"
-            if step == 2:
-                n = table.shape[1]
-                index_ = desc if 0 <= desc < n else None
-                raise cu.CudaCopyError(
-                    f"copy of {where} failed with {cu.error_name(code)} at descriptor "
-                    f"{index_} of {n}",
-                    code,
-                    index_,
-                )
-            raise RuntimeError(
-                f"{native.STEPS.get(step, step)} of {where} failed: {cu.error_name(code)}"
-            )
+        self.path = "python"  # which path moves this backend's transfers (doctor, benchmarks)
+        self.path_reason: str | None = path_reason
 
     def _slice_count(self, group: LayerGroup) -> int:
         return slice_count(
@@ -450,24 +237,9 @@ class StagedBackend(CudaBackend):
         plan = _schedule(n, unit, self.config.first_chunk_bytes, self.area_bytes, store)
         position = ring.position  # areas are used round-robin across transfers
         ring.position = (position + len(plan.sizes)) % depth
-        index = prepared.index
         tables = self._tables.take(3 * n)
         try:
-            kernel = None
-            if self._native is not None:
-                last = len(plan.sizes) - 1
-                ints = (plan.starts[last], max(plan.sizes), regions.shape[1], self._area0, unit)
-                kernel = self._native_kernel(spec, ints)
-            if kernel is not None:
-                table, at = self._descriptors(spec, plan, prepared, tables, position, offset, unit)
-                parts_at = np.array([*at, table.shape[1]], dtype=np.int64)
-                self._run_native(
-                    spec, kernel, plan, parts_at, table, position, index, regions, unit
-                )
-            else:
-                self._python_loop(
-                    spec, lane, plan, prepared, tables, position, offset, unit, regions
-                )
+            self._python_loop(spec, lane, plan, prepared, tables, position, offset, unit, regions)
             if store:  # the tail stream waits for the extra DMA streams
                 for extra, join in zip(lane.handles[DMA + 1 :], ring.joins, strict=False):
                     cu.event_record(join, extra)
@@ -513,9 +285,7 @@ class StagedBackend(CudaBackend):
         unit: int,
         regions: Any,
     ) -> None:
-        """``native.kvo_staged`` in Python: the fallback, and the first use of a kernel variant
-        (Triton compiles it)."""
-        self.python_parts += 1
+        """The chunk loop (``native/pipeline.c``'s ``enqueue_part`` in Python)."""
         store = spec.direction == "store"
         ring, depth = self._rings[spec.direction], self.config.depth
         gather, dmas = lane.handles[GATHER], lane.handles[DMA:]

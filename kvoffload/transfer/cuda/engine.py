@@ -1,0 +1,381 @@
+"""The ``staged`` backend on the native transfer engine: a thin facade over ``_engine.Engine``.
+
+Everything that runs per transfer after ``submit`` is compiled code on native threads
+(``native/``: validation, the chunk plan, descriptors, the staging ring, the copy-kernel launches
+by handle, DMA, events per layer slice, completion detection): ``submit`` hands the specs over in
+one call (the id arrays by pointer; the GIL is released while the engine validates, copies the ids
+and records the order event) and returns. The Python here runs once per backend: it builds the
+device side (streams, staging ring, region tables, the compiled kernel variants) and describes it
+to C as one frozen ``EngineSpec``.
+
+``NativePending`` is the ``Pending`` of one submit (one engine job per direction): ``done``,
+``wait``, ``wait_on(stream, layer)`` and ``cancel`` are single native calls that never hold the
+GIL while they wait. Ordering, layer slices and the reuse rule for memory of a timed-out
+transfer are those of ``base.py``'s module docstring.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvoffload.store.arena import HostArena
+from kvoffload.transfer.backend import CopyBackend, Pending
+from kvoffload.transfer.cuda import native
+from kvoffload.transfer.cuda.chunks import (
+    first_slice_layers,
+    load_schedules,
+    slice_count,
+    tile,
+)
+from kvoffload.transfer.cuda.driver import CudaCopyError
+from kvoffload.transfer.cuda.engine_spec import EngineSpec, GroupSpec, Part
+from kvoffload.transfer.cuda.sm import check_words
+from kvoffload.transfer.cuda.staged_config import StagedConfig
+from kvoffload.transfer.descriptors import region_arrays
+from kvoffload.transfer.layout import KVLayout, LayerGroup
+from kvoffload.transfer.spec import TransferSpec
+
+log = logging.getLogger(__name__)
+# How long wait_on() waits on the host for a transfer's enqueue before it gives up (seconds).
+ENQUEUE_TIMEOUT = 30.0
+
+
+class NativeUnavailable(RuntimeError):
+    """The native engine cannot run this layout here (the factory falls back to Python)."""
+
+
+def make_staged(
+    layout: KVLayout, arena: HostArena, config: StagedConfig | None = None
+) -> CopyBackend:
+    """The ``staged`` backend: on the native engine where it can run, else the Python path,
+    which says why (``path_reason``; logged once per reason)."""
+    from kvoffload.transfer.cuda.staged import StagedBackend
+
+    config = config or StagedConfig()
+    reason = "StagedConfig(native=False)"
+    if config.native:
+        try:
+            return NativeStagedBackend(layout, arena, config=config)
+        except NativeUnavailable as err:
+            reason = str(err)
+            if reason not in _warned:
+                _warned.add(reason)
+                log.warning("kvoffload: the staged backend runs its Python path: %s", reason)
+    return StagedBackend(layout, arena, config=config, path_reason=reason)
+
+
+_warned: set[str] = set()
+
+
+def _driver_table() -> int:
+    """The CUDA driver's entry points, resolved by the extension (RuntimeError saying why not)."""
+    module = native.module()
+    if module is None:
+        raise NativeUnavailable(native.unavailable() or "the native engine is unavailable")
+    try:
+        return int(module.cuda_driver())
+    except RuntimeError as err:
+        raise NativeUnavailable(str(err)) from None
+
+
+class NativeStagedBackend(CopyBackend):
+    name = "staged"
+    path = "native"
+    path_reason: str | None = None
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        arena: HostArena,
+        *,
+        config: StagedConfig | None = None,
+        driver_table: int = 0,
+        launcher: Any = None,
+    ) -> None:
+        """``driver_table``: address of a ``kvo_driver`` (tests pass fakes); 0 resolves the CUDA
+        driver. ``launcher``: the copy kernel's launcher (``kernels.CopyLauncher``)."""
+        engine = native.module()
+        if engine is None:
+            raise NativeUnavailable(native.unavailable() or "the native engine is unavailable")
+        if not layout.is_cuda:
+            raise ValueError(
+                f"expected a CUDA layout for the {self.name} backend, got device {layout.device}"
+            )
+        if not arena.pinned:
+            raise ValueError(
+                f"expected a page-locked host arena for the {self.name} backend (build it with "
+                "pin=kvoffload.transfer.pinning.cuda_pin), got an unpinned one"
+            )
+        check_words(layout)
+        super().__init__(layout, arena)
+        import torch
+
+        self.config = config = config or StagedConfig()
+        if config.dma_streams > 4:
+            raise NativeUnavailable(f"the engine runs 1-4 DMA streams, got {config.dma_streams}")
+        index = torch.device(layout.device).index
+        self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        area = max(config.staging_bytes // config.depth, layout.slot_bytes)
+        self.area_bytes = (area + 255) // 256 * 256
+        self._closed = False
+        with torch.cuda.device(self.device):
+            self._keep: list[Any] = []  # device memory the engine uses by address
+            self._streams = {
+                d: [torch.cuda.Stream(self.device) for _ in range(1 + config.dma_streams)]  # type: ignore[no-untyped-call]
+                for d in ("store", "load")
+            }
+            rings = {
+                d: torch.empty(
+                    config.depth * self.area_bytes, dtype=torch.uint8, device=self.device
+                )
+                for d in ("store", "load")
+            }
+            self._keep += rings.values()
+            bases = {
+                d: tuple(
+                    int(rings[d].data_ptr()) + k * self.area_bytes for k in range(config.depth)
+                )
+                for d in rings
+            }
+            if len({native.wide(b) for d in bases for b in bases[d]}) > 1:
+                raise NativeUnavailable("staging areas on both sides of 2**31 (mixed widths)")
+            if launcher is None:
+                from kvoffload.transfer.cuda.kernels import CopyLauncher  # imports Triton
+
+                launcher = CopyLauncher()
+            groups = tuple(self._group(g, launcher, bases["store"][0]) for g in layout.groups)
+            self.layer_slices = [g.plans for g in groups]
+            handle = {d: [int(s.cuda_stream) for s in ss] for d, ss in self._streams.items()}
+            self.spec = EngineSpec(
+                num_slots=arena.num_slots,
+                arena_base=arena.base_address,
+                arena_slot_bytes=arena.slot_bytes,
+                depth=config.depth,
+                area_bytes=self.area_bytes,
+                first_chunk_bytes=config.first_chunk_bytes,
+                min_slice_transfer_bytes=config.layer_slice_transfer_bytes,
+                gather=(handle["store"][0], handle["load"][0]),
+                dmas=(tuple(handle["store"][1:]), tuple(handle["load"][1:])),
+                bases=(bases["store"], bases["load"]),
+                groups=groups,
+            )
+            for ss in self._streams.values():  # the warm-up launches and the uploads are done
+                for s in ss:
+                    s.synchronize()
+            self._engine = engine.Engine(driver_table or _driver_table(), self.spec.pack())
+
+    def _group(self, g: LayerGroup, launcher: Any, area0: int) -> GroupSpec:
+        """The group's parts (whole slot, then every load slice of every schedule), its region
+        tables on the device, and its copy-kernel variants compiled (a launch moving nothing)."""
+        import torch
+
+        config = self.config
+        table = torch.from_numpy(np.ascontiguousarray(np.stack(region_arrays(g)))).to(self.device)
+        most = slice_count(
+            g.slot_bytes, g.num_layers, config.layer_slice_bytes, config.max_layer_slices
+        )
+        first = 0
+        if config.first_slice_bytes > 0:
+            pages = [r.page_bytes for r in g.regions]
+            first = first_slice_layers(pages, g.layer_starts, config.first_slice_bytes)
+        flat, plans = load_schedules(g.num_layers, g.layer_starts, len(g.regions), most, first)
+        offsets = [*g.offsets, g.slot_bytes]
+        parts = [Part(0, g.slot_bytes, int(table.data_ptr()), table.shape[1])]
+        self._keep.append(table)
+        for p in flat:
+            off = offsets[p.start]
+            t = table[:, p.start : p.stop].clone()
+            t[3] -= off
+            t = t.contiguous()
+            self._keep.append(t)
+            parts.append(Part(off, offsets[p.stop] - off, int(t.data_ptr()), t.shape[1]))
+        schedules = sorted(plans.items())
+        jobs, words = tile(max(r.page_bytes for r in g.regions), config.chunk_bytes)
+        kernels = []
+        for store in (True, False):
+            programs = config.programs if store or jobs > 1 else config.load_programs
+            ints = (0, 0, len(g.regions), area0, g.slot_bytes)
+            stream = self._streams["store" if store else "load"][0]
+            ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._keep.append(ids)
+            launcher.launch(
+                stream,
+                programs,
+                ids,
+                ids,
+                table,
+                *ints,
+                to_host=store,
+                identity=True,
+                jobs=jobs,
+                words=words,
+                num_warps=config.num_warps,
+            )
+            try:
+                info = launcher.native_kernel(store, True, jobs, words, config.num_warps, ints)
+            except ValueError as err:  # a Triton whose kernel ABI the engine does not know
+                raise NativeUnavailable(f"copy kernel: {err}") from None
+            if info is None:
+                raise NativeUnavailable("the copy kernel's compiled variant is not available")
+            kernels.append(info.pack(programs))
+        return GroupSpec(
+            num_blocks=g.num_blocks,
+            slot_bytes=g.slot_bytes,
+            num_layers=g.num_layers,
+            kernels=(kernels[0], kernels[1]),
+            parts=tuple(parts),
+            plans=tuple((count, first_part + 1) for count, (first_part, _) in schedules),
+            owners=tuple(tuple(int(v) for v in owner) for _, (_, owner) in schedules),
+        )
+
+    # -- the contract ----------------------------------------------------------------------------
+    def submit(self, specs: Sequence[TransferSpec], *, order_after: Any = "current") -> Pending:
+        """Start copying ``specs`` (checked by the engine: ranges, distinct destinations; a
+        refused submit changes nothing). ``order_after`` as in ``base.CudaBackend.submit``."""
+        if self._closed:
+            raise ValueError(f"submit: expected an open {self.name} backend, got a closed one")
+        if not specs:
+            return _Nothing()
+        return NativePending(self._engine.submit(specs, self._order(order_after)))
+
+    def submit_checked(self, specs: Sequence[TransferSpec], **kw: Any) -> Pending:
+        return self.submit(specs, **kw)  # the engine's checks cost O(n) in C: nothing to skip
+
+    def validate(self, specs: Sequence[TransferSpec]) -> None:
+        for spec in specs:  # the engine checks the same; this is for callers that ask first
+            spec.validate(self.layout, self.arena.num_slots)
+
+    def drain_finished(self) -> list[int]:
+        """Ids of the engine jobs finished since the last call (``NativePending.ids``)."""
+        return list(self._engine.finished())
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._engine.stats())
+
+    def close(self) -> None:
+        """Cancel what has not started, wait for what is in flight, stop the engine's threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.close()
+        for ss in self._streams.values():
+            for s in ss:
+                s.synchronize()
+        self._keep.clear()
+
+    def _order(self, order_after: Any) -> int | None:
+        if order_after is None:
+            return None
+        if isinstance(order_after, str) and order_after == "current":
+            from kvoffload.transfer.cuda.base import _current_stream
+
+            return _current_stream(self.device.index)
+        if isinstance(order_after, int) and not isinstance(order_after, bool):
+            return order_after
+        if hasattr(order_after, "cuda_stream"):
+            return int(order_after.cuda_stream)
+        raise ValueError(
+            "expected order_after to be 'current', None, a torch.cuda.Stream or a stream "
+            f"handle, got {order_after!r}"
+        )
+
+
+class NativePending(Pending):
+    """One submit: one engine job per direction it holds."""
+
+    def __init__(self, jobs: Sequence[Any]) -> None:
+        self.jobs = tuple(jobs)
+        self.queued_at = time.perf_counter()
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return tuple(int(j.id) for j in self.jobs)
+
+    def done(self) -> bool:
+        return all(j.done() for j in self.jobs)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for j in self.jobs:
+            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            if not j.wait(left):
+                return False
+        return True
+
+    def error(self) -> BaseException | None:
+        for j in self.jobs:
+            info = j.error()
+            if info is not None:
+                return _exception(info)
+        return None
+
+    def cancel(self) -> bool:
+        return all([j.cancel() for j in self.jobs])
+
+    def wait_on(self, stream: object = None, layer: int | None = None) -> None:
+        handle = _handle(stream)
+        for j in self.jobs:
+            at = -1 if layer is None or j.direction != "load" else int(layer)
+            if not j.wait_on(handle, at, ENQUEUE_TIMEOUT):
+                raise _exception(j.error())
+
+    @property
+    def layer_slice(self) -> np.ndarray | None:
+        for j in self.jobs:
+            if j.direction == "load" and j.slices:
+                return np.array(j.layer_slice, dtype=np.int64)
+        return None
+
+    @property
+    def enqueue_seconds(self) -> float:
+        """Host time of the engine's enqueue (its worker threads), summed over directions."""
+        times = [j.times() for j in self.jobs]
+        return float(sum(float(t[2]) - float(t[1]) for t in times if t[2] >= t[1] > 0))
+
+    @property
+    def first_slice_seconds(self) -> float:
+        for j in self.jobs:
+            t = j.times()
+            if j.direction == "load" and t[3] > 0:
+                return float(t[3]) - float(t[1])
+        return 0.0
+
+
+class _Nothing(Pending):
+    """The pending of an empty submit: done at once."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def error(self) -> BaseException | None:
+        return None
+
+    def wait_on(self, stream: object = None, layer: int | None = None) -> None:
+        return
+
+
+def _exception(info: Any) -> BaseException:
+    if info is None:
+        return RuntimeError("the transfer failed")
+    code, step, _chunk, desc, message, cancelled = info
+    if cancelled:
+        return RuntimeError(f"the transfer did not run: {message}")
+    if step == native.STEP_COPY:
+        return CudaCopyError(message, int(code), int(desc) if desc >= 0 else None)
+    return RuntimeError(str(message))
+
+
+def _handle(stream: Any) -> int:
+    if stream is None:
+        import torch
+
+        stream = torch.cuda.current_stream()
+    return stream if isinstance(stream, int) else int(stream.cuda_stream)

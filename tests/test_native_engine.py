@@ -1,0 +1,398 @@
+"""The native transfer engine (``kvoffload/transfer/cuda/native/``) on CPU.
+
+The compiled extension runs for real: its worker and completion threads call the fake driver's
+entry points (``tests/fake_cuda.py``: ctypes callbacks that move real bytes), so these tests check
+what the C code computes (chunks, staging offsets, descriptors, kernel arguments, slice events) by
+the bytes that land, against the host backend, and the Python path's calls side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvoffload.transfer.cuda import native
+from kvoffload.transfer.cuda.driver import CudaCopyError
+from kvoffload.transfer.spec import TransferSpec
+from tests.fake_cuda import Calls, fake_cuda
+from tests.test_cuda_backends_on_cpu import POOL, Pair
+
+__all__ = ["fake_cuda"]  # the fixture, used by name
+
+needs_engine = pytest.mark.skipif(
+    native.module() is None, reason=f"native engine not built: {native.unavailable()}"
+)
+
+
+def staged(pair: Pair, **config: Any) -> Any:
+    from kvoffload.transfer.cuda.engine import make_staged
+    from kvoffload.transfer.cuda.staged_config import StagedConfig
+
+    fields: dict[str, Any] = {
+        "staging_bytes": 4 * pair.kv.slot_bytes,
+        "depth": 2,
+        "first_chunk_bytes": 1,
+        "layer_slice_bytes": 8,
+        "max_layer_slices": 4,
+        "layer_slice_transfer_bytes": 1,
+    }
+    fields.update(config)
+    backend: Any = make_staged(pair.kv, pair.arena, StagedConfig(**fields))
+    backend.min_slice_transfer_bytes = 1  # the Python path's per-instance knob
+    return backend
+
+
+def round_trips(pair: Pair, backend: Any, seed: int, rounds: int = 2) -> None:
+    """Stores then loads of several sizes, each checked against the host backend's bytes."""
+    rng = np.random.default_rng(seed)
+    for _ in range(rounds):
+        for count in (9, 1, 5, POOL):
+            blocks = rng.choice(POOL, count, replace=False)
+            slots = rng.choice(POOL, count, replace=False)
+            for specs in (
+                [TransferSpec.of("store", blocks, slots)],
+                [TransferSpec.of("load", rng.choice(POOL, count, replace=False), slots)],
+            ):
+                pending = backend.submit(specs)
+                assert pending.wait(10) and pending.error() is None
+                pair.oracle.copy(specs)
+                pair.check()
+
+
+def moves(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The launches (with their block counts) and copies of a log, streams renamed by first
+    appearance: what both paths must do in the same order."""
+    names: dict[Any, int] = {}
+    out: list[tuple[Any, ...]] = []
+    for op, stream, arg in log:
+        if op in ("batch", "copy"):
+            out.append(("copy", names.setdefault(stream, len(names))))
+        elif op == "launch":
+            out.append(("launch", names.setdefault(stream, len(names)), arg))
+    return out
+
+
+@needs_engine
+@pytest.mark.parametrize("model", ["llama3-8b", "llama3-70b-tp8-fp8", "deepseek-v2-lite-mla"])
+@pytest.mark.parametrize("layout", ["kv_split", "page", "cross_layer"])
+def test_the_engine_moves_the_oracles_bytes_with_the_python_paths_copies(
+    fake_cuda: Calls, model: str, layout: str
+) -> None:
+    logs = {}
+    for use_native in (True, False):
+        pair = Pair(model, layout)
+        backend = staged(pair, native=use_native)
+        try:
+            assert backend.path == ("native" if use_native else "python")
+            start = len(fake_cuda.log)
+            round_trips(pair, backend, seed=6)
+            logs[use_native] = moves(fake_cuda.log[start:])
+        finally:
+            backend.close()
+            pair.close()
+    assert logs[True] == logs[False]
+    assert not fake_cuda.memory  # the engine's id buffers were freed at close
+
+
+@needs_engine
+def test_loads_are_sliced_by_layer_and_a_layer_wait_needs_only_its_slice(fake_cuda: Calls) -> None:
+    pair = Pair("llama3-8b", "kv_split")
+    backend = staged(pair)
+    try:
+        slots = np.arange(8)
+        assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
+        pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
+        layer_slice = pending.layer_slice
+        assert layer_slice is not None and layer_slice.max() == 3  # max_layer_slices=4
+        assert list(layer_slice) == sorted(layer_slice)
+        for layer in (0, len(layer_slice) - 1, None, 10_000):
+            pending.wait_on(123, layer)  # a raw stream handle
+        waits = [e for e in fake_cuda.log if e[0] == "wait" and e[1] == 123]
+        assert len(waits) == 4 and len({w[2] for w in waits}) == 3  # slice 0, 3, whole (x2)
+        assert pending.wait(10) and pending.error() is None
+        pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])
+        pair.oracle.copy([TransferSpec.of("load", np.arange(8, 16), slots)])
+        pair.check()
+    finally:
+        backend.close()
+        pair.close()
+
+
+@needs_engine
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (TransferSpec.of("store", [1, 2], [3, POOL]), r"host slot in \[0, 24\), got 24"),
+        (TransferSpec.of("store", [1, -1], [3, 4]), r"engine block id in \[0, 24\), got -1"),
+        (
+            TransferSpec.of("store", [1, 2, 5], [3, 3, 3]),
+            "distinct destination host slots in one store, got 2 duplicates",
+        ),
+        (TransferSpec.of("load", [1, 1], [3, 4]), "distinct destination engine blocks"),
+        (TransferSpec.of("load", [1], [3], group=1), r"group in \[0, 1\), got 1"),
+        (
+            TransferSpec("sideways", np.zeros(1, np.int64), np.zeros(1, np.int64)),  # type: ignore[arg-type]
+            "expected direction 'store' or 'load'",
+        ),
+        (
+            TransferSpec("store", np.zeros(2, np.int64), np.zeros(1, np.int64)),
+            "as many host slots as engine blocks",
+        ),
+        (TransferSpec("store", np.zeros(2, np.int32), np.zeros(2, np.int32)), "int64"),
+    ],
+)
+def test_a_refused_submit_changes_nothing_and_says_what_was_expected(
+    fake_cuda: Calls, spec: TransferSpec, message: str
+) -> None:
+    pair = Pair("llama3-8b", "page")
+    backend = staged(pair)
+    try:
+        good = TransferSpec.of("store", [5, 6], [7, 8])
+        before = len(fake_cuda.log)
+        with pytest.raises(ValueError, match=message):
+            backend.submit([good, spec])  # the good spec of the same submit is not run either
+        assert len(fake_cuda.log) == before
+        assert backend.stats()["submitted"] == 0
+        pair.check()  # nothing moved
+    finally:
+        backend.close()
+        pair.close()
+
+
+@needs_engine
+def test_close_with_jobs_in_flight_settles_every_job_and_frees_everything(
+    fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first job's gather is held inside the fake driver: later jobs wait in the queue. close()
+    cancels them (never run: their memory untouched), finishes the one in hand, frees the rest."""
+    pair = Pair("llama3-8b", "page")
+    backend = staged(pair)
+    gate, entered = threading.Event(), threading.Event()
+    launch = fake_cuda_launch(fake_cuda)
+
+    def held(*args: Any) -> int:
+        entered.set()
+        assert gate.wait(10)
+        return int(launch(*args))
+
+    swap_launch(fake_cuda, held)
+    first = [TransferSpec.of("store", [1, 2], [3, 4])]
+    queued = [[TransferSpec.of("store", [5], [10 + k])] for k in range(3)]
+    try:
+        p0 = backend.submit(first)
+        assert entered.wait(10)
+        later = [backend.submit(s) for s in queued]
+        closer = threading.Thread(target=backend.close)
+        closer.start()
+        closer.join(0.2)
+        assert closer.is_alive()  # waits for the job in flight
+        gate.set()
+        closer.join(10)
+        assert not closer.is_alive()
+        assert p0.done() and p0.error() is None
+        for p in later:
+            assert p.done() and p.cancel()
+            assert "did not run" in str(p.error())
+        pair.oracle.copy(first)
+        pair.check()  # the cancelled stores wrote nothing
+        with pytest.raises(ValueError, match="closed"):
+            backend.submit(first)
+        del p0, later
+        assert not fake_cuda.memory
+    finally:
+        gate.set()
+        swap_launch(fake_cuda, launch)
+        backend.close()
+        pair.close()
+
+
+@needs_engine
+def test_a_queued_job_can_be_cancelled_and_never_runs(fake_cuda: Calls) -> None:
+    pair = Pair("llama3-8b", "page")
+    backend = staged(pair)
+    gate, entered = threading.Event(), threading.Event()
+    launch = fake_cuda_launch(fake_cuda)
+
+    def held(*args: Any) -> int:
+        entered.set()
+        assert gate.wait(10)
+        return int(launch(*args))
+
+    swap_launch(fake_cuda, held)
+    try:
+        running = backend.submit([TransferSpec.of("store", [1], [2])])
+        assert entered.wait(10)
+        assert not running.cancel()  # started: cannot be recalled
+        queued = backend.submit([TransferSpec.of("store", [3], [4])])
+        assert queued.cancel() and queued.done()
+        gate.set()
+        assert running.wait(10) and running.error() is None
+        pair.oracle.copy([TransferSpec.of("store", [1], [2])])
+        pair.check()
+    finally:
+        gate.set()
+        swap_launch(fake_cuda, launch)
+        backend.close()
+        pair.close()
+
+
+@needs_engine
+def test_eight_threads_submitting_at_once_each_get_their_bytes(fake_cuda: Calls) -> None:
+    pair = Pair("llama3-8b", "page")
+    backend = staged(pair)
+    errors: list[BaseException] = []
+    specs = [[TransferSpec.of("store", [k, (k + 8) % POOL], [3 * k, 3 * k + 1])] for k in range(8)]
+    start = threading.Barrier(8)
+
+    def run(k: int) -> None:
+        try:
+            start.wait()
+            for _ in range(5):
+                p = backend.submit(specs[k])
+                assert p.wait(10) and p.error() is None
+        except BaseException as err:  # noqa: BLE001 (collected and re-raised below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        for s in specs:
+            pair.oracle.copy(s)
+        pair.check()
+        assert backend.stats()["submitted"] == 40 == backend.stats()["completed"]
+    finally:
+        backend.close()
+        pair.close()
+
+
+@needs_engine
+def test_a_copy_the_driver_refuses_fails_the_job_naming_its_descriptor(fake_cuda: Calls) -> None:
+    pair = Pair("llama3-8b", "kv_split")
+    backend = staged(pair, depth=1, first_chunk_bytes=1 << 30)  # one chunk: one batch
+    try:
+        fake_cuda.fail_batch_at = 2
+        pending = backend.submit([TransferSpec.of("store", [1, 2, 3, 4], [4, 9, 6, 11])])
+        assert pending.wait(10)
+        error = pending.error()
+        assert isinstance(error, CudaCopyError)
+        assert error.index == 2 and "descriptor 2" in str(error)
+        assert "FAKE_ERROR_1" in str(error)  # the driver's name for the code
+        fake_cuda.fail_batch_at = None
+        ok = backend.submit([TransferSpec.of("store", [5], [12])])  # the engine goes on
+        assert ok.wait(10) and ok.error() is None
+    finally:
+        fake_cuda.fail_batch_at = None
+        backend.close()
+        pair.close()
+
+
+@needs_engine
+def test_a_completion_event_that_cannot_be_recorded_fails_the_job_without_a_hang(
+    fake_cuda: Calls,
+) -> None:
+    pair = Pair("llama3-8b", "page")
+    backend = staged(pair)
+    try:
+        tail = backend.spec.dmas[0][0]
+        fake_cuda.fail_record_on = tail
+        pending = backend.submit([TransferSpec.of("store", [1], [2])])
+        assert pending.wait(10)
+        assert "cuEventRecord" in str(pending.error())
+        with pytest.raises(RuntimeError, match="cuEventRecord"):
+            pending.wait_on(5)
+    finally:
+        fake_cuda.fail_record_on = None
+        backend.close()
+        pair.close()
+
+
+@needs_engine
+def test_every_copy_waits_for_the_callers_stream(fake_cuda: Calls) -> None:
+    pair = Pair("llama3-8b", "page")
+    backend = staged(pair)
+    try:
+        start = len(fake_cuda.log)
+        assert backend.submit([TransferSpec.of("store", [1], [2])], order_after=99).wait(10)
+        log = fake_cuda.log[start:]
+        order = log[0]
+        assert order[0] == "record" and order[1] == 99
+        streams = {s for op, s, _ in log if op in ("launch", "copy", "batch")}
+        for s in streams:  # each stream's first operation waits for the caller's record
+            first = next(e for e in log if e[1] == s)
+            assert first == ("wait", s, order[2])
+        assert backend.submit([TransferSpec.of("store", [1], [3])], order_after=None).wait(10)
+    finally:
+        backend.close()
+        pair.close()
+
+
+@needs_engine
+def test_finished_jobs_are_drained_from_the_native_queue(fake_cuda: Calls) -> None:
+    pair = Pair("llama3-8b", "page")
+    backend = staged(pair)
+    try:
+        assert backend.drain_finished() == []  # tracking starts here
+        ps = [backend.submit([TransferSpec.of("store", [k], [k])]) for k in range(4)]
+        for p in ps:
+            assert p.wait(10)
+        ids = sorted(i for p in ps for i in p.ids)
+        assert sorted(backend.drain_finished()) == ids
+        assert backend.drain_finished() == []
+    finally:
+        backend.close()
+        pair.close()
+
+
+def test_without_the_extension_staged_runs_its_python_path_and_says_why(
+    fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVOFFLOAD_NATIVE", "0")
+    native.reset()
+    pair = Pair("llama3-8b", "page")
+    try:
+        backend = staged(pair)
+        assert backend.path == "python"
+        assert backend.path_reason == "disabled by KVOFFLOAD_NATIVE=0"
+        round_trips(pair, backend, seed=7, rounds=1)
+        backend.close()
+    finally:
+        pair.close()
+        monkeypatch.delenv("KVOFFLOAD_NATIVE")
+        native.reset()
+    assert native.module() is not None or native.unavailable() is not None
+
+
+def test_ci_builds_the_extension() -> None:
+    """CI installs the package with a C compiler present: the extension must be there."""
+    if os.environ.get("KVOFFLOAD_REQUIRE_NATIVE") != "1":
+        pytest.skip("KVOFFLOAD_REQUIRE_NATIVE=1 is set by .ci/run")
+    assert native.module() is not None, native.unavailable()
+
+
+@needs_engine
+def test_a_malformed_engine_spec_is_refused() -> None:
+    engine = native.module()
+    assert engine is not None
+    table = np.zeros(len(native.DRIVER_FIELDS), dtype=np.uint64)  # never called: refused first
+    with pytest.raises(ValueError, match="engine spec"):
+        engine.Engine(native.address(table), np.zeros(3, dtype=np.int64))
+    bad_abi = np.zeros(40, dtype=np.int64)
+    bad_abi[0] = 99
+    with pytest.raises(ValueError, match="ABI 1, got 99"):
+        engine.Engine(native.address(table), bad_abi)
+
+
+def fake_cuda_launch(calls: Calls) -> Any:
+    return calls.launch_impl
+
+
+def swap_launch(calls: Calls, fn: Any) -> None:
+    calls.launch_impl = fn
