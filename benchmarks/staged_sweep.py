@@ -13,7 +13,7 @@ Sections (each prints one JSON line per row, all go into OUT_JSON):
 - ``programs``: scatter/gather programs of the staged kernel: load GB/s and the slowdown of a
   bf16 GEMM stream beside store+load (``transfer_gpu.measure_gemm``).
 - ``profile``: cProfile of 1-block and 16-block transfers enqueued in the caller's thread.
-- ``enqueue``: the compiled enqueue loop (``native.c``) against the Python loop, and inline
+- ``enqueue``: the native engine against the Python path, and inline
   submission, on small and large transfers of four shapes, with host CPU time per transfer and
   the launch-bound Python loop beside them (not in the default sections).
 
@@ -44,6 +44,7 @@ import torch
 from kvoffload.bench.gpu_timing import Sleeper, measure_link, time_transfers
 from kvoffload.bench.transfer_gpu import Engine, measure_gemm, submitter
 from kvoffload.store.arena import HostArena
+from kvoffload.transfer.cuda.engine import make_staged
 from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.spec import Direction, TransferSpec
@@ -236,12 +237,10 @@ def programs(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
     return out
 
 
-# The enqueue variants of the ``native`` section: (StagedConfig fields, backend keywords).
+# The enqueue variants of the ``enqueue`` section: (StagedConfig fields, backend keywords).
 ENQUEUE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "python": ({"native": False}, {}),  # the Python chunk loop on the submitter thread
-    "native-thread": ({}, {"inline_bytes": 0}),  # the compiled loop on the submitter thread
-    # the default: the compiled loop, in the caller's thread up to NATIVE_INLINE_BYTES (32 MiB)
-    "native": ({}, {}),
+    "python": ({"native": False}, {}),  # the Python path on its submitter thread
+    "native": ({}, {}),  # the native engine (make_staged), its own threads
 }
 
 
@@ -261,8 +260,8 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
         ("deepseek-v2-lite-mla", "kv_split", 16, (1000,)),
     ):
         engine = Engine(model, layout, bs, 2 * max(sizes) + 8)
-        for name, (fields, kw) in ENQUEUE.items():
-            backend = StagedBackend(engine.kv, arena, config=StagedConfig(**fields), **kw)
+        for name, (fields, _kw) in ENQUEUE.items():
+            backend: Any = make_staged(engine.kv, arena, StagedConfig(**fields))
             try:
                 for n in sizes:
                     row: dict[str, Any] = {
@@ -285,8 +284,8 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
                         row[f"{d}_submit_us"] = statistics.median(e2e["submit_s"]) * 1e6
                         row[f"{d}_enqueue_us"] = statistics.median(e2e["enqueue_s"]) * 1e6
                         row[f"{d}_cpu_us"] = cpu * 1e6
-                    row["native_parts"] = backend.native_parts
-                    row["native_reason"] = backend.native_reason
+                    row["path"] = getattr(backend, "path", "python")
+                    row["path_reason"] = getattr(backend, "path_reason", None)
                     rows.append(row)
                     log("enqueue", row)
                 if model == "llama3-8b":

@@ -2,7 +2,7 @@
 
 Prints the GPU, the CUDA driver version, whether ``cuMemcpyBatchAsync`` resolved (else the
 ``cuMemcpyAsync`` fallback is used), Triton's and cuda-python's status, the calibration table in
-use, which enqueue loop the ``staged`` backend runs (compiled or Python, and why), and the link
+use, which path the ``staged`` backend runs (the native engine or Python, and why), and the link
 GB/s measured now (contiguous pinned copies after a warm-up).
 """
 
@@ -59,12 +59,14 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def staged_enqueue() -> str:
-    """Which chunk loop the ``staged`` backend runs: compiled (``native.c``) or Python, and why."""
+    """Which path the ``staged`` backend runs: the native engine (the compiled extension) or the
+    Python path, and why."""
     from kvoffload.transfer.cuda import native
 
-    if native.library() is not None:
-        return "compiled loop (native.c, built with the system C compiler)"
-    return f"Python loop: {native.unavailable()}"
+    module = native.module()
+    if module is not None:
+        return f"native engine ({module.__file__}, built at install)"
+    return f"Python path: {native.unavailable()}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,9 +8,6 @@ oracle's, everything else (other slots, other blocks, the sources) is unchanged.
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -84,10 +81,15 @@ BACKENDS = {
     "dma-fallback": lambda kv, a: DmaBackend(kv, a, driver=CudaDriver.load(use_batch=False)),
     "sm": lambda kv, a: SmBackend(kv, a),
     "sm-odd": lambda kv, a: SmBackend(kv, a, config=SmConfig(programs=5, chunk_bytes=1024)),
-    "staged": lambda kv, a: StagedBackend(kv, a),
-    "staged-sync": lambda kv, a: StagedBackend(kv, a, submit_thread=False),
-    # the chunk loop in Python (the fallback where no C compiler exists)
+    # the native engine (the compiled extension)
+    "staged": lambda kv, a: native_staged(kv, a),
+    "staged-native-wrap": lambda kv, a: native_staged(
+        kv, a, StagedConfig(staging_bytes=4 * kv.slot_bytes, depth=2, first_chunk_bytes=1)
+    ),
+    "staged-native-2dma": lambda kv, a: native_staged(kv, a, StagedConfig(dma_streams=2)),
+    # the Python path (the fallback where the extension is not built)
     "staged-python": lambda kv, a: StagedBackend(kv, a, config=StagedConfig(native=False)),
+    "staged-sync": lambda kv, a: StagedBackend(kv, a, submit_thread=False),
     # enqueued in the caller's thread whenever the lane is idle (the default hands every job over)
     "staged-inline": lambda kv, a: StagedBackend(kv, a, inline_bytes=1 << 40),
     "dma-inline": lambda kv, a: DmaBackend(kv, a, inline_bytes=1 << 40),
@@ -127,25 +129,53 @@ def test_store_then_load_matches_host_oracle(pair, name):
         backend.close()
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler")
-def test_staged_runs_the_compiled_loop_on_this_gpu_with_the_oracles_bytes(pair):
-    """Triton's compiled copy kernel launched from C (native.c): its parameters as this Triton
-    lays them out, every transfer after the first of each kernel variant."""
+def native_staged(kv, arena, config=None):
+    from kvoffload.transfer.cuda.engine import NativeStagedBackend
+
+    return NativeStagedBackend(kv, arena, config=config)
+
+
+def test_the_native_engine_runs_mixed_submits_and_threads_with_the_oracles_bytes(pair):
+    """Stores and loads in one submit (one engine job each), and 4 threads submitting at once."""
+    import threading
+
     rng = np.random.default_rng(11)
-    backend = StagedBackend(pair.kv_gpu, pair.arena_gpu)
+    backend = native_staged(pair.kv_gpu, pair.arena_gpu)
     try:
-        for count in (5, 13, 1, 27, 2):
-            blocks = rng.choice(POOL, count, replace=False)
-            slots = rng.choice(POOL, count, replace=False)
-            for specs in (
-                [TransferSpec.of("store", blocks, slots)],
-                [TransferSpec.of("load", rng.choice(POOL, count, replace=False), slots)],
-            ):
-                pending = backend.submit(specs)
-                assert pending.wait(60) and pending.error() is None
-                pair.oracle.copy(specs)
-                pair.check_equal()
-        assert backend.native_reason is None
-        assert backend.native_parts > backend.python_parts > 0
+        assert backend.path == "native"
+        half = POOL // 2
+        slots = rng.choice(half, 8, replace=False)
+        store = TransferSpec.of("store", rng.choice(POOL, 8, replace=False), slots)
+        assert backend.submit([store]).wait(60)
+        pair.oracle.copy([store])
+        load = TransferSpec.of("load", rng.choice(POOL, 8, replace=False), slots)
+        store2 = TransferSpec.of("store", rng.choice(POOL, 8, replace=False), slots + half)
+        pending = backend.submit([store2, load])
+        assert len(pending.jobs) == 2 and pending.wait(60) and pending.error() is None
+        pair.oracle.copy([store2])
+        pair.oracle.copy([load])
+        pair.check_equal()
+        errors = []
+        parts = [rng.choice(POOL, 5, replace=False) for _ in range(4)]
+
+        def run(k):
+            try:
+                for _ in range(3):
+                    spec = TransferSpec.of("store", parts[k], np.arange(5) + 5 * k)
+                    p = backend.submit([spec])
+                    assert p.wait(60) and p.error() is None
+            except BaseException as err:  # noqa: BLE001 (re-raised below)
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        for k in range(4):
+            pair.oracle.copy([TransferSpec.of("store", parts[k], np.arange(5) + 5 * k)])
+        pair.check_equal()
+        assert backend.stats()["parts"] > 0
     finally:
         backend.close()
