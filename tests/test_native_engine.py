@@ -170,7 +170,7 @@ def test_close_with_jobs_in_flight_settles_every_job_and_frees_everything(
     """The first job's gather is held inside the fake driver: later jobs wait in the queue. close()
     cancels them (never run: their memory untouched), finishes the one in hand, frees the rest."""
     pair = Pair("llama3-8b", "page")
-    backend = staged(pair)
+    backend = staged(pair, native_inline_bytes=0)  # every job to the worker thread
     gate, entered = threading.Event(), threading.Event()
     launch = fake_cuda_launch(fake_cuda)
 
@@ -213,7 +213,7 @@ def test_close_with_jobs_in_flight_settles_every_job_and_frees_everything(
 @needs_engine
 def test_a_queued_job_can_be_cancelled_and_never_runs(fake_cuda: Calls) -> None:
     pair = Pair("llama3-8b", "page")
-    backend = staged(pair)
+    backend = staged(pair, native_inline_bytes=0)
     gate, entered = threading.Event(), threading.Event()
     launch = fake_cuda_launch(fake_cuda)
 
@@ -235,6 +235,35 @@ def test_a_queued_job_can_be_cancelled_and_never_runs(fake_cuda: Calls) -> None:
         pair.check()
     finally:
         gate.set()
+        swap_launch(fake_cuda, launch)
+        backend.close()
+        pair.close()
+
+
+@needs_engine
+@pytest.mark.parametrize("inline", [0, 1 << 30])
+def test_small_jobs_are_enqueued_by_the_caller_when_the_direction_is_idle(
+    fake_cuda: Calls, inline: int
+) -> None:
+    pair = Pair("llama3-8b", "page")
+    backend = staged(pair, native_inline_bytes=inline)
+    threads: set[str] = set()
+    launch = fake_cuda_launch(fake_cuda)
+
+    def named(*args: Any) -> int:
+        threads.add(threading.current_thread().name)
+        return int(launch(*args))
+
+    swap_launch(fake_cuda, named)
+    try:
+        for k in range(3):
+            assert backend.submit([TransferSpec.of("store", [k], [k])]).wait(10)
+        here = threading.current_thread().name
+        assert threads == ({here} if inline else threads - {here}) and threads
+        for k in range(3):
+            pair.oracle.copy([TransferSpec.of("store", [k], [k])])
+        pair.check()
+    finally:
         swap_launch(fake_cuda, launch)
         backend.close()
         pair.close()

@@ -26,6 +26,7 @@ import numpy as np
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import CopyBackend, Pending
 from kvoffload.transfer.cuda import native
+from kvoffload.transfer.cuda.base import _current_stream
 from kvoffload.transfer.cuda.chunks import (
     first_slice_layers,
     load_schedules,
@@ -159,6 +160,7 @@ class NativeStagedBackend(CopyBackend):
                 area_bytes=self.area_bytes,
                 first_chunk_bytes=config.first_chunk_bytes,
                 min_slice_transfer_bytes=config.layer_slice_transfer_bytes,
+                inline_bytes=config.native_inline_bytes,
                 gather=(handle["store"][0], handle["load"][0]),
                 dmas=(tuple(handle["store"][1:]), tuple(handle["load"][1:])),
                 bases=(bases["store"], bases["load"]),
@@ -272,8 +274,6 @@ class NativeStagedBackend(CopyBackend):
         if order_after is None:
             return None
         if isinstance(order_after, str) and order_after == "current":
-            from kvoffload.transfer.cuda.base import _current_stream
-
             return _current_stream(self.device.index)
         if isinstance(order_after, int) and not isinstance(order_after, bool):
             return order_after

@@ -45,6 +45,7 @@ class EngineSpec:
     area_bytes: int
     first_chunk_bytes: int
     min_slice_transfer_bytes: int
+    inline_bytes: int  # jobs up to this size are enqueued in the caller's thread when idle
     gather: tuple[int, int]  # (store, load) kernel stream handles
     dmas: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) DMA stream handles
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
@@ -71,6 +72,7 @@ class EngineSpec:
             *pad,
             *self.dmas[1],
             *pad,
+            self.inline_bytes,
             *self.bases[0],
             *self.bases[1],
         ]

@@ -55,6 +55,10 @@ class StagedConfig:
     # Run transfers on the native engine (the compiled extension, ``engine.py``) where it is
     # built; False, a missing extension or ``KVOFFLOAD_NATIVE=0``: the Python path (staged.py).
     native: bool = True
+    # Native engine: a transfer up to this many bytes is enqueued in the caller's thread (the GIL
+    # released) when its direction is idle, instead of waking the direction's thread; larger ones
+    # go to the thread so the caller goes on at once (docs/transfer.md, "Native engine").
+    native_inline_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -71,6 +75,10 @@ class StagedConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"StagedConfig: expected {name} > 0, got {value!r}")
+        if not isinstance(self.native_inline_bytes, int) or self.native_inline_bytes < 0:
+            raise ValueError(
+                f"StagedConfig: expected native_inline_bytes >= 0, got {self.native_inline_bytes!r}"
+            )
         if not isinstance(self.first_slice_bytes, int) or self.first_slice_bytes < 0:
             raise ValueError(
                 f"StagedConfig: expected first_slice_bytes >= 0, got {self.first_slice_bytes!r}"

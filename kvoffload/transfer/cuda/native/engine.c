@@ -113,6 +113,36 @@ static void finish(kvo_engine *e, kvo_job *job) { /* mu held; drops the engine's
     unref(e, job);
 }
 
+void *kvo_ctx_enter(kvo_engine *e) {
+    void *prev = NULL;
+    if (e->ctx == NULL) return NULL;
+    if (e->d.ctx_get(&prev) != 0) prev = NULL;
+    if (prev != e->ctx) e->d.ctx_set(e->ctx);
+    return prev;
+}
+
+void kvo_ctx_leave(kvo_engine *e, void *prev) {
+    if (e->ctx != NULL && prev != e->ctx) e->d.ctx_set(prev);
+}
+
+/* After a job's enqueue (by its worker or inline by the caller): in flight, or finished where
+ * its completion event could not be recorded (its streams were synchronized). */
+static void settle(kvo_engine *e, kvo_job *job) {
+    pthread_mutex_lock(&e->mu);
+    job->t_enqueued = kvo_now();
+    e->running[job->dir] = 0;
+    if (job->done_recorded) {
+        job->state = KVO_INFLIGHT;
+        job->next = e->inflight;
+        e->inflight = job;
+    } else {
+        finish(e, job);
+    }
+    pthread_cond_broadcast(&e->changed);
+    pthread_cond_signal(&e->work[job->dir]); /* jobs queued meanwhile */
+    pthread_mutex_unlock(&e->mu);
+}
+
 /* -- submit ------------------------------------------------------------------------------------ */
 
 static int refuse(char *err, size_t len, const char *fmt, long long a, long long b) {
@@ -248,6 +278,7 @@ int kvo_engine_submit(kvo_engine *e, const kvo_input *in, int64_t n_in, kvo_stre
     *n_out = 0;
     if (validate(e, in, n_in, err, err_len)) return 1;
     kvo_job *jobs[2] = {build(e, in, n_in, KVO_STORE), build(e, in, n_in, KVO_LOAD)};
+    void *prev = kvo_ctx_enter(e); /* events and the order record need our context */
     pthread_mutex_lock(&e->mu);
     int rc = 0;
     if (e->closing) {
@@ -262,7 +293,7 @@ int kvo_engine_submit(kvo_engine *e, const kvo_input *in, int64_t n_in, kvo_stre
             rc = -1;
         }
     }
-    if (!rc && (!jobs[0] && !jobs[1])) {
+    if (!rc && !jobs[0] && !jobs[1]) {
         snprintf(err, err_len, "out of host memory for the job");
         rc = -1;
     }
@@ -270,14 +301,11 @@ int kvo_engine_submit(kvo_engine *e, const kvo_input *in, int64_t n_in, kvo_stre
         for (int d = 0; d < 2; d++)
             if (jobs[d]) job_free(e, jobs[d]);
         pthread_mutex_unlock(&e->mu);
+        kvo_ctx_leave(e, prev);
         return rc;
     }
     pthread_mutex_unlock(&e->mu);
     /* the order event, recorded in the caller's thread on its stream: copies start after it */
-    if (has_order && e->ctx != NULL) { /* a thread that has not touched CUDA yet */
-        void *cur = NULL;
-        if (e->d.ctx_get(&cur) != 0 || cur == NULL) e->d.ctx_set(e->ctx);
-    }
     for (int d = 0; d < 2; d++) {
         if (jobs[d] == NULL || jobs[d]->order == NULL) continue;
         int r = e->d.record(jobs[d]->order, order);
@@ -288,10 +316,12 @@ int kvo_engine_submit(kvo_engine *e, const kvo_input *in, int64_t n_in, kvo_stre
             for (int k = 0; k < 2; k++)
                 if (jobs[k]) job_free(e, jobs[k]);
             pthread_mutex_unlock(&e->mu);
+            kvo_ctx_leave(e, prev);
             return -1;
         }
     }
     double now = kvo_now();
+    int here[2] = {0, 0};
     pthread_mutex_lock(&e->mu);
     for (int d = 0; d < 2; d++) {
         kvo_job *job = jobs[d];
@@ -301,6 +331,18 @@ int kvo_engine_submit(kvo_engine *e, const kvo_input *in, int64_t n_in, kvo_stre
         job->refs = 2; /* the Python Job, the engine */
         e->submitted++;
         out[(*n_out)++] = job;
+        int64_t nbytes = 0;
+        for (int64_t i = 0; i < job->n_specs; i++)
+            nbytes += job->count[i] * e->spec.groups[job->group[i]].slot_bytes;
+        if (e->queue_head[d] == NULL && !e->running[d] && nbytes <= e->spec.inline_bytes) {
+            /* the direction is idle and the job small: enqueue it here, without waking a
+             * thread (the GIL is released; the caller spends the driver calls' time) */
+            job->state = KVO_RUNNING;
+            job->t_start = now;
+            e->running[d] = 1;
+            here[d] = 1;
+            continue;
+        }
         job->state = KVO_QUEUED;
         if (e->queue_tail[d]) e->queue_tail[d]->next = job;
         else e->queue_head[d] = job;
@@ -308,6 +350,12 @@ int kvo_engine_submit(kvo_engine *e, const kvo_input *in, int64_t n_in, kvo_stre
         pthread_cond_signal(&e->work[d]);
     }
     pthread_mutex_unlock(&e->mu);
+    for (int d = 0; d < 2; d++) {
+        if (!here[d]) continue;
+        kvo_run_job(e, jobs[d]);
+        settle(e, jobs[d]);
+    }
+    kvo_ctx_leave(e, prev);
     return 0;
 }
 
@@ -323,7 +371,9 @@ static void *worker(void *p) {
     if (e->ctx) e->d.ctx_set(e->ctx);
     for (;;) {
         pthread_mutex_lock(&e->mu);
-        while (e->queue_head[dir] == NULL && !e->closing) pthread_cond_wait(&e->work[dir], &e->mu);
+        while ((e->queue_head[dir] == NULL || e->running[dir]) && !e->closing)
+            pthread_cond_wait(&e->work[dir], &e->mu);
+        while (e->running[dir]) pthread_cond_wait(&e->work[dir], &e->mu); /* closing: inline */
         kvo_job *job = e->queue_head[dir];
         if (job == NULL) {
             pthread_mutex_unlock(&e->mu);
@@ -336,20 +386,8 @@ static void *worker(void *p) {
         job->t_start = kvo_now();
         e->running[dir] = 1;
         pthread_mutex_unlock(&e->mu);
-        int rc = kvo_run_job(e, job);
-        pthread_mutex_lock(&e->mu);
-        job->t_enqueued = kvo_now();
-        e->running[dir] = 0;
-        (void)rc;
-        if (job->done_recorded) {
-            job->state = KVO_INFLIGHT;
-            job->next = e->inflight;
-            e->inflight = job;
-            pthread_cond_broadcast(&e->changed);
-        } else {
-            finish(e, job); /* its streams were synchronized: nothing of it runs any more */
-        }
-        pthread_mutex_unlock(&e->mu);
+        kvo_run_job(e, job);
+        settle(e, job);
     }
 }
 
@@ -470,6 +508,7 @@ void kvo_engine_close(kvo_engine *e) {
     for (int d = 0; d < 2; d++)
         if (e->threads_started & (1 << d)) pthread_join(e->worker[d], NULL);
     pthread_mutex_lock(&e->mu);
+    while (e->running[0] || e->running[1]) pthread_cond_wait(&e->changed, &e->mu); /* inline */
     e->workers_exited = 1;
     pthread_cond_broadcast(&e->changed);
     pthread_mutex_unlock(&e->mu);

@@ -81,6 +81,7 @@ typedef struct {
     int64_t n_groups, num_slots, arena_base, arena_slot_bytes;
     int64_t depth, area_bytes, first_chunk_bytes, min_slice_transfer_bytes, n_dmas;
     int64_t max_layers;
+    int64_t inline_bytes;              /* jobs up to this size are enqueued by the caller */
     int64_t gather[2];                 /* per direction: the kernels' stream */
     int64_t dmas[2][KVO_MAX_DMAS];     /* per direction: the DMA streams */
     int64_t *bases[2];                 /* per direction: staging area addresses (depth) */
@@ -155,6 +156,8 @@ int kvo_run_job(kvo_engine *e, kvo_job *job);
 void kvo_lane_free(kvo_engine *e, kvo_lane *lane);
 int kvo_lane_init(kvo_engine *e, int dir);
 /* engine.c */
+void *kvo_ctx_enter(kvo_engine *e);
+void kvo_ctx_leave(kvo_engine *e, void *prev);
 const char *kvo_engine_start(kvo_engine *e);
 /* One spec of a submit, as the module parsed it (ids borrowed from the caller's arrays). */
 typedef struct { int dir; int64_t group, n; const int64_t *blocks, *slots; } kvo_input;

@@ -366,6 +366,7 @@ static PyObject *job_wait_on(JobObject *self, PyObject *args) {
     kvo_job *j = self->job;
     int rc = 0, ok = 1;
     Py_BEGIN_ALLOW_THREADS
+    void *prev = kvo_ctx_enter(e);
     int64_t k = -1;
     if (layer >= 0 && layer < j->n_layers && j->layer_slice && j->n_slices > 0)
         k = j->layer_slice[layer];
@@ -401,6 +402,7 @@ static PyObject *job_wait_on(JobObject *self, PyObject *args) {
             }
         }
     }
+    kvo_ctx_leave(e, prev);
     Py_END_ALLOW_THREADS
     if (rc == -1) {
         PyErr_Format(PyExc_TimeoutError, "the copy was not enqueued within %g s", timeout);

@@ -32,9 +32,9 @@ static int64_t *take_array(cursor *c, int64_t count) {
 const char *kvo_spec_parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     static __thread char why[200];
     cursor c = {packed, n, 0};
-    int64_t head[20];
+    int64_t head[21];
     memset(s, 0, sizeof *s);
-    if (take(&c, head, 20) != 0) return "expected an engine spec of at least 20 fields";
+    if (take(&c, head, 21) != 0) return "expected an engine spec of at least 21 fields";
     if (head[0] != KVO_ABI) {
         snprintf(why, sizeof why, "expected engine spec ABI %d, got %lld", KVO_ABI,
                  (long long)head[0]);
@@ -55,6 +55,7 @@ const char *kvo_spec_parse(kvo_spec *s, const int64_t *packed, int64_t n) {
         s->dmas[KVO_STORE][j] = head[12 + j];
         s->dmas[KVO_LOAD][j] = head[16 + j];
     }
+    s->inline_bytes = head[20];
     if (s->n_groups < 1 || s->num_slots < 1 || s->arena_slot_bytes < 1 || s->depth < 1 ||
         s->depth > 64 || s->area_bytes < 1 || s->first_chunk_bytes < 1 ||
         s->min_slice_transfer_bytes < 1 || s->n_dmas < 1 || s->n_dmas > KVO_MAX_DMAS)
