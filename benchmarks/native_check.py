@@ -57,7 +57,7 @@ def probe(model: str, layout: str, method: str, pool: int, counts: tuple[int, ..
                     assert backend.submit(spec).wait(60)
                 torch.cuda.synchronize()
                 reps = 50 if n <= 64 else 10
-                e2e, call = [], []
+                e2e, call, parts = [], [], []
                 late: list[float] = []
                 stop = threading.Event()
                 th = threading.Thread(target=lateness, args=(stop, late))
@@ -77,6 +77,9 @@ def probe(model: str, layout: str, method: str, pool: int, counts: tuple[int, ..
                     t2 = time.perf_counter()
                     call.append(t1 - t0)
                     e2e.append(t2 - t0)
+                    for j in getattr(p, "jobs", ()):
+                        sub, start, enq, _, done = j.times()
+                        parts.append((start - sub, enq - start, done - enq, t2 - done))
                 stop.set()
                 th.join()
                 nbytes = n * kv.slot_bytes

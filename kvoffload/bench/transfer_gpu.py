@@ -126,7 +126,7 @@ class Engine:
         )
 
 
-def submitter(backend: CudaBackend, *specs: list[TransferSpec]) -> Callable[[Any], list[Any]]:
+def submitter(backend: Any, *specs: list[TransferSpec]) -> Callable[[Any], list[Any]]:
     """``stream -> pendings``: submit each of ``specs``, ordered after ``stream``."""
 
     def submit(stream: Any) -> list[Any]:

@@ -290,7 +290,16 @@ class NativePending(Pending):
 
     def __init__(self, jobs: Sequence[Any]) -> None:
         self.jobs = tuple(jobs)
-        self.queued_at = time.perf_counter()
+
+    @property
+    def queued_at(self) -> float:
+        """When ``submit`` handed the job over (``time.perf_counter`` clock)."""
+        return min(float(j.times()[0]) for j in self.jobs)
+
+    @property
+    def started_at(self) -> float:
+        """When the engine started enqueueing it (0 before)."""
+        return max(float(j.times()[1]) for j in self.jobs)
 
     @property
     def ids(self) -> tuple[int, ...]:

@@ -12,6 +12,14 @@
 
 #include "kvo.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
 double kvo_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -431,12 +439,19 @@ static void *completer(void *p) {
             unref(e, j);
         }
         pthread_mutex_unlock(&e->mu);
-        if (!any) { /* poll again after ~1/16 of the youngest job's age: 2 us .. 200 us */
+        if (!any) { /* poll again after ~1/16 of the youngest job's age, at most 200 us: a
+                       * small transfer is seen done within a few us of its end, a long one
+                       * costs a poll per 200 us; under 10 us the thread spins (a sleep that
+                       * short overshoots) */
             double pause = youngest / 16;
-            if (pause < 2e-6) pause = 2e-6;
             if (pause > 200e-6) pause = 200e-6;
-            struct timespec ts = {0, (long)(pause * 1e9)};
-            nanosleep(&ts, NULL);
+            if (pause < 10e-6) {
+                double until = kvo_now() + pause;
+                while (kvo_now() < until) CPU_RELAX();
+            } else {
+                struct timespec ts = {0, (long)(pause * 1e9)};
+                nanosleep(&ts, NULL);
+            }
         }
     }
 }
