@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 import kvoffload as kvo
-from kvoffload.bench.engine.bench import Advance, freeze_heap, pool_rounds, record, tier_delta
+from kvoffload.bench.engine.bench import freeze_heap, pool_rounds, record, tier_delta
+from kvoffload.bench.engine.bench_config import Advance
 from kvoffload.bench.engine.config import model_config
 from kvoffload.bench.engine.engine import Engine, Offload
 from kvoffload.bench.engine.host_tier import HostTier

@@ -26,7 +26,7 @@ from kvoffload.bench.engine.model import Model
 from kvoffload.bench.engine.workload import ChatShape, chat_turns
 
 if TYPE_CHECKING:
-    from kvoffload.bench.engine.bench import Advance, BenchConfig
+    from kvoffload.bench.engine.bench_config import Advance, BenchConfig
 
 DECODE_STEPS = 16
 
