@@ -28,7 +28,7 @@ import torch
 import kvoffload as kvo
 from kvoffload.bench.engine.bench_config import Advance, BenchConfig, WorkloadRun
 from kvoffload.bench.engine.config import ModelConfig, model_config
-from kvoffload.bench.engine.engine import Engine, Offload, TurnResult
+from kvoffload.bench.engine.engine import Offload, PagedEngine, TurnResult
 from kvoffload.bench.engine.host_tier import HostTier, TierStats
 from kvoffload.bench.engine.kv_cache import PagedKVCache
 from kvoffload.bench.engine.model import Model
@@ -81,11 +81,11 @@ def _engine(
     mode: str,
     offload: Offload | None = None,
     first_block: int = 0,
-) -> Engine:
+) -> PagedEngine:
     pool = run.pool_blocks(mode, cfg.block_size)
     tier = host if mode == "kvoffload" else None
     off = offload or cfg.offload
-    return Engine(model, cache, mode, tier, cfg.chunk_tokens, off, pool, first_block)
+    return PagedEngine(model, cache, mode, tier, cfg.chunk_tokens, off, pool, first_block)
 
 
 def freeze_heap() -> None:
@@ -99,7 +99,7 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def warm_up(engine: Engine, mc: ModelConfig, cfg: BenchConfig, advance: Advance) -> None:
+def warm_up(engine: PagedEngine, mc: ModelConfig, cfg: BenchConfig, advance: Advance) -> None:
     """Compile and allocate what the first requests would otherwise pay for: a prompt longer
     than one chunk, its extension, and (with a host tier) a store and a load."""
     rng = np.random.default_rng(cfg.seed + 99)
@@ -146,7 +146,7 @@ def run_workload(
 
 
 def run_paired(
-    engines: dict[str, Engine],
+    engines: dict[str, PagedEngine],
     host: HostTier,
     turns: Sequence[Turn],
     label: str,
