@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvoffload.bench.shapes import MODELS, engine_tensors
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.host import HostBackend
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.shapes import MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 from tests.fake_cuda import Calls, cuda_layout, fake_cuda, no_pin
 from tests.transfer_support import HeldAfterFirstSlice

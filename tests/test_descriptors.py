@@ -8,11 +8,11 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvoffload.bench.shapes import MODELS, engine_tensors
 from kvoffload.transfer.cuda.chunks import chunk_sizes, coalesce, tile
 from kvoffload.transfer.cuda.driver import CudaCopyError, CudaDriver
 from kvoffload.transfer.descriptors import build_descriptors
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.shapes import MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 
 LAYOUTS = ("kv_split", "kv_pair", "page", "cross_layer")

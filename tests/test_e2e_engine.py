@@ -13,7 +13,7 @@ import kvoffload as kvo  # noqa: E402
 from kvoffload.bench.engine.attention import paged_attend, sdpa  # noqa: E402
 from kvoffload.bench.engine.block_pool import BlockPool, PoolExhausted  # noqa: E402
 from kvoffload.bench.engine.config import model_config  # noqa: E402
-from kvoffload.bench.engine.engine import Engine, Offload, TurnResult  # noqa: E402
+from kvoffload.bench.engine.engine import Offload, PagedEngine, TurnResult  # noqa: E402
 from kvoffload.bench.engine.host_tier import HostTier  # noqa: E402
 from kvoffload.bench.engine.kv_cache import PagedKVCache  # noqa: E402
 from kvoffload.bench.engine.model import Model  # noqa: E402
@@ -99,8 +99,8 @@ def test_rope_rotates_halves():
 def test_chunked_prefill_matches_one_pass(model):
     cache = PagedKVCache(MICRO, 32, 16, torch.device("cpu"))
     prompt = np.random.default_rng(3).integers(0, MICRO.vocab, 150)
-    whole = Engine(model, cache, "recompute", chunk_tokens=1000).run(prompt)
-    chunked = Engine(model, cache, "recompute", chunk_tokens=16).run(prompt)
+    whole = PagedEngine(model, cache, "recompute", chunk_tokens=1000).run(prompt)
+    chunked = PagedEngine(model, cache, "recompute", chunk_tokens=16).run(prompt)
     torch.testing.assert_close(whole.logits, chunked.logits, atol=0.1, rtol=0.05)
     assert whole.computed_tokens == chunked.computed_tokens == 150
 
@@ -117,7 +117,7 @@ def test_modes_reuse_what_they_should(model, store):
         for mode in ("recompute", "gpu", "gpu_all", "kvoffload"):
             tier = host if mode == "kvoffload" else None
             blocks = 4 * pool if mode == "gpu_all" else pool
-            engine = Engine(model, cache, mode, tier, 64, Offload(store=store), blocks)
+            engine = PagedEngine(model, cache, mode, tier, 64, Offload(store=store), blocks)
             runs = [engine.run(t.prompt, t.answer) for t in turns]
             engine.idle()
             hits[mode] = (
@@ -162,7 +162,7 @@ def test_blocks_being_stored_are_not_reused_until_the_store_settles(model, monke
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=16))
     try:
         behind = Offload(admission="all", store="behind")
-        engine = Engine(model, cache, "kvoffload", host, 64, behind)
+        engine = PagedEngine(model, cache, "kvoffload", host, 64, behind)
         prompt = np.arange(80) % MICRO.vocab
         engine.run(prompt)  # 5 blocks, 5 full ones being stored
         assert engine.pool.num_free == 3  # held while their store is in flight
@@ -182,7 +182,7 @@ def test_evict_policy_stores_nothing_while_the_pool_has_room(model):
     cache = PagedKVCache(MICRO, 64, 16, torch.device("cpu"))
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=64))
     try:
-        engine = Engine(model, cache, "kvoffload", host, 64, Offload(admission="all"))
+        engine = PagedEngine(model, cache, "kvoffload", host, 64, Offload(admission="all"))
         rng = np.random.default_rng(8)
         system = rng.integers(0, MICRO.vocab, 64)
         for _ in range(4):  # 4 requests of 6 blocks each after a shared 4-block prefix: 24 blocks
@@ -208,7 +208,7 @@ def test_evict_policy_stores_ahead_and_never_reuses_a_block_being_stored(model, 
     cache = PagedKVCache(MICRO, 12, 16, torch.device("cpu"))
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=64))
     try:
-        engine = Engine(model, cache, "kvoffload", host, 64, Offload(admission="all"))
+        engine = PagedEngine(model, cache, "kvoffload", host, 64, Offload(admission="all"))
         rng = np.random.default_rng(9)
         prompts = [rng.integers(0, MICRO.vocab, 40) for _ in range(8)]  # 2 full blocks + 1
         first = engine.run(prompts[0])
@@ -246,7 +246,7 @@ def test_reuse_admission_stores_only_what_recurs(model, store):
     cache = PagedKVCache(MICRO, 16, 16, torch.device("cpu"))
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=16))
     try:
-        engine = Engine(model, cache, "kvoffload", host, 64, Offload(store=store))
+        engine = PagedEngine(model, cache, "kvoffload", host, 64, Offload(store=store))
         rng = np.random.default_rng(5)
         first, answer = rng.integers(0, MICRO.vocab, 40), rng.integers(0, MICRO.vocab, 8)
         engine.run(first, answer)  # shares nothing: not stored
@@ -269,7 +269,7 @@ def test_an_admitted_request_stores_the_prefix_it_reused_from_the_gpu(model, sto
     cache = PagedKVCache(MICRO, 16, 32, torch.device("cpu"))  # 16 blocks of 32 tokens
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=32))
     try:
-        engine = Engine(model, cache, "kvoffload", host, 64, Offload(store=store))
+        engine = PagedEngine(model, cache, "kvoffload", host, 64, Offload(store=store))
         rng = np.random.default_rng(6)
         first, answer = rng.integers(0, MICRO.vocab, 48), rng.integers(0, MICRO.vocab, 16)
         engine.run(first, answer)  # 2 full blocks on the GPU, none on host
@@ -289,7 +289,7 @@ def test_none_admission_stores_nothing(model):
     cache = PagedKVCache(MICRO, 16, 16, torch.device("cpu"))
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=16))
     try:
-        engine = Engine(model, cache, "kvoffload", host, 64, Offload(admission="none"))
+        engine = PagedEngine(model, cache, "kvoffload", host, 64, Offload(admission="none"))
         prompt = np.arange(70) % MICRO.vocab
         engine.run(prompt)
         engine.run(prompt)
@@ -323,10 +323,10 @@ def test_layered_restore_starts_prefill_before_the_load_has_arrived(model, monke
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=32))
     try:
         prompt = np.random.default_rng(10).integers(0, MICRO.vocab, 100)  # 6 full blocks
-        store = Engine(model, cache, "kvoffload", host, 64, Offload(admission="all"))
+        store = PagedEngine(model, cache, "kvoffload", host, 64, Offload(admission="all"))
         store.run(prompt[:90])
         store.drop_gpu_cache()
-        blocking = Engine(model, cache, "kvoffload", host, 64, Offload(load="blocking"))
+        blocking = PagedEngine(model, cache, "kvoffload", host, 64, Offload(load="blocking"))
         want = blocking.run(prompt, cache=False)
         assert want.host_hit_tokens == 80 and want.layer_waits == []
         HeldLayer.reached.clear()
@@ -339,7 +339,7 @@ def test_layered_restore_starts_prefill_before_the_load_has_arrived(model, monke
             waited.append(layer)
 
         monkeypatch.setattr(host, "wait_layer", wait_layer)
-        layered = Engine(model, cache, "kvoffload", host, 64, Offload(load="layered"))
+        layered = PagedEngine(model, cache, "kvoffload", host, 64, Offload(load="layered"))
         out: dict[str, TurnResult] = {}
         runner = threading.Thread(target=lambda: out.update(r=layered.run(prompt, cache=False)))
         runner.start()
@@ -374,13 +374,15 @@ def test_a_failed_load_is_recomputed(model, monkeypatch, load):
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=32))
     try:
         prompt = np.random.default_rng(11).integers(0, MICRO.vocab, 100)
-        engine = Engine(model, cache, "kvoffload", host, 64, Offload(admission="all", load=load))
+        engine = PagedEngine(
+            model, cache, "kvoffload", host, 64, Offload(admission="all", load=load)
+        )
         engine.run(prompt[:90])
         engine.drop_gpu_cache()
         got = engine.run(prompt)
         assert got.host_hit_tokens == 0 and got.computed_tokens == 100
         assert host.stats.failures == 5  # the 5 full blocks of the failed load
-        want = Engine(model, cache, "recompute", None, 64).run(prompt)
+        want = PagedEngine(model, cache, "recompute", None, 64).run(prompt)
         assert torch.equal(got.logits, want.logits)
         engine.idle()
         assert engine.pool.num_free == 32  # the failed load's blocks came back too
@@ -405,9 +407,9 @@ def test_decode_attention_equals_sdpa():
 def test_engine_rejects_bad_input(model):
     cache = PagedKVCache(MICRO, 4, 16, torch.device("cpu"))
     with pytest.raises(ValueError, match="mode"):
-        Engine(model, cache, "disk")
+        PagedEngine(model, cache, "disk")
     with pytest.raises(ValueError, match="host tier exactly"):
-        Engine(model, cache, "kvoffload")
+        PagedEngine(model, cache, "kvoffload")
     with pytest.raises(ValueError, match="admission"):
         Offload(admission="some")
     with pytest.raises(ValueError, match="store in"):
@@ -417,8 +419,8 @@ def test_engine_rejects_bad_input(model):
     with pytest.raises(ValueError, match="store_lead > 0"):
         Offload(store_lead=0)
     with pytest.raises(ValueError, match="pool_blocks in"):
-        Engine(model, cache, "gpu", pool_blocks=5)
-    engine = Engine(model, cache, "gpu")
+        PagedEngine(model, cache, "gpu", pool_blocks=5)
+    engine = PagedEngine(model, cache, "gpu")
     with pytest.raises(ValueError, match="non-empty 1-D prompt"):
         engine.run([])
     with pytest.raises(ValueError, match="answer tokens or decode"):

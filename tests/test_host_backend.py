@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.bench.shapes import MODELS, engine_tensors
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.host import HostBackend
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.shapes import MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 
 BLOCK_SIZE = 16

@@ -9,7 +9,6 @@ import itertools
 import numpy as np
 import pytest
 
-from kvoffload.bench.shapes import LAYOUTS, MODELS, engine_tensors
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.chunks import (
     bound_owner,
@@ -23,6 +22,7 @@ from kvoffload.transfer.cuda.chunks import (
 )
 from kvoffload.transfer.descriptors import build_descriptors
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.shapes import LAYOUTS, MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 from tests.fake_cuda import cuda_layout, fake_cuda, no_pin
 

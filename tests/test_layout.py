@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.bench.shapes import MODELS, engine_tensors
 from kvoffload.transfer.layout import KVLayout, LayerGroup, Region
+from kvoffload.transfer.shapes import MODELS, engine_tensors
 
 
 def alloc(shape):

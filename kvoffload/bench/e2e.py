@@ -242,7 +242,7 @@ def _list(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
 
 
 def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
-    from kvoffload.bench.engine.bench import BenchConfig
+    from kvoffload.bench.engine.bench_config import BenchConfig
     from kvoffload.bench.engine.engine import Offload
 
     model = args.model if args.model != "auto" else ("llama3-8b" if cuda else "tiny")
@@ -278,7 +278,7 @@ def _zero_reuse_turns(args: argparse.Namespace, first: Any) -> int:
 
 
 def _workload_run(args: argparse.Namespace, model: str, kind: str) -> Any:
-    from kvoffload.bench.engine.bench import WorkloadRun
+    from kvoffload.bench.engine.bench_config import WorkloadRun
     from kvoffload.bench.engine.workload import ChatShape, DocShape, Workload
 
     shape = SHAPES[model]["docs" if kind == "docs" else ("fits" if kind == "fits" else "chat")]

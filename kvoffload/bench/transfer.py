@@ -25,7 +25,7 @@ from kvoffload.bench.common import (
     progress,
     write_json,
 )
-from kvoffload.bench.shapes import LAYOUTS, MODELS, engine_tensors
+from kvoffload.transfer.shapes import LAYOUTS, MODELS, engine_tensors
 
 DEFAULT_LAYOUTS = ("kv_split", "page", "cross_layer")
 # (model, layout, block size) cases of the GPU sweep: pieces of 2 KiB (fp8 at TP8) to 256 KiB,

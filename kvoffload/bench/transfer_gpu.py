@@ -23,12 +23,12 @@ import torch
 
 from kvoffload.bench.common import progress
 from kvoffload.bench.gpu_timing import Sleeper, measure_link, spread, time_transfers
-from kvoffload.bench.shapes import MODELS, engine_tensors
 from kvoffload.bench.transfer import case_blocks, parse_cases
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.base import CudaBackend
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
+from kvoffload.transfer.shapes import MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 
 METHODS = ("staged", "dma", "sm", "auto")

@@ -153,14 +153,17 @@ class PlannedBackend(CopyBackend):
         self.backends.clear()
 
 
-def make_planned(layout: KVLayout, arena: HostArena) -> PlannedBackend:
-    """The ``auto`` backend for a CUDA layout, with this GPU's cached table (if any)."""
+def make_planned(
+    layout: KVLayout, arena: HostArena, make: Callable[[str, KVLayout, HostArena], CopyBackend]
+) -> PlannedBackend:
+    """The ``auto`` backend for a CUDA layout, with this GPU's cached table (if any); ``make``
+    builds a backend by name (the registry passes its ``make_backend``, so the planner never
+    imports the registry)."""
     import torch
 
-    from kvoffload.transfer import registry
     from kvoffload.transfer.calibration import load_cached
     from kvoffload.transfer.cuda.driver import driver_version
 
     device = torch.device(layout.device)
     table = load_cached(torch.cuda.get_device_name(device), driver_version())
-    return PlannedBackend(layout, arena, Planner(table), registry.make_backend)
+    return PlannedBackend(layout, arena, Planner(table), make)

@@ -60,7 +60,7 @@ def make_backend(name: str, layout: KVLayout, arena: HostArena) -> CopyBackend:
         if layout.is_cuda:
             from kvoffload.transfer.planner import make_planned
 
-            return make_planned(layout, arena)
+            return make_planned(layout, arena, make_backend)
         name = "host"
     try:
         factory = BACKENDS[name]

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.bench.shapes import MODELS, engine_tensors
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.dma import DmaBackend
 from kvoffload.transfer.cuda.driver import CudaDriver
@@ -22,6 +21,7 @@ from kvoffload.transfer.host import HostBackend
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.registry import make_backend
+from kvoffload.transfer.shapes import MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 
 BLOCK_SIZE = 16

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.bench.shapes import LAYOUTS, MODELS, engine_tensors
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.base import FIRST_SLICE_BYTES
 from kvoffload.transfer.cuda.chunks import first_slice_layers
@@ -21,6 +20,7 @@ from kvoffload.transfer.cuda.sm import SmBackend
 from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
+from kvoffload.transfer.shapes import LAYOUTS, MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 from tests.transfer_support import HeldAfterFirstSlice
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.bench.shapes import MODELS, engine_tensors
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.dma import DmaBackend
 from kvoffload.transfer.cuda.driver import CudaDriver
@@ -17,6 +16,7 @@ from kvoffload.transfer.cuda.sm import SmBackend
 from kvoffload.transfer.cuda.staged import StagedBackend
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
+from kvoffload.transfer.shapes import MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 
 POOL = 24

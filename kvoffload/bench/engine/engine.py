@@ -1,4 +1,4 @@
-"""The engine: one request at a time, chunked prefill of the uncached suffix, greedy decode.
+"""``PagedEngine``: one request at a time, chunked prefill of the uncached suffix, greedy decode.
 
 Modes: ``recompute`` (no prefix cache: every prompt is computed from token 0), ``gpu`` (prefix
 cache in the GPU block pool), ``gpu_all`` (the same with a pool that never evicts: the ideal a host
@@ -97,7 +97,9 @@ class _HostClock:
         self.last = now
 
 
-class Engine:
+class PagedEngine:
+    """A paged-attention model runner over one pool of ``cache``'s blocks, in one ``mode``."""
+
     def __init__(
         self,
         model: Model,

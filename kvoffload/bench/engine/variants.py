@@ -34,9 +34,10 @@ import numpy as np
 import torch
 
 import kvoffload as kvo
-from kvoffload.bench.engine.bench import Advance, freeze_heap, pool_rounds, record, tier_delta
+from kvoffload.bench.engine.bench import freeze_heap, pool_rounds, record, tier_delta
+from kvoffload.bench.engine.bench_config import Advance
 from kvoffload.bench.engine.config import model_config
-from kvoffload.bench.engine.engine import Engine, Offload
+from kvoffload.bench.engine.engine import Offload, PagedEngine
 from kvoffload.bench.engine.host_tier import HostTier
 from kvoffload.bench.engine.kv_cache import PagedKVCache
 from kvoffload.bench.engine.model import Model
@@ -150,10 +151,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _watch(hosts[backend], submitted)
         return hosts[backend]
 
-    def engine(v: Variant) -> Engine:
+    def engine(v: Variant) -> PagedEngine:
         pool = wrun.all_blocks(bs) if v.mode == "gpu_all" else wrun.gpu_blocks
         host = host_for(v.backend) if v.mode == "kvoffload" else None
-        return Engine(model, cache, v.mode, host, chunk, v.offload, pool)
+        return PagedEngine(model, cache, v.mode, host, chunk, v.offload, pool)
 
     out: dict[str, Any] = {
         "model": args.model,
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_turns(
-    engine: Engine,
+    engine: PagedEngine,
     host: HostTier,
     turns: Sequence[Turn],
     label: str,

@@ -19,14 +19,14 @@ import numpy as np
 import torch
 
 from kvoffload.bench.engine.config import ModelConfig
-from kvoffload.bench.engine.engine import Engine, Offload, TurnResult
+from kvoffload.bench.engine.engine import Offload, PagedEngine, TurnResult
 from kvoffload.bench.engine.host_tier import HostTier
 from kvoffload.bench.engine.kv_cache import PagedKVCache
 from kvoffload.bench.engine.model import Model
 from kvoffload.bench.engine.workload import ChatShape, chat_turns
 
 if TYPE_CHECKING:
-    from kvoffload.bench.engine.bench import Advance, BenchConfig
+    from kvoffload.bench.engine.bench_config import Advance, BenchConfig
 
 DECODE_STEPS = 16
 
@@ -53,7 +53,7 @@ def check_turn(
     one = ChatShape(1, turn, chat.system_tokens, chat.user_tokens, chat.answer_tokens)
     turns = chat_turns(one, model.config.vocab, seed)
     stores = dataclasses.replace(offload or Offload(), admission="all")
-    engine = Engine(model, cache, "kvoffload", host, chunk_tokens, stores)
+    engine = PagedEngine(model, cache, "kvoffload", host, chunk_tokens, stores)
     for t in turns[:-1]:
         engine.run(t.prompt, t.answer)
     engine.idle()
@@ -71,7 +71,7 @@ def check_turn(
     spans = {"prefix": (0, hit), "suffix": (hit, len(prompt)), "decode": (len(prompt), length)}
     kv_equal = {name: _kv_equal(reference, kv, lo, hi) for name, (lo, hi) in spans.items()}
     del reference, kv
-    computed = Engine(model, cache, "recompute", None, chunk_tokens).run(prompt)
+    computed = PagedEngine(model, cache, "recompute", None, chunk_tokens).run(prompt)
     same_hit = restored.host_hit_tokens == hit and restored.gpu_hit_tokens == 0
     logits_equal = torch.equal(on_gpu.logits, restored.logits)
     ids = [on_gpu.first_token, *on_gpu.tokens], [restored.first_token, *restored.tokens]

@@ -1,4 +1,8 @@
-"""Model shapes and engine KV layouts the benchmarks and tests use.
+"""Model shapes and engine KV layouts: the KV tensors an engine hands ``KVLayout.from_tensors``.
+
+They live in ``transfer/`` beside ``layout.py``, whose input they describe, so the library
+(calibration), the tests and ``kvoffload bench`` all reach them without importing the
+benchmarks. Torch-free: ``engine_tensors`` allocates through the caller's ``alloc``.
 
 Shapes are (layers, KV heads per GPU, head size) from the models' published configs:
 Llama-3-8B (32, 8, 128), Qwen2.5-7B (28, 4, 128), Llama-3-70B at tensor parallel 8 (80, 8/8, 128),

@@ -1,0 +1,174 @@
+"""The package's dependency rules, read statically from the source (``ast``, nothing imported).
+
+1. No import cycle between kvoffload modules. Every import counts: module level, under
+   ``TYPE_CHECKING``, inside a function, and ``importlib.import_module("literal")``; a reader has
+   to hold both files of a circle at once whichever way it is imported.
+2. Nothing outside ``kvoffload/bench/`` imports ``kvoffload.bench``: the library never depends on
+   its benchmarks. ``kvoffload/cli.py`` routes ``kvoffload bench <what>`` to the bench modules.
+
+``docs/structure.md`` describes the layout these rules keep.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Container
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Known, being fixed on other branches (issue 20 §1, §2); the lead empties these after merging.
+# An entry that no longer occurs fails the test, so the lists cannot outlive their reason.
+KNOWN_CYCLES: set[frozenset[str]] = {
+    frozenset({"kvoffload.bench.transfer", "kvoffload.bench.transfer_gpu"}),  # helper h6
+    frozenset({"kvoffload.metrics", "kvoffload.offload.local"}),  # helper h2
+}
+KNOWN_BENCH_IMPORTS: set[tuple[str, str]] = {  # (importer, imported); helper h6
+    ("kvoffload.calibrate", "kvoffload.bench.common"),
+    ("kvoffload.calibrate", "kvoffload.bench.gpu_timing"),
+    ("kvoffload.calibrate", "kvoffload.bench.transfer_gpu"),
+    ("kvoffload.doctor", "kvoffload.bench.common"),
+    ("kvoffload.doctor", "kvoffload.bench.gpu_timing"),
+}
+BENCH_ROUTER = "kvoffload.cli"
+
+
+def modules(root: Path, package: str = "kvoffload") -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package ``__init__``) for every module under ``root/package``."""
+    out = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def imported(tree: ast.AST, package: str, known: Container[str]) -> set[str]:
+    """The modules of ``known`` a module in ``package`` imports: ``import a.b`` names ``a.b``;
+    ``from a import b`` names the module ``a.b`` if there is one, else ``a`` (b is in a)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                names.add(sub if sub in known else base)
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node.func) and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                names.add(arg.value)
+    return {n for n in names if n in known}
+
+
+def _is_dynamic_import(func: ast.expr) -> bool:
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module"
+    return isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
+
+
+def import_graph(root: Path, package: str = "kvoffload") -> dict[str, set[str]]:
+    """Module -> the package's modules it imports by name (not the parents Python also runs)."""
+    mods = modules(root, package)
+    graph = {}
+    for name, (path, is_package) in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        here = name if is_package else name.rpartition(".")[0]
+        graph[name] = imported(tree, here, mods) - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(frozenset(component))
+    return found
+
+
+def test_no_import_cycles_between_modules():
+    found = set(cycles(import_graph(ROOT)))
+    new = [sorted(c) for c in found - KNOWN_CYCLES]
+    assert not new, f"import cycles (put what both need below both): {new}"
+    gone = [sorted(c) for c in KNOWN_CYCLES - found]
+    assert not gone, f"fixed: remove from KNOWN_CYCLES: {gone}"
+
+
+def test_only_the_benchmarks_import_the_benchmarks():
+    graph = import_graph(ROOT)
+    found = {
+        (importer, dep)
+        for importer, deps in graph.items()
+        for dep in deps
+        if _in_bench(dep) and not _in_bench(importer) and importer != BENCH_ROUTER
+    }
+    new = sorted(found - KNOWN_BENCH_IMPORTS)
+    assert not new, f"library modules importing kvoffload.bench: {new}"
+    gone = sorted(KNOWN_BENCH_IMPORTS - found)
+    assert not gone, f"fixed: remove from KNOWN_BENCH_IMPORTS: {gone}"
+
+
+def _in_bench(module: str) -> bool:
+    return module == "kvoffload.bench" or module.startswith("kvoffload.bench.")
+
+
+def test_the_checker_sees_every_kind_of_import(tmp_path):
+    """A two-file circle through each kind of import is found; a one-way chain is not."""
+    pkg = tmp_path / "kvoffload"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import a\n")
+    (pkg / "sub" / "a.py").write_text("def f():\n    from kvoffload.sub import b\n")
+    (pkg / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n"
+    )
+    (pkg / "c.py").write_text("import importlib\nimportlib.import_module('kvoffload.d')\n")
+    (pkg / "d.py").write_text("import kvoffload.e\n")
+    (pkg / "e.py").write_text("from kvoffload import c\n")
+    (pkg / "f.py").write_text("from kvoffload.sub.a import f\nimport kvoffload.e\n")
+    graph = import_graph(tmp_path)
+    assert graph["kvoffload.sub"] == {"kvoffload.sub.a"}  # the parent package is not an edge
+    assert graph["kvoffload.e"] == {"kvoffload.c"}  # ``from pkg import module``: the module
+    assert set(cycles(graph)) == {
+        frozenset({"kvoffload.sub.a", "kvoffload.sub.b"}),
+        frozenset({"kvoffload.c", "kvoffload.d", "kvoffload.e"}),
+    }
