@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvoffload.bench.shapes import MODELS, engine_tensors
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.registry import make_backend
+from kvoffload.transfer.shapes import MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 
 
