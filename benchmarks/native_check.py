@@ -44,7 +44,16 @@ def probe(model: str, layout: str, method: str, pool: int, counts: tuple[int, ..
     gpu = [t.cuda() for t in tensors]
     kv = KVLayout.from_tensors(gpu, block_size=16, block_dim=block_dim)
     arena = HostArena(pool, kv.slot_bytes, pin=cuda_pin)
-    backend = make_backend(method, kv, arena)
+    if method.startswith("staged-p"):  # the native engine with another gather program count
+        from kvoffload.transfer.cuda.engine import make_staged
+        from kvoffload.transfer.cuda.staged_config import StagedConfig
+
+        programs = int(method.removeprefix("staged-p"))
+        backend: Any = make_staged(
+            kv, arena, StagedConfig(programs=programs, load_programs=programs)
+        )
+    else:
+        backend = make_backend(method, kv, arena)
     rows = []
     rng = np.random.default_rng(0)
     try:
@@ -97,6 +106,12 @@ def probe(model: str, layout: str, method: str, pool: int, counts: tuple[int, ..
                         "submit_call_us": statistics.median(call) * 1e6,
                         "late_p50_us": statistics.median(late) * 1e6 if late else None,
                         "late_base_p50_us": statistics.median(base) * 1e6 if base else None,
+                        # native: submit->start, enqueue, enqueued->seen done, done->wait returned
+                        "phases_p50_us": [
+                            statistics.median(x) * 1e6 for x in zip(*parts, strict=True)
+                        ]
+                        if parts
+                        else None,
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
@@ -118,6 +133,9 @@ def probe(model: str, layout: str, method: str, pool: int, counts: tuple[int, ..
     return rows
 
 
+METHODS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["staged", "staged-python", "dma"]
+
+
 def main() -> None:
     out: list[Any] = []
     for model, layout, pool in (
@@ -125,7 +143,7 @@ def main() -> None:
         ("llama3-70b-tp8-fp8", "kv_split", 2100),
         ("deepseek-v2-lite-mla", "page", 2100),
     ):
-        for method in ("staged", "staged-python", "dma"):
+        for method in METHODS:
             out += probe(model, layout, method, pool, (1, 16, 64, 1000))
     with open(sys.argv[1], "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": out}, f, indent=1)
