@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,7 +86,7 @@ def test_window_ratios_need_a_baseline():
 
 
 def test_table_formats_ratios_microseconds_and_blanks():
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"method": "staged", "measure": "step_ratio", "case": "inline store 4", "median": 1.23456,
          "p99": None, "n": 5, "note": "step 2500 us"},
         {"method": "dma", "measure": "submit_us:store", "case": "16 blocks", "median": 41.26,
@@ -243,7 +244,7 @@ def cpu_rig():
     rig.arena.close()
 
 
-def rows_by(rows: Sequence[dict], measure: str) -> dict[str, dict]:
+def rows_by(rows: Sequence[dict[str, Any]], measure: str) -> dict[str, dict[str, Any]]:
     return {r["case"]: r for r in rows if r["measure"] == measure}
 
 
