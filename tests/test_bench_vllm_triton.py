@@ -83,7 +83,7 @@ def test_piece_table_is_region_major_with_the_layouts_addresses(direction):
         spec = TransferSpec.of(direction, [5, 0, 17], [3, 9, 1])
         regions = range(2, 7)
         host_base = 1 << 40
-        out = np.full(3 * len(spec) * len(regions) + 5, -1, dtype=np.int64)
+        out = np.full((3, 18), -1, dtype=np.int64)
         n = piece_table(spec, region_arrays(group), regions, host_base, 12345 * 8, out)
         assert n == 15
         expected = []
@@ -94,9 +94,8 @@ def test_piece_table_is_region_major_with_the_layouts_addresses(direction):
                 host = host_base + int(s) * 12345 * 8 + group.offsets[r]
                 src, dst = (eng, host) if direction == "store" else (host, eng)
                 expected.append((src, dst, reg.page_bytes))
-        table = out[: 3 * n].reshape(3, n)
-        assert [tuple(int(v) for v in col) for col in table.T] == expected
-        assert (out[3 * n :] == -1).all()  # nothing past the table written
+        assert [tuple(int(v) for v in col) for col in out[:, :n].T] == expected
+        assert (out[:, n:] == -1).all()  # nothing past the table written
     finally:
         pair.close()
 
@@ -105,8 +104,10 @@ def test_piece_table_refuses_a_short_buffer():
     pair = Pair("llama3-8b", "page")
     try:
         spec = TransferSpec.of("store", [1, 2], [3, 4])
-        out = np.zeros(10, dtype=np.int64)
-        with pytest.raises(ValueError, match=r"expected a flat int64 buffer of >= 192"):
+        out = np.zeros((3, 63), dtype=np.int64)
+        with pytest.raises(
+            ValueError, match=r"expected an int64 \(3, >= 64\) table, got int64 \(3, 63\)"
+        ):
             piece_table(spec, region_arrays(pair.kv.groups[0]), range(32), 0, 8, out)
     finally:
         pair.close()
@@ -118,6 +119,7 @@ class PieceLauncher:
 
     def __init__(self) -> None:
         self.launches: list[tuple[int, int, int]] = []  # (pieces, programs, chunk)
+        self.misaligned = 0
 
     def launch(
         self, stream: Any, src: Any, dst: Any, sizes: Any, n: int, programs: int, chunk: int
@@ -130,6 +132,8 @@ class PieceLauncher:
         ):
             ctypes.memmove(d, s, size // 8 * 8)
         self.launches.append((n, programs, chunk))
+        # every table starts 16-byte aligned (Triton compiles a variant per pointer alignment)
+        self.misaligned += sum(t.data_ptr() % 16 != 0 for t in (src, dst, sizes))
 
 
 @pytest.mark.parametrize("layout", ["kv_split", "page", "cross_layer"])
@@ -159,6 +163,7 @@ def test_store_then_load_moves_the_oracles_bytes(fake_cuda: Calls, model, layout
         chunk = min(1 << (max(pages) - 1).bit_length(), 8192)
         # one launch per transfer with pieces (loads too: no layer slices), vLLM's settings
         assert launcher.launches == [(c * regions, 12, chunk) for c in (13, 13, 1, 1, 7, 7)]
+        assert launcher.misaligned == 0
     finally:
         backend.close()
         pair.close()

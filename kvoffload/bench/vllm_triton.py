@@ -95,15 +95,15 @@ def piece_table(
     slot_bytes: int,
     out: np.ndarray,
 ) -> int:
-    """Write ``spec``'s pieces of ``regions`` into ``out`` as three int64 rows of ``n`` entries
-    (source addresses, destination addresses, bytes), region-major as vLLM orders them; returns
-    ``n``. ``arrays``: ``region_arrays(group)``; ``host_base``: the arena's device-visible
-    address; ``out``: flat int64 with room for ``3 * n``."""
+    """Write ``spec``'s pieces of ``regions`` into the first ``n`` columns of ``out`` (int64,
+    three rows: source addresses, destination addresses, bytes), region-major as vLLM orders
+    them; returns ``n``. ``arrays``: ``region_arrays(group)``; ``host_base``: the arena's
+    device-visible address."""
     bases, strides, pages, offsets = (a[regions.start : regions.stop] for a in arrays)
     n = len(spec) * len(bases)
-    if out.dtype != np.int64 or out.ndim != 1 or len(out) < 3 * n:
-        raise ValueError(f"expected a flat int64 buffer of >= {3 * n}, got {out.dtype} {out.shape}")
-    table = out[: 3 * n].reshape(3, len(bases), len(spec))
+    if out.dtype != np.int64 or out.ndim != 2 or out.shape[0] != 3 or out.shape[1] < n:
+        raise ValueError(f"expected an int64 (3, >= {n}) table, got {out.dtype} {out.shape}")
+    table = out[:, :n].reshape(3, len(bases), len(spec))
     engine, host = (0, 1) if spec.direction == "store" else (1, 0)
     np.multiply(strides[:, None], spec.blocks[None, :], out=table[engine])
     table[engine] += bases[:, None]
@@ -164,23 +164,27 @@ class VllmTritonBackend(CudaBackend):
         n = len(spec) * len(regions)
         if n == 0:
             return
-        buf = self._tables.take(3 * n)
+        # Each row starts 16-byte aligned (an even count of int64), as vLLM's three separate
+        # tensors do: Triton compiles a variant per pointer alignment.
+        m = (n + 1) // 2 * 2
+        buf = self._tables.take(3 * m)
         try:
+            table = buf.host[: 3 * m].reshape(3, m)
             piece_table(
                 spec,
                 self._arrays[spec.group],
                 regions,
                 self._host_base,
                 self.arena.slot_bytes,
-                buf.host,
+                table,
             )
-            buf.upload(self.driver, 3 * n, lane.tail)
+            buf.upload(self.driver, 3 * m, lane.tail)
             dev = buf.device
             self._launcher.launch(
                 lane.streams[0],
                 dev,
-                dev[n:],
-                dev[2 * n :],
+                dev[m:],
+                dev[2 * m :],
                 n,
                 self.config.programs,
                 self.chunk_bytes,
