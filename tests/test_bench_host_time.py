@@ -324,3 +324,26 @@ def test_a_backend_that_does_not_build_is_reported_with_its_error(cpu_rig):
             "note": "build: ImportError('no module named triton')",
         }
     ]
+
+
+def test_run_assembles_every_method_into_json_rows_and_a_table(monkeypatch):
+    """``run`` end to end with the GPU rig swapped for the CPU one (and CUDA's queries faked):
+    one result, every method in it, a method that fails reported beside the others."""
+    import json
+
+    import torch
+
+    rig = CpuRig(TINY)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(host_time, "gpu_rig", lambda device, cfg: rig.rig)
+    out = host_time.run(0, ["host", "no-such-method"], 60.0, config=TINY)
+    assert json.loads(json.dumps(out)) == out
+    assert out["device"] == "fake GPU" and out["slot_bytes"] == rig.kv.slot_bytes
+    assert {r["method"] for r in out["rows"]} == {"host", "no-such-method"}
+    (error,) = [r for r in out["rows"] if r["measure"] == "error"]
+    assert error["method"] == "no-such-method" and "expected a copy backend in" in error["note"]
+    assert out["table"][0] == TABLE_HEADER and len(out["table"]) == len(out["rows"]) + 1
+    assert rig.arena._mmap is None  # closed by run
