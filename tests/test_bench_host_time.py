@@ -268,8 +268,9 @@ def test_host_backend_gets_every_row_measured_and_checked(cpu_rig):
     assert all(r["n"] == TINY.step_rounds and r["median"] > 0 for r in ratios.values())
     assert rows_by(rows, "step_us")[BASELINE]["n"] >= TINY.step_rounds * TINY.steps_per_window
     # the engine step ran its kernels: warm-up and measured windows, 5 kernels per step
-    windows = 6 + len(schedule(list(ratios), TINY.step_rounds))
-    assert cpu_rig.steps == windows * TINY.steps_per_window
+    windows = len(schedule(list(ratios), TINY.step_rounds))
+    warmup = 6 * host_time.warmup_steps(TINY)
+    assert cpu_rig.steps == warmup + windows * TINY.steps_per_window
     assert cpu_rig.kernels == cpu_rig.steps * TINY.kernels_per_step
 
 
@@ -347,3 +348,30 @@ def test_run_assembles_every_method_into_json_rows_and_a_table(monkeypatch):
     assert error["method"] == "no-such-method" and "expected a copy backend in" in error["note"]
     assert out["table"][0] == TABLE_HEADER and len(out["table"]) == len(out["rows"]) + 1
     assert rig.arena._mmap is None  # closed by run
+
+
+class PassesAfter(Deadline):
+    """A deadline that passes after ``k`` checks."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def left(self) -> float:
+        return 0.0
+
+    def passed(self) -> bool:
+        self.k -= 1
+        return self.k < 0
+
+
+@pytest.mark.parametrize(("checks", "measured"), [(1, ["1 blocks"]), (2, ["1 blocks", "4 blocks"])])
+def test_a_short_budget_covers_each_block_count_once_before_repeating(cpu_rig, checks, measured):
+    backend = HostBackend(cpu_rig.kv, cpu_rig.arena)
+    try:
+        rows = host_time.gil_part("host", backend, cpu_rig.rig, TINY, PassesAfter(checks))
+    finally:
+        backend.close()
+    assert sorted(rows_by(rows, "submit_us:load")) == measured
+    skipped = sorted(r["case"] for r in rows if r.get("note") == "skipped")
+    assert skipped == sorted({"1 blocks", "4 blocks"} - set(measured))
+    assert all(r["n"] >= 1 for r in rows_by(rows, "done_us:store").values())

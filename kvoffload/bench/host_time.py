@@ -145,18 +145,20 @@ def check_bytes(backend: CopyBackend, rig: Rig, n: int, wait_s: float) -> None:
 def gil_part(
     method: str, backend: CopyBackend, rig: Rig, cfg: HostTimeConfig, deadline: Deadline
 ) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+    """Part a: rounds over every block count (so a short budget still covers each once), each a
+    baseline window then a loaded one; rows per block count measured, ``skipped`` for the rest."""
+    submit_s: dict[tuple[int, str], list[float]] = defaultdict(list)
+    done_s: dict[tuple[int, str], list[float]] = defaultdict(list)
     with WakeProbe(cfg.sleep_s) as probe:
-        for n in cfg.gil_blocks:
-            case = f"{n} blocks"
-            if deadline.passed():
-                rows.append({"method": method, "measure": "gil", "case": case, "note": "skipped"})
-                continue
-            slots = np.arange(n)
-            pair: tuple[tuple[Direction, np.ndarray], ...] = (("store", slots), ("load", slots + n))
-            submit_s: dict[str, list[float]] = {"store": [], "load": []}
-            done_s: dict[str, list[float]] = {"store": [], "load": []}
-            for _ in range(cfg.gil_rounds):
+        for _ in range(cfg.gil_rounds):
+            for n in cfg.gil_blocks:
+                if deadline.passed():
+                    break
+                slots = np.arange(n)
+                pair: tuple[tuple[Direction, np.ndarray], ...] = (
+                    ("store", slots),
+                    ("load", slots + n),
+                )
                 probe.phase = f"base {n}"
                 time.sleep(cfg.window_s)
                 probe.phase = f"loaded {n}"
@@ -167,30 +169,30 @@ def gil_part(
                         p = transfer(backend, d, ids, slots)
                         t1 = time.perf_counter()
                         finish(p, cfg.wait_s, f"a {n}-block {d}")
-                        submit_s[d].append(t1 - t0)
-                        done_s[d].append(time.perf_counter() - t0)
+                        submit_s[n, d].append(t1 - t0)
+                        done_s[n, d].append(time.perf_counter() - t0)
                 probe.phase = None
-                if deadline.passed():
-                    break
-            base, loaded = probe.samples[f"base {n}"], probe.samples[f"loaded {n}"]
-            common = {"method": method, "case": case, "blocks": n}
-            for d in ("store", "load"):
-                rows.append({**common, "measure": f"submit_us:{d}", **summary(submit_s[d], 1e6)})
-                rows.append({**common, "measure": f"done_us:{d}", **summary(done_s[d], 1e6)})
-            if base and loaded:
-                b, lo = summary(base, 1e6), summary(loaded, 1e6)
-                rows.append({**common, "measure": "wake_late_us:baseline", **b})
-                rows.append({**common, "measure": "wake_late_us:loaded", **lo})
-                rows.append(
-                    {
-                        **common,
-                        "measure": "wake_late_us:excess",
-                        "n": lo["n"],
-                        "median": lo["median"] - b["median"],
-                        "p99": lo["p99"] - b["p99"],
-                    }
-                )
+    rows: list[dict[str, Any]] = []
+    for n in cfg.gil_blocks:
+        common = {"method": method, "case": f"{n} blocks", "blocks": n}
+        base, loaded = probe.samples[f"base {n}"], probe.samples[f"loaded {n}"]
+        if not submit_s[n, "load"]:
+            rows.append({**common, "measure": "gil", "note": "skipped"})
+            continue
+        for d in ("store", "load"):
+            rows.append({**common, "measure": f"submit_us:{d}", **summary(submit_s[n, d], 1e6)})
+            rows.append({**common, "measure": f"done_us:{d}", **summary(done_s[n, d], 1e6)})
+        if base and loaded:
+            b, lo = summary(base, 1e6), summary(loaded, 1e6)
+            rows.append({**common, "measure": "wake_late_us:baseline", **b})
+            rows.append({**common, "measure": "wake_late_us:loaded", **lo})
+            excess = {"median": lo["median"] - b["median"], "p99": lo["p99"] - b["p99"]}
+            rows.append({**common, "measure": "wake_late_us:excess", "n": lo["n"], **excess})
     return rows
+
+
+def warmup_steps(cfg: HostTimeConfig) -> int:
+    return max(2, cfg.steps_per_window // 4)
 
 
 class Arm:
@@ -280,12 +282,12 @@ class Beside(Arm):
             self.errors.append(err)
 
 
-def step_window(rig: Rig, arm: Arm, cfg: HostTimeConfig) -> list[float]:
-    """Seconds of each of ``steps_per_window`` engine steps with ``arm`` running."""
+def step_window(rig: Rig, arm: Arm, cfg: HostTimeConfig, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` engine steps with ``arm`` running."""
     times = []
     arm.start()
     try:
-        for _ in range(cfg.steps_per_window):
+        for _ in range(steps):
             t0 = time.perf_counter()
             arm.before_step()
             for _ in range(cfg.kernels_per_step):
@@ -312,12 +314,12 @@ def step_part(
         arms[f"thread {n} back to back"] = Beside(backend, rig, n, 0.0, cfg.wait_s)
     if deadline.passed():
         return [{"method": method, "measure": "step_ratio", "case": "all", "note": "skipped"}]
-    for arm in arms.values():  # warm-up
-        step_window(rig, arm, cfg)
+    for arm in arms.values():  # warm-up: threads started once, first launches, caches
+        step_window(rig, arm, cfg, warmup_steps(cfg))
     windows: list[tuple[str, float]] = []
     steps: dict[str, list[float]] = defaultdict(list)
     for name in schedule([a for a in arms if a != BASELINE], cfg.step_rounds):
-        times = step_window(rig, arms[name], cfg)
+        times = step_window(rig, arms[name], cfg, cfg.steps_per_window)
         windows.append((name, statistics.median(times)))
         steps[name] += times
         if name == BASELINE and deadline.passed() and len(windows) > 1:
