@@ -1,18 +1,18 @@
 """``vllm-triton``: vLLM's Triton copy path for KV offloading, behind our ``CopyBackend``.
 
 The reference the issue asks for (issue 21, "What it must show"): vLLM PR #42212 ("Triton fast
-path for small CPU->GPU swap_blocks_batch in the offloading connector", merged 2026-05) published
-37-48 GB/s H2D on an H100 at 4-24 KiB pages with it, above what our ``sm`` backend measured on
-such pieces. This backend reproduces vLLM's kernel and its settings so both run in one benchmark,
-on our layouts and our arena. Source read (vllm-project/vllm):
+path for small CPU->GPU swap_blocks_batch in the offloading connector", merged, reviewed in May
+2026) published 37-48 GB/s H2D on an H100 at 4-24 KiB pages with it, above what our ``sm``
+backend measured on such pieces. This backend reproduces vLLM's kernel and its settings so both
+run in one benchmark, on our layouts and our arena. Source read (vllm-project/vllm):
 
 - ``vllm/v1/kv_offload/cpu/triton_swap.py`` at commit 253f027c73676e34b6ace250221bbda5b74d619e
-  (the PR's file; later renamed ``swap_blocks_triton.py``, same kernel, e.g. at commit
-  00d8649adca4b042f0d9cd373594570a32eb8702): ``NUM_SMS = 12``, the kernel ``_swap_blocks_kernel``
-  (one program per descriptor, striding by the program count; each descriptor copied in
-  ``BYTES_PER_CHUNK`` steps of 8-byte words, the last step masked), launched on a grid of
-  ``min(NUM_SMS, n)`` programs with Triton's default 4 warps, its three int64 descriptor arrays
-  (source address, destination address, bytes) copied to the GPU first.
+  (the file the PR added, as stored at that commit; later renamed ``swap_blocks_triton.py``,
+  same kernel, e.g. at commit 00d8649adca4b042f0d9cd373594570a32eb8702): ``NUM_SMS = 12``, the
+  kernel ``_swap_blocks_kernel`` (one program per descriptor, striding by the program count;
+  each descriptor copied in ``BYTES_PER_CHUNK`` steps of 8-byte words, the last step masked),
+  launched on a grid of ``min(NUM_SMS, n)`` programs with Triton's default 4 warps, its three
+  int64 descriptor arrays (source address, destination address, bytes) copied to the GPU first.
 - ``vllm/v1/kv_offload/cpu/gpu_worker.py``, ``_select_swap_blocks_fn``: ``BYTES_PER_CHUNK =
   min(next_power_of_2(max page bytes), 8192)``; descriptors built per KV tensor, then per block
   (tensor-major); host addresses are the pinned CPU tensor's own (UVA).
