@@ -25,11 +25,11 @@ from kvoffload.bench.host_time_stats import (
     table_rows,
     window_ratios,
 )
-from kvoffload.bench.shapes import MODELS, engine_tensors
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import CopyBackend, Pending
 from kvoffload.transfer.host import HostBackend
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.shapes import MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 
 B = BASELINE
