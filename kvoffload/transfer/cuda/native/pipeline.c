@@ -258,12 +258,16 @@ static int upload_ids(kvo_engine *e, kvo_job *job, kvo_lane *lane, int *entry, k
         memcpy(host + at, job->ids + job->at[s], (size_t)job->count[s] * 8);
         at += job->count[s];
     }
-    *dev = lane->index[k].dev;
     lane->index[k].used = 1;
-    if (at > 0)
-        TRY(e->d.copy(*dev, (kvo_dptr)(uintptr_t)host, (size_t)at * 8,
-                      (kvo_stream)e->spec.gather[job->dir]),
-            STEP_COPY, -1);
+    if (at <= KVO_HOST_IDS) { /* the kernels read the few ids from pinned host memory (UVA): no
+                                * copy to wait for; the buffer stays ours until they finish */
+        *dev = (kvo_dptr)(uintptr_t)host;
+        return 0;
+    }
+    *dev = lane->index[k].dev;
+    TRY(e->d.copy(*dev, (kvo_dptr)(uintptr_t)host, (size_t)at * 8,
+                  (kvo_stream)e->spec.gather[job->dir]),
+        STEP_COPY, -1);
     return 0;
 }
 
@@ -311,10 +315,9 @@ int kvo_run_job(kvo_engine *e, kvo_job *job) {
     kvo_stream gs = (kvo_stream)e->spec.gather[dir];
     kvo_stream tail = dir == KVO_STORE ? (kvo_stream)e->spec.dmas[KVO_STORE][0] : gs;
     kvo_dptr ids = 0;
-    if (job->order != NULL) {
+    if (job->order != NULL) { /* only the kernels touch the engine's memory: their stream waits
+                                 * for the caller's work; the DMA streams follow the kernels */
         err = e->d.wait(gs, job->order, 0);
-        for (int64_t j = 0; !err && j < e->spec.n_dmas; j++)
-            err = e->d.wait((kvo_stream)e->spec.dmas[dir][j], job->order, 0);
         if (err) kvo_fail(job, &e->d, err, STEP_WAIT, -1, -1, "the wait for the caller's stream");
     }
     if (!err) err = upload_ids(e, job, lane, &entry, &ids);
