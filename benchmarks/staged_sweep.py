@@ -11,7 +11,7 @@ Sections (each prints one JSON line per row, all go into OUT_JSON):
   e2e chat workload's restore): the time the engine waits beyond its own compute, per slice
   schedule (``--variants``) and ratio.
 - ``programs``: scatter/gather programs of the staged kernel: load GB/s and the slowdown of a
-  bf16 GEMM stream beside store+load (``transfer_gpu.measure_gemm``).
+  bf16 GEMM stream beside store+load (``transfer_interference.measure_gemm``).
 - ``profile``: cProfile of 1-block and 16-block transfers enqueued in the caller's thread.
 - ``enqueue``: the compiled enqueue loop (``native.c``) against the Python loop, and inline
   submission, on small and large transfers of four shapes, with host CPU time per transfer and
@@ -41,12 +41,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvoffload.bench.gpu_timing import Sleeper, measure_link, time_transfers
-from kvoffload.bench.transfer_gpu import Engine, measure_gemm, submitter
+from kvoffload.bench.transfer_interference import measure_gemm
+from kvoffload.bench.transfer_kv import SyntheticKV as Engine
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.spec import Direction, TransferSpec
+from kvoffload.transfer.timing import Sleeper, measure_link, submitter, time_transfers
 
 RNG = np.random.default_rng(0)
 # Slice schedules of the overlap section: StagedConfig fields (those a checkout lacks are skipped).
@@ -249,8 +250,8 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
     """The compiled enqueue loop against the Python one, side by side in one process: GB/s and
     latency end to end (from ``submit`` on an idle GPU), the caller's submit time and the
     submitter's enqueue time per transfer, the host CPU time per transfer, and the launch-bound
-    Python loop beside 2-block transfers (``transfer_gpu.measure_launch_stall``)."""
-    from kvoffload.bench.transfer_gpu import measure_launch_stall
+    Python loop beside 2-block transfers (``transfer_interference.measure_launch_stall``)."""
+    from kvoffload.bench.transfer_interference import measure_launch_stall
 
     rows: list[dict[str, Any]] = []
     stalls: dict[str, Any] = {}
