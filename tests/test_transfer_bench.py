@@ -15,6 +15,7 @@ import pytest
 from kvoffload.bench import transfer_gpu, transfer_methods
 from kvoffload.bench.transfer import add_arguments, run
 from kvoffload.bench.transfer_cases import CASES, METHODS, SECTIONS, case_blocks, parse_cases
+from kvoffload.transfer.registry import BACKENDS
 
 LINK = {
     k: {"median": v, "min": v, "max": v, "n": 3}
@@ -77,7 +78,23 @@ def synthetic_result() -> dict[str, Any]:
         "launch_stall": {
             "staged": {"slowdown": 0.05, "noise": 0.02, "host_cpu_us_per_transfer": 400.0}
         },
-        "host_time": {"table": [{"method": "staged", "blocks": 1, "gil_us": 4.2}]},
+        "host_time": {  # as kvoffload.bench.host_time returns it: rows, a table (header first)
+            "rows": [
+                {
+                    "method": "staged",
+                    "measure": "wake_late_us:excess",
+                    "case": "1 blocks",
+                    "blocks": 1,
+                    "median": 4.2,
+                    "p99": 9.0,
+                    "n": 40,
+                }
+            ],
+            "table": [
+                ["method", "measure", "case", "median", "p99", "n", "note"],
+                ["staged", "wake_late_us:excess", "1 blocks", "4.2", "9.0", "40", ""],
+            ],
+        },
         "paths": {"staged": {"path": "python", "path_reason": "no native engine yet"}},
         "method_notes": {"vllm-triton": "skipped: absent"},
         "failures": [
@@ -107,7 +124,9 @@ def test_a_whole_gpu_result_prints_plots_and_summarizes(tmp_path, capsys):
 
     result = synthetic_result()
     result["targets"] = summarize(result)
-    big = {t["line"]: t for t in result["targets"]}["1,000 blocks load"]
+    lines = {t["line"]: t for t in result["targets"]}
+    assert lines["GIL per submit: a sleeping thread's extra lateness"]["value"] == 4.2
+    big = lines["1,000 blocks load"]
     assert big["value"] == pytest.approx(0.9, rel=0.01)  # 45 GB/s of 50, median of 3 timings
     assert big["reached"] is False and "x512" in big["measured"]  # 2048 capped at 1 GiB
     print_gpu(result)
@@ -116,7 +135,7 @@ def test_a_whole_gpu_result_prints_plots_and_summarizes(tmp_path, capsys):
         "issue 21's targets",
         "skipped (time budget)",
         "FAILED sm",
-        "gil_us",
+        "wake_late_us:excess",
         "no native engine yet",
         "vllm-triton: skipped",
     ):
@@ -175,9 +194,21 @@ def test_the_host_section_gets_the_registry_methods_or_is_skipped(monkeypatch):
     module = types.ModuleType(transfer_gpu.HOST_TIME)
     module.run = fake_run  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, transfer_gpu.HOST_TIME, module)
-    out = transfer_gpu.host_time(["staged", "vllm-triton", "auto", "dma"], 50.0, 0)
-    assert calls == [(0, ["staged", "auto", "dma"], 50.0)]
-    assert out["methods_left_out"] == ["vllm-triton"]
+    out = transfer_gpu.host_time(["staged", "vllm-triton", "staged-python", "dma"], 50.0, 0)
+    if "staged-python" in BACKENDS:  # registered once the native engine is in
+        assert calls == [(0, ["staged", "vllm-triton", "staged-python", "dma"], 50.0)]
+    else:
+        assert calls == [(0, ["staged", "vllm-triton", "dma"], 50.0)]
+        assert out["methods_left_out"] == ["staged-python"]
+
+    def broken(device: int, methods: list[str], budget_s: float) -> dict[str, Any]:
+        raise ImportError("cannot import name 'Engine'")
+
+    module.run = broken  # type: ignore[attr-defined]
+    out = transfer_gpu.host_time(["staged"], 50.0, 0)  # the sweep's results are not lost
+    assert out == {
+        "skipped": f"{transfer_gpu.HOST_TIME}.run failed: ImportError: cannot import name 'Engine'"
+    }
     monkeypatch.setattr(transfer_gpu, "HOST_TIME", "kvoffload.bench.no_such_module")
     assert transfer_gpu.host_time(["staged"], 50.0, 0) == {
         "skipped": "kvoffload.bench.no_such_module is absent from this checkout"

@@ -37,6 +37,7 @@ def row(
         wire_us = SLOT / gbps / 1e3
         out[f"{d}_p50_us"] = wire_us / share
         out[f"{d}_p99_us"] = 2 * wire_us / share
+        out[f"{d}_submit_us"] = 8.0 if method == "staged" else 400.0
     return out
 
 
@@ -121,3 +122,50 @@ def test_unmeasured_lines_say_so():
     got = by_line(res)
     for name in ("16 blocks store", "1 block load: submit to done", "a GEMM beside transfers"):
         assert got[name]["reached"] is None and got[name]["measured"] == "not measured"
+
+
+def host_row(method: str, measure: str, case: str, median: float, **extra: Any) -> dict[str, Any]:
+    """A row as ``kvoffload.bench.host_time`` writes it."""
+    return {
+        "method": method,
+        "measure": measure,
+        "case": case,
+        "median": median,
+        "p99": None,
+        "n": 5,
+        "note": "",
+        **extra,
+    }
+
+
+def test_host_lines_read_the_host_sections_rows():
+    res = result(0.9)
+    res["host_time"] = {
+        "rows": [
+            host_row("staged", "wake_late_us:excess", "1 blocks", 3.0, blocks=1),
+            host_row("staged", "wake_late_us:excess", "2048 blocks", 14.0, blocks=2048),
+            host_row("dma", "wake_late_us:excess", "2048 blocks", 9.0, blocks=2048),
+            host_row("staged", "step_ratio", "inline store 1", 1.01),
+            host_row("staged", "step_ratio", "inline store 16", 1.025),
+            host_row("staged", "step_ratio", "thread 1-16 every 2 ms", 1.08),
+            host_row("dma", "step_ratio", "thread 1-16 every 2 ms", 1.04),
+            host_row("staged", "step_ratio", "thread 16 back to back", 1.9),
+            {"method": "sm", "measure": "step_ratio", "case": "all", "note": "skipped"},
+        ]
+    }
+    got = by_line(res)
+    gil = got["GIL per submit: a sleeping thread's extra lateness"]
+    assert gil["value"] == 14.0 and gil["reached"] is False and "2048 blocks" in gil["measured"]
+    assert gil["allowed"] == "least there dma 9.0 us"  # at the worst case's 2,048 blocks
+    own = got["eager engine step storing 1-16 blocks in its own thread"]
+    assert own["value"] == pytest.approx(0.025) and own["reached"] is True
+    beside = got["the same step, another thread storing and loading every 2 ms"]
+    assert beside["reached"] is False and beside["allowed"] == "least there dma +4.0%"
+    b2b = got["the same step, another thread transferring back to back"]
+    assert b2b["reached"] is None and b2b["measured"].startswith("+90.0% worst")
+    inside = got["GIL per submit: time inside the call (an upper bound)"]
+    assert inside["value"] == 8.0 and inside["reached"] is True
+    del res["host_time"]
+    assert (
+        by_line(res)["eager engine step storing 1-16 blocks in its own thread"]["reached"] is None
+    )

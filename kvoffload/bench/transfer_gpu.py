@@ -113,8 +113,9 @@ def run_gpu(args: Any) -> dict[str, Any]:
 
 
 def host_time(methods: list[str], budget_s: float, device: int) -> dict[str, Any]:
-    """The host section from ``kvoffload.bench.host_time`` (the methods the registry builds by
-    name), or a note saying why it was skipped."""
+    """The host section from ``kvoffload.bench.host_time`` (the methods it builds by name: the
+    registry's, ``auto`` and ``vllm-triton``), or a note saying why it was skipped or failed
+    (the sweep's results are kept either way)."""
     from kvoffload.transfer.registry import BACKENDS
 
     try:
@@ -123,8 +124,11 @@ def host_time(methods: list[str], budget_s: float, device: int) -> dict[str, Any
         if missing.name != HOST_TIME:
             raise
         return {"skipped": f"{HOST_TIME} is absent from this checkout"}
-    names = [m for m in methods if m in BACKENDS or m == "auto"]
-    out: dict[str, Any] = dict(module.run(device, names, budget_s))
+    names = [m for m in methods if m in BACKENDS or m in ("auto", "vllm-triton")]
+    try:
+        out: dict[str, Any] = dict(module.run(device, names, budget_s))
+    except (ImportError, RuntimeError, ValueError) as err:
+        return {"skipped": f"{HOST_TIME}.run failed: {type(err).__name__}: {err}"}
     out["methods_left_out"] = [m for m in methods if m not in names]
     return out
 

@@ -10,6 +10,7 @@ The method under test is ``staged`` (the native engine where it runs; each row r
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 METHOD = "staged"
@@ -20,6 +21,9 @@ SHARES: tuple[tuple[str, float, Callable[[dict[str, Any]], bool]], ...] = (
     ("1,000 blocks", 0.95, lambda r: r.get("asked_blocks", r["blocks"]) >= 1000),
 )
 ONE_BLOCK_SLACK_US = 25.0  # 1 block: submit to done <= wire time + this
+GIL_US = 10.0  # GIL held by our code per submit, 1 to 2,048 blocks
+OWN_STEP = 0.03  # an eager engine step storing 1-16 blocks per step in its own thread
+BESIDE_STEP = 0.05  # the same step, another thread storing and loading 1-16 blocks every 2 ms
 BOTH_SHARE = 0.95  # store and load at once, of what the link moves both ways
 GEMM_SLOWDOWN = 0.02
 # The shapes the targets must hold on: (what, which rows).
@@ -78,6 +82,8 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
     for name, floor, where in SHARES:
         for d, key in DIRECTIONS:
             out.append(_share(rows, [r for r in ours if where(r)], name, floor, d, link[key]))
+    out.append(_submit_time(rows))
+    out += host_lines(result.get("host_time"))
     out.append(_both(result.get("store_and_load", []), link["both"]))
     out.append(_gemm(result.get("gemm")))
     return out
@@ -190,3 +196,119 @@ def _gemm(gemm: dict[str, Any] | None) -> dict[str, Any]:
         v <= GEMM_SLOWDOWN,
         f"least slowdown {best} {slow[best]:+.1%}",
     )
+
+
+def _submit_time(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The time inside ``submit`` (median, every case and count, both directions): an upper
+    bound of the GIL our code holds per call."""
+    name = "GIL per submit: time inside the call (an upper bound)"
+    target = f"<= {GIL_US:.0f} us, 1 to 2,048 blocks"
+    got = [
+        (r[f"{d}_submit_us"], d, r)
+        for r in rows
+        if r["method"] == METHOD
+        for d in ("store", "load")
+    ]
+    if not got:
+        return line(name, target, None, "not measured", None, None)
+    v, d, worst = max(got, key=lambda x: x[0])
+    there = [r for r in rows if _same(r, worst)]
+    best = min(there, key=lambda r: r[f"{d}_submit_us"])
+    return line(
+        name,
+        target,
+        v,
+        f"{v:.0f} us worst ({d}, {_case(worst)} x{worst['blocks']}, {worst.get('path')})",
+        v <= GIL_US,
+        f"least there {best['method']} {best[f'{d}_submit_us']:.0f} us",
+    )
+
+
+@dataclass(frozen=True)
+class HostLine:
+    """A target read from ``host_time``'s rows: those of ``measure`` whose case contains
+    ``case`` (a ``step_ratio`` counts as its excess over 1)."""
+
+    name: str
+    target: str
+    measure: str
+    case: str
+    limit: float | None  # None: reported, no target
+    unit: str  # "us" or "%"
+
+    def value(self, r: dict[str, Any]) -> float:
+        return float(r["median"]) - (1.0 if self.measure == "step_ratio" else 0.0)
+
+    def shown(self, v: float) -> str:
+        return f"{v * 100:+.1f}%" if self.unit == "%" else f"{v:.1f} us"
+
+
+HOST_LINES = (
+    HostLine(
+        "GIL per submit: a sleeping thread's extra lateness",
+        f"<= {GIL_US:.0f} us, 1 to 2,048 blocks",
+        "wake_late_us:excess",
+        "",
+        GIL_US,
+        "us",
+    ),
+    HostLine(
+        "eager engine step storing 1-16 blocks in its own thread",
+        f"<= +{OWN_STEP:.0%}",
+        "step_ratio",
+        "inline store",
+        OWN_STEP,
+        "%",
+    ),
+    HostLine(
+        "the same step, another thread storing and loading every 2 ms",
+        f"<= +{BESIDE_STEP:.0%}",
+        "step_ratio",
+        "every",
+        BESIDE_STEP,
+        "%",
+    ),
+    HostLine(
+        "the same step, another thread transferring back to back",
+        "reported",
+        "step_ratio",
+        "back to back",
+        None,
+        "%",
+    ),
+)
+
+
+def host_lines(host: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The lines ``kvoffload.bench.host_time`` measures (its ``rows``: method, measure, case,
+    median): how late a sleeping thread wakes beside back-to-back transfers, beyond its own
+    lateness without them; an eager engine step storing blocks in its own thread, and beside
+    another thread transferring every 2 ms or back to back (step time over the baseline's)."""
+    rows = host.get("rows", []) if host else []
+    out = []
+    for h in HOST_LINES:
+        found = [
+            r
+            for r in rows
+            if r.get("measure") == h.measure
+            and h.case in str(r.get("case", ""))
+            and r.get("median") is not None
+        ]
+        ours = [r for r in found if r["method"] == METHOD]
+        if not ours:
+            out.append(line(h.name, h.target, None, "not measured", None, None))
+            continue
+        worst = max(ours, key=h.value)
+        best = min((r for r in found if r["case"] == worst["case"]), key=h.value)
+        v = h.value(worst)
+        out.append(
+            line(
+                h.name,
+                h.target,
+                v,
+                f"{h.shown(v)} worst ({worst['case']})",
+                None if h.limit is None else v <= h.limit,
+                f"least there {best['method']} {h.shown(h.value(best))}",
+            )
+        )
+    return out
