@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from kvoffload.bench.transfer_interference import measure_gemm
-from kvoffload.bench.transfer_kv import SyntheticKV as Engine
+from kvoffload.bench.transfer_kv import SyntheticKV
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 from kvoffload.transfer.pinning import cuda_pin
@@ -72,7 +72,7 @@ def log(section: str, row: dict[str, Any]) -> None:
     )
 
 
-def staged(engine: Engine, arena: HostArena, **fields: Any) -> StagedBackend:
+def staged(engine: SyntheticKV, arena: HostArena, **fields: Any) -> StagedBackend:
     known = {f.name for f in dataclasses.fields(StagedConfig)}
     missing = set(fields) - known
     if missing:
@@ -121,7 +121,7 @@ def whole(sleeper: Sleeper, arena: HostArena) -> list[dict[str, Any]]:
         ("qwen2.5-7b", "kv_split", 32, (585,)),
         ("llama3-70b-tp8-fp8", "kv_split", 16, (1000, 256)),
     ):
-        engine = Engine(model, layout, bs, 2 * max(sizes) + 8)
+        engine = SyntheticKV(model, layout, bs, 2 * max(sizes) + 8)
         backend = staged(engine, arena)
         try:
             for n in sizes:
@@ -155,7 +155,7 @@ def whole(sleeper: Sleeper, arena: HostArena) -> list[dict[str, Any]]:
 def overlap(sleeper: Sleeper, arena: HostArena, variants: list[str]) -> list[dict[str, Any]]:
     """Engine wait beyond its own compute: per layer, wait_on(layer=i) then a GPU sleep."""
     n = 740
-    engine = Engine("llama3-8b", "page", 16, 2 * n + 8)
+    engine = SyntheticKV("llama3-8b", "page", 16, 2 * n + 8)
     layers = engine.kv.groups[0].num_layers
     compute = torch.cuda.Stream()
     rows = []
@@ -213,7 +213,7 @@ def programs(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
     a GEMM stream beside store+load on Llama-3-8B."""
     out: dict[str, Any] = {}
     for model, layout, n in (("llama3-8b", "page", 512), ("llama3-70b-tp8-fp8", "kv_split", 1000)):
-        engine = Engine(model, layout, 16, 2 * n + 8)
+        engine = SyntheticKV(model, layout, 16, 2 * n + 8)
         backends: dict[str, Any] = {
             f"p{p}": staged(engine, arena, programs=p, load_programs=p) for p in (4, 8, 16, 32)
         }
@@ -261,7 +261,7 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
         ("llama3-70b-tp8-fp8", "page", 16, (256,)),
         ("deepseek-v2-lite-mla", "kv_split", 16, (1000,)),
     ):
-        engine = Engine(model, layout, bs, 2 * max(sizes) + 8)
+        engine = SyntheticKV(model, layout, bs, 2 * max(sizes) + 8)
         for name, (fields, kw) in ENQUEUE.items():
             backend = StagedBackend(engine.kv, arena, config=StagedConfig(**fields), **kw)
             try:
@@ -302,7 +302,7 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
 
 def profile(arena: HostArena) -> dict[str, str]:
     """cProfile of submits enqueued in the caller's thread (submit_thread=False)."""
-    engine = Engine("llama3-8b", "page", 16, 64)
+    engine = SyntheticKV("llama3-8b", "page", 16, 64)
     backend = StagedBackend(engine.kv, arena, submit_thread=False)
     out = {}
     try:
