@@ -268,7 +268,13 @@ def test_the_case_loop_records_failures_caps_dma_and_keeps_to_its_budget(monkeyp
         "1,16,64",
     )
     a.methods = ["staged", "dma", "sm", "auto"]
-    out = transfer_gpu.Cases(a, None, a.methods, deadline=float("inf")).run()  # type: ignore[arg-type]
+    saved: list[int] = []  # rows at each checkpoint
+    sleeper: Any = None  # the measurements that use it are replaced
+    cases = transfer_gpu.Cases(
+        a, sleeper, a.methods, float("inf"), lambda o: saved.append(len(o["rows"]))
+    )
+    out = cases.run()
+    assert saved == [6, 12]  # after each case, the rows so far (7 measured, sm's 16 failed)
     first = [(m, n) for m, n in measured[: len(measured) // 2]]
     assert first == [
         ("staged", 1),
@@ -301,7 +307,7 @@ def test_the_case_loop_records_failures_caps_dma_and_keeps_to_its_budget(monkeyp
     assert out["paths"]["staged"] == {"path": "native", "path_reason": None}
     assert all(b.closed for b in built) and len(out["first_layer"]) == 2
     measured.clear()
-    late = transfer_gpu.Cases(a, None, a.methods, deadline=0.0).run()  # type: ignore[arg-type]
+    late = transfer_gpu.Cases(a, sleeper, a.methods, deadline=0.0).run()
     assert (
         len(late["skipped_cases"]) == 1 and "llama3-70b-tp8:kv_split:16" in late["skipped_cases"][0]
     )

@@ -261,16 +261,20 @@ def _print(rows: list[dict[str, Any]], limit: float) -> None:
 
 
 def run_gpu(args: argparse.Namespace) -> int:
+    import torch
+
     from kvoffload.bench.transfer_gpu import run_gpu as measure
     from kvoffload.bench.transfer_plot import plot
     from kvoffload.bench.transfer_report import print_gpu
     from kvoffload.bench.transfer_targets import summarize
 
     _gpu_args(args)
-    result = {**measure(args), **machine_info()}
+    out = args.out or default_out("transfer", torch.cuda.get_device_name())
+    partial = out.with_name(f"{out.stem}.partial.json")  # the cases so far, if the run is cut
+    result = {**measure(args, lambda r: write_json(partial, r)), **machine_info()}
     result["targets"] = summarize(result)
-    out = args.out or default_out("transfer", result["device"])
     console.print(f"wrote {write_json(out, result)}")
+    partial.unlink(missing_ok=True)
     console.print(f"wrote {plot(result, args.plot or out.with_suffix('.png'))}")
     print_gpu(result)
     return 0

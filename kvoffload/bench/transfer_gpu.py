@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -88,8 +89,11 @@ def driver_release() -> str | None:
     return next((w for w in words if w[:1].isdigit() and w.count(".") >= 1), None)
 
 
-def run_gpu(args: Any) -> dict[str, Any]:
-    """The whole GPU benchmark; returns the JSON-ready result (``wall_s``: its seconds)."""
+def run_gpu(
+    args: Any, checkpoint: Callable[[dict[str, Any]], object] | None = None
+) -> dict[str, Any]:
+    """The whole GPU benchmark; returns the JSON-ready result (``wall_s``: its seconds).
+    ``checkpoint(result so far)`` is called after each case, so a run cut short keeps them."""
     began = time.perf_counter()
     torch.cuda.init()
     result: dict[str, Any] = {"benchmark": "transfer", **gpu_info()}
@@ -101,7 +105,12 @@ def run_gpu(args: Any) -> dict[str, Any]:
     result["link"] = measure_link(sleeper, args.link_bytes, args.link_reps)
     host_s = HOST_SHARE * args.time_budget_s if "host" in args.sections else 0.0
     deadline = began + args.time_budget_s - host_s - TAIL_S
-    result.update(Cases(args, sleeper, methods, deadline).run())
+
+    def after_case(out: dict[str, Any]) -> None:
+        if checkpoint is not None:
+            checkpoint({**result, **out, "wall_s": time.perf_counter() - began})
+
+    result.update(Cases(args, sleeper, methods, deadline, after_case).run())
     if "host" in args.sections:
         result["host_time"] = host_time(methods, max(5.0, host_s), torch.cuda.current_device())
     result["link_after"] = measure_link(sleeper, args.link_bytes, args.link_reps)
@@ -136,8 +145,16 @@ def host_time(methods: list[str], budget_s: float, device: int) -> dict[str, Any
 class Cases:
     """The case loop: per case, its synthetic KV cache, arena and one backend per method."""
 
-    def __init__(self, args: Any, sleeper: Sleeper, methods: list[str], deadline: float) -> None:
+    def __init__(
+        self,
+        args: Any,
+        sleeper: Sleeper,
+        methods: list[str],
+        deadline: float,
+        after_case: Callable[[dict[str, Any]], None] = lambda out: None,
+    ) -> None:
         self.args, self.sleeper, self.methods, self.deadline = args, sleeper, methods, deadline
+        self.after_case = after_case
         self.rng = np.random.default_rng(0)
         self.out: dict[str, Any] = {
             "rows": [],
@@ -171,6 +188,7 @@ class Cases:
                     self.out["case_seconds"].append(
                         {"case": f"{model}:{layout}:{bs}", "s": took, "estimate_s": need}
                     )
+                    self.after_case(self.out)
                     left = self.deadline - time.perf_counter()
                     console.print(f"{model} {layout} bs{bs} done; sweep budget left {left:.0f} s")
                 bar.advance(task)
