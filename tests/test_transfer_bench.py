@@ -312,3 +312,12 @@ def test_the_case_loop_records_failures_caps_dma_and_keeps_to_its_budget(monkeyp
         len(late["skipped_cases"]) == 1 and "llama3-70b-tp8:kv_split:16" in late["skipped_cases"][0]
     )
     assert {m for m, _ in measured} == {"staged", "dma", "sm"}  # the first case always runs
+
+
+def test_the_driver_release_is_read_from_the_kernel_modules_version_line(tmp_path):
+    version = tmp_path / "version"
+    version.write_text(
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.95.05  Tue Sep 23 09:26:23 UTC 2025\n"
+    )
+    assert transfer_gpu.driver_release(str(version)) == "580.95.05"
+    assert transfer_gpu.driver_release(str(tmp_path / "absent")) is None

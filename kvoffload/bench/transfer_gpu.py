@@ -79,14 +79,15 @@ def gpu_info() -> dict[str, Any]:
     }
 
 
-def driver_release() -> str | None:
-    """The NVIDIA kernel driver's release (e.g. ``580.95.05``) from /proc, or None elsewhere."""
+def driver_release(path: str = "/proc/driver/nvidia/version") -> str | None:
+    """The NVIDIA kernel driver's release (e.g. ``580.95.05``) from ``path``, or None where it
+    is absent."""
     try:
-        with open("/proc/driver/nvidia/version") as f:
+        with open(path) as f:
             words = f.readline().split()
     except OSError:
         return None
-    return next((w for w in words if w[:1].isdigit() and w.count(".") >= 1), None)
+    return next((w for w in words if w[:1].isdigit() and "." in w), None)
 
 
 def run_gpu(
