@@ -272,7 +272,7 @@ class Cases:
                     row = measure_method(
                         self.sleeper, kv, arena, m, b, n, args.reps, self.rng, args.latency_reps
                     )
-                except RuntimeError as err:  # wrong bytes or a failed transfer: no row
+                except (RuntimeError, ValueError) as err:  # wrong bytes, a failed or refused copy
                     self.fail({**tag, "blocks": n}, m, "sweep", err)
                     del live[m]
                     continue
@@ -287,7 +287,7 @@ class Cases:
                     measure_both(self.sleeper, kv, arena, b, n_both, args.reps, self.rng)
                     for _ in range(3)
                 ]
-            except RuntimeError as err:
+            except (RuntimeError, ValueError) as err:
                 self.fail({**tag, "blocks": n_both}, m, "store+load", err)
                 del live[m]
                 continue
