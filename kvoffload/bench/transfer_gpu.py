@@ -301,6 +301,9 @@ class Cases:
                 }
             )
         if "staged" in live:
-            first = measure_first_layer(kv, arena, live["staged"], max(counts), args.reps)
-            self.out["first_layer"].append({**tag, **first})
+            try:
+                first = measure_first_layer(kv, arena, live["staged"], max(counts), args.reps)
+                self.out["first_layer"].append({**tag, **first})
+            except RuntimeError as err:  # a failed load: listed, the other sections go on
+                self.fail({**tag, "blocks": max(counts)}, "staged", "first layer", err)
         return live
