@@ -4,13 +4,14 @@
 # the repository root:
 #
 #   OUT=/some/dir bash benchmarks/gpu_run.sh            # everything
-#   OUT=/some/dir bash benchmarks/gpu_run.sh --quick    # transfer: fewer reps, 150 s sweep budget
+#   OUT=/some/dir bash benchmarks/gpu_run.sh --quick    # transfer: fewer reps, a 150 s budget
 #   STEPS="transfer-tests calibrate transfer" OUT=... bash benchmarks/gpu_run.sh  # the data plane
 #   STEPS="tests e2e" OUT=... bash benchmarks/gpu_run.sh  # a subset (a device call is <= 10 min)
 #
 # The data plane's share: see docs/transfer.md ("Running it") for the measured wall time of each
-# step; `python3 -m kvoffload.cli bench transfer --dry-run` lists the sweep's cases (no GPU). The
-# sweep takes no new case after --time-budget-s (default 200 s), then measures the link again.
+# step; `python3 -m kvoffload.cli bench transfer --dry-run` lists the sweep's cases, methods and
+# sections (no GPU). --time-budget-s (default 280 s) bounds the whole transfer run: a fifth goes to
+# the host section, and a case whose estimate no longer fits is skipped and listed.
 #
 # STEPS (default "tests doctor transfer e2e"; "calibrate" alone writes the table only; "probe" runs
 # benchmarks/staged_sweep.py, the developer probe of slice schedules and scatter programs). Writes
@@ -39,7 +40,7 @@ want doctor && step python3 -m kvoffload.cli doctor
 if want calibrate || want transfer; then
   step timeout 150 python3 -m kvoffload.cli calibrate --pieces 4096,32768,262144,2097152 --blocks 16,128,512
 fi
-want transfer && step timeout 330 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
+want transfer && step timeout 400 python3 -m kvoffload.cli bench transfer --device cuda --out "$OUT/transfer_gpu.json" "$@"
 want probe && step timeout 150 python3 benchmarks/staged_sweep.py "$OUT/staged_probe.json" --label after
 # the compiled enqueue loop against the Python one, and inline submission (about 15 s)
 want enqueue && step timeout 120 python3 benchmarks/staged_sweep.py "$OUT/enqueue_probe.json" --label enqueue --sections enqueue

@@ -11,7 +11,7 @@ Sections (each prints one JSON line per row, all go into OUT_JSON):
   e2e chat workload's restore): the time the engine waits beyond its own compute, per slice
   schedule (``--variants``) and ratio.
 - ``programs``: scatter/gather programs of the staged kernel: load GB/s and the slowdown of a
-  bf16 GEMM stream beside store+load (``transfer_gpu.measure_gemm``).
+  bf16 GEMM stream beside store+load (``transfer_interference.measure_gemm``).
 - ``profile``: cProfile of 1-block and 16-block transfers enqueued in the caller's thread.
 - ``enqueue``: the native engine against the Python path, and inline
   submission, on small and large transfers of four shapes, with host CPU time per transfer and
@@ -41,13 +41,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvoffload.bench.gpu_timing import Sleeper, measure_link, time_transfers
-from kvoffload.bench.transfer_gpu import Engine, measure_gemm, submitter
+from kvoffload.bench.transfer_interference import measure_gemm
+from kvoffload.bench.transfer_kv import SyntheticKV
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.engine import make_staged
 from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.spec import Direction, TransferSpec
+from kvoffload.transfer.timing import Sleeper, measure_link, submitter, time_transfers
 
 RNG = np.random.default_rng(0)
 # Slice schedules of the overlap section: StagedConfig fields (those a checkout lacks are skipped).
@@ -72,7 +73,7 @@ def log(section: str, row: dict[str, Any]) -> None:
     )
 
 
-def staged(engine: Engine, arena: HostArena, **fields: Any) -> StagedBackend:
+def staged(engine: SyntheticKV, arena: HostArena, **fields: Any) -> StagedBackend:
     known = {f.name for f in dataclasses.fields(StagedConfig)}
     missing = set(fields) - known
     if missing:
@@ -121,7 +122,7 @@ def whole(sleeper: Sleeper, arena: HostArena) -> list[dict[str, Any]]:
         ("qwen2.5-7b", "kv_split", 32, (585,)),
         ("llama3-70b-tp8-fp8", "kv_split", 16, (1000, 256)),
     ):
-        engine = Engine(model, layout, bs, 2 * max(sizes) + 8)
+        engine = SyntheticKV(model, layout, bs, 2 * max(sizes) + 8)
         backend = staged(engine, arena)
         try:
             for n in sizes:
@@ -155,7 +156,7 @@ def whole(sleeper: Sleeper, arena: HostArena) -> list[dict[str, Any]]:
 def overlap(sleeper: Sleeper, arena: HostArena, variants: list[str]) -> list[dict[str, Any]]:
     """Engine wait beyond its own compute: per layer, wait_on(layer=i) then a GPU sleep."""
     n = 740
-    engine = Engine("llama3-8b", "page", 16, 2 * n + 8)
+    engine = SyntheticKV("llama3-8b", "page", 16, 2 * n + 8)
     layers = engine.kv.groups[0].num_layers
     compute = torch.cuda.Stream()
     rows = []
@@ -213,7 +214,7 @@ def programs(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
     a GEMM stream beside store+load on Llama-3-8B."""
     out: dict[str, Any] = {}
     for model, layout, n in (("llama3-8b", "page", 512), ("llama3-70b-tp8-fp8", "kv_split", 1000)):
-        engine = Engine(model, layout, 16, 2 * n + 8)
+        engine = SyntheticKV(model, layout, 16, 2 * n + 8)
         backends: dict[str, Any] = {
             f"p{p}": staged(engine, arena, programs=p, load_programs=p) for p in (4, 8, 16, 32)
         }
@@ -248,8 +249,8 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
     """The compiled enqueue loop against the Python one, side by side in one process: GB/s and
     latency end to end (from ``submit`` on an idle GPU), the caller's submit time and the
     submitter's enqueue time per transfer, the host CPU time per transfer, and the launch-bound
-    Python loop beside 2-block transfers (``transfer_gpu.measure_launch_stall``)."""
-    from kvoffload.bench.transfer_gpu import measure_launch_stall
+    Python loop beside 2-block transfers (``transfer_interference.measure_launch_stall``)."""
+    from kvoffload.bench.transfer_interference import measure_launch_stall
 
     rows: list[dict[str, Any]] = []
     stalls: dict[str, Any] = {}
@@ -259,7 +260,7 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
         ("llama3-70b-tp8-fp8", "page", 16, (256,)),
         ("deepseek-v2-lite-mla", "kv_split", 16, (1000,)),
     ):
-        engine = Engine(model, layout, bs, 2 * max(sizes) + 8)
+        engine = SyntheticKV(model, layout, bs, 2 * max(sizes) + 8)
         for name, (fields, _kw) in ENQUEUE.items():
             backend: Any = make_staged(engine.kv, arena, StagedConfig(**fields))
             try:
@@ -300,7 +301,7 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
 
 def profile(arena: HostArena) -> dict[str, str]:
     """cProfile of submits enqueued in the caller's thread (submit_thread=False)."""
-    engine = Engine("llama3-8b", "page", 16, 64)
+    engine = SyntheticKV("llama3-8b", "page", 16, 64)
     backend = StagedBackend(engine.kv, arena, submit_thread=False)
     out = {}
     try:

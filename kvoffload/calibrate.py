@@ -38,9 +38,7 @@ def measure(args: argparse.Namespace) -> Any:
     import numpy as np
     import torch
 
-    from kvoffload.bench.common import progress
-    from kvoffload.bench.gpu_timing import Sleeper, time_transfers
-    from kvoffload.bench.transfer_gpu import submitter
+    from kvoffload.console import progress
     from kvoffload.store.arena import HostArena
     from kvoffload.transfer.calibration import CalibrationTable, Measurement
     from kvoffload.transfer.cuda.driver import driver_version
@@ -48,6 +46,7 @@ def measure(args: argparse.Namespace) -> Any:
     from kvoffload.transfer.pinning import cuda_pin
     from kvoffload.transfer.registry import make_backend
     from kvoffload.transfer.spec import TransferSpec
+    from kvoffload.transfer.timing import Sleeper, submitter, time_transfers
 
     sleeper = Sleeper()
     rng = np.random.default_rng(0)
@@ -102,7 +101,7 @@ def measure(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvoffload.bench.common import console
+    from kvoffload.console import console
     from kvoffload.transfer.calibration import save
     from kvoffload.transfer.pinning import cuda_available
 

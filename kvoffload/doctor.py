@@ -51,7 +51,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         else f"none at {path}: the planner uses 'staged' (run kvoffload calibrate)"
     )
     if args.link_mib > 0:
-        from kvoffload.bench.gpu_timing import Sleeper, measure_link
+        from kvoffload.transfer.timing import Sleeper, measure_link
 
         link = measure_link(Sleeper(), args.link_mib << 20, args.reps)
         out["link_GBps"] = {k: round(v["median"], 1) for k, v in link["GBps"].items()}
@@ -70,7 +70,7 @@ def staged_enqueue() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvoffload.bench.common import console
+    from kvoffload.console import console
 
     for key, value in report(args).items():
         console.print(f"{key:>20}: {value}")

@@ -409,12 +409,12 @@ def gpu_rig(device: int, cfg: HostTimeConfig) -> Rig:
     """Llama-3-8B page-layout KV tensors on ``device`` and a pinned arena for them."""
     import torch
 
-    from kvoffload.bench.transfer_gpu import Engine
+    from kvoffload.bench.transfer_kv import SyntheticKV
     from kvoffload.transfer.pinning import cuda_pin
 
     torch.cuda.set_device(device)
     most = cfg.most_blocks
-    engine = Engine(MODEL, LAYOUT, BLOCK_SIZE, 2 * most + 16)
+    engine = SyntheticKV(MODEL, LAYOUT, BLOCK_SIZE, 2 * most + 16)
     arena = HostArena(most + 16, engine.kv.slot_bytes, pin=cuda_pin)
     x = torch.zeros(1024, device="cuda")
     stream = torch.cuda.current_stream()

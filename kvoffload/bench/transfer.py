@@ -5,8 +5,9 @@ copies ``--blocks`` randomly chosen engine blocks to randomly chosen host slots 
 the round trip byte for byte, and reports the median of ``--reps`` timed copies after a warm-up.
 
 With a GPU (``--device auto`` finds one) it runs ``kvoffload.bench.transfer_gpu``: the link limit,
-``staged`` / ``dma`` / ``sm`` side by side, store+load at once, GEMM interference and binding host
-time, writing JSON and a PNG plot next to it (see docs/transfer.md).
+every method of ``transfer_cases.METHODS`` side by side over the sweep's cases, store+load at once,
+a GEMM and a Python thread beside transfers, host time, and issue 21's targets
+(``transfer_targets``), writing JSON and a PNG plot next to it (see docs/transfer.md).
 """
 
 from __future__ import annotations
@@ -25,18 +26,20 @@ from kvoffload.bench.common import (
     progress,
     write_json,
 )
+from kvoffload.bench.transfer_cases import (
+    CASES,
+    GPU_BLOCKS,
+    METHODS,
+    SECTIONS,
+    parse_cases,
+    print_plan,
+)
 from kvoffload.transfer.shapes import LAYOUTS, MODELS, engine_tensors
 
 DEFAULT_LAYOUTS = ("kv_split", "page", "cross_layer")
-# (model, layout, block size) cases of the GPU sweep: pieces of 2 KiB (fp8 at TP8) to 256 KiB,
-# slots of 243 KiB to 8 MiB, K+V and K-only layouts. The cases the targets read come first (a time
-# budget cuts the tail).
-CASES = (
-    "llama3-8b:page:16,llama3-70b-tp8-fp8:kv_split:16,deepseek-v2-lite-mla:page:16,"
-    "qwen2.5-7b:kv_split:32,llama3-70b-tp8-fp8:page:16,llama3-8b:kv_split:16,"
-    "llama3-8b:cross_layer:16,llama3-8b:page:64,qwen2.5-7b:page:16,llama3-70b-tp8:kv_split:16,"
-    "llama3-70b-tp8-fp8:kv_split:32,deepseek-v2-lite-mla:page:8"
-)
+# The GPU run's default bound: ~5 minutes on an H100 for the whole run (4 cases of the sweep with
+# all six methods, the host section and the tail; estimate_case's time model).
+TIME_BUDGET_S = 280.0
 
 
 def _csv(kind: type) -> Any:
@@ -65,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gpu-blocks",
         type=_csv(int),
-        default=[1, 3, 16, 256, 1000, 2048],
+        default=list(GPU_BLOCKS),
         help="GPU: blocks per transfer (capped by --max-transfer-mib)",
     )
     g.add_argument("--max-transfer-mib", type=int, default=1024, help="GPU: largest transfer")
@@ -75,11 +78,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--time-budget-s",
         type=float,
-        default=200.0,
-        help="GPU: start no new case after this many seconds (skipped cases are listed)",
+        default=TIME_BUDGET_S,
+        help="GPU: the whole run's seconds; a fifth goes to the host section, and a case whose "
+        "estimate no longer fits is skipped (and listed)",
     )
     g.add_argument(
-        "--methods", type=_csv(str), default=["staged", "dma", "auto"], help="GPU methods"
+        "--methods", type=_csv(str), default=list(METHODS), help=f"GPU methods, of {METHODS}"
+    )
+    g.add_argument(
+        "--sections",
+        type=_csv(str),
+        default=list(SECTIONS),
+        help="GPU: what to measure: sweep (GB/s, latency, store+load), gemm (GEMM and a Python "
+        "thread beside transfers), host (GIL per submit, eager engine step), calls (submit's "
+        "parts, driver calls)",
     )
     g.add_argument(
         "--dma-max-pieces",
@@ -104,8 +116,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dry-run",
         action="store_true",
-        help="GPU sweep: list its cases (blocks, pieces, bytes) with a rough time estimate; runs "
-        "nothing, needs no GPU",
+        help="GPU sweep: list its cases (blocks, pieces, bytes), methods and sections with a rough "
+        "time estimate; runs nothing, needs no GPU",
     )
 
 
@@ -183,124 +195,14 @@ def _use_gpu(args: argparse.Namespace) -> bool:
     return False
 
 
-def parse_cases(text: str) -> list[tuple[str, str, int]]:
-    """``model:layout:block_size`` items, comma-separated; SystemExit naming a bad one."""
-    out = []
-    for item in text.split(","):
-        try:
-            model, layout, bs = item.split(":")
-            out.append((model, layout, int(bs)))
-        except ValueError:
-            raise SystemExit(
-                f"--cases: expected model:layout:block_size items, got {item!r}"
-            ) from None
-        if model not in MODELS or layout not in LAYOUTS or int(bs) <= 0:
-            raise SystemExit(
-                f"--cases: expected a model in {sorted(MODELS)}, a layout in {sorted(LAYOUTS)} "
-                f"and a block size > 0, got {item!r}"
-            )
-    return out
-
-
-def case_blocks(model: str, bs: int, gpu_blocks: list[int], max_transfer_mib: int) -> list[int]:
-    """Blocks per transfer of one case: ``gpu_blocks``, each capped at ``max_transfer_mib``."""
-    slot = MODELS[model].block_bytes(bs)
-    cap = max_transfer_mib << 20
-    return sorted({min(n, max(1, cap // slot)) for n in gpu_blocks})
-
-
-def layout_pieces(model: str, layout: str, bs: int) -> tuple[int, int]:
-    """(regions per block, bytes of one) of ``layout``: a piece is one region of one block."""
-    shape = MODELS[model]
-    if layout in ("kv_split", "kv_pair"):
-        return shape.kv * shape.layers, shape.piece_bytes(bs)
-    if layout == "page":
-        return shape.layers, shape.kv * shape.piece_bytes(bs)
-    return 1, shape.block_bytes(bs)
-
-
-# The dry run's time model (rough; H100 VM, 2026-11-23 run): a descriptor costs the host ~0.85 us
-# in cuMemcpyBatchAsync, a transfer ~0.3 ms of Python and synchronisation; the copy engines move
-# pieces of these sizes at about these GB/s when given one descriptor each, the staged path ~50
-# GB/s; filling and pinning the arena ~2 GB/s, the byte checks ~3 GB/s, ~5 s per case besides
-# (tensors, backends, kernel builds). The 2026-11-23 run took 25, 38, 16 and 18 s for the first
-# four cases (the first with ~10 s of GEMM, launch-stall and submit probes) before dma was capped.
-_DESCRIPTOR_S = 0.85e-6
-_TRANSFER_S = 0.3e-3
-_DMA_GBPS = ((4 << 10, 2.0), (16 << 10, 5.0), (32 << 10, 25.0), (64 << 10, 40.0), (1 << 62, 52.0))
-_STAGED_GBPS = 50.0
-_SETUP_GBPS = 2.0
-_CHECK_GBPS = 3.0
-_CASE_S = 5.0
-
-
-def estimate_case(
-    model: str, layout: str, bs: int, blocks: list[int], args: argparse.Namespace
-) -> float:
-    """Rough seconds one case of the GPU sweep takes (setup, every method and count, store+load)."""
-    regions, piece = layout_pieces(model, layout, bs)
-    slot = MODELS[model].block_bytes(bs)
-    dma_gbps = next(g for limit, g in _DMA_GBPS if piece <= limit)
-
-    def one(method: str, n: int, copies: int = 1) -> tuple[float, float]:
-        """(host s, GPU s) of ``copies`` transfers of n blocks at once."""
-        descriptors = n * regions if method == "dma" else n
-        gbps = dma_gbps if method == "dma" else _STAGED_GBPS
-        host = _TRANSFER_S + descriptors * _DESCRIPTOR_S
-        return copies * host, copies * n * slot / gbps / 1e9
-
-    total = _CASE_S + 2 * (2 * max(blocks) + 8) * slot / _SETUP_GBPS / 1e9  # engine + arena
-    for method in args.methods:
-        for n in blocks:
-            if method == "dma" and n * regions > args.dma_max_pieces:
-                continue
-            host, gpu = one(method, n)
-            total += 2 * n * slot / _CHECK_GBPS / 1e9  # the byte checks
-            e2e = (args.latency_reps if n <= 16 else args.reps) + 1
-            lead = min(max(2e-3, 2 * host), 0.5)
-            total += 2 * (e2e * (host + gpu) + (args.reps + 1) * (max(lead, host) + gpu))
-        both = min(512, max(blocks))
-        if method != "sm" and (method != "dma" or both * regions <= args.dma_max_pieces):
-            host, gpu = one(method, both, copies=2)
-            total += 3 * (args.reps + 1) * (host + gpu / 2)
-    return total
-
-
-def print_plan(args: argparse.Namespace) -> float:
-    """The GPU sweep's cases, what each moves and a rough time; returns the estimated seconds."""
-    from rich.table import Table
-
-    table = Table(title="bench transfer on a GPU: the sweep's cases (dry run, rough times)")
-    for col in ("case", "slot", "pieces/block", "piece", "blocks per transfer", "~s"):
-        table.add_column(col, justify="left" if col == "case" else "right", no_wrap=True)
-    total = 0.0
-    for model, layout, bs in parse_cases(args.cases):
-        blocks = case_blocks(model, bs, args.gpu_blocks, args.max_transfer_mib)
-        regions, piece = layout_pieces(model, layout, bs)
-        seconds = estimate_case(model, layout, bs, blocks, args)
-        total += seconds
-        table.add_row(
-            f"{model}:{layout}:{bs}",
-            f"{MODELS[model].block_bytes(bs) // 1024} KiB",
-            str(regions),
-            f"{piece / 1024:g} KiB",
-            ",".join(map(str, blocks)),
-            f"{seconds:.0f}",
-        )
-    console.print(table)
-    console.print(
-        f"methods {','.join(args.methods)}; all cases ~{total:.0f} s; the run stops taking new "
-        f"cases after --time-budget-s {args.time_budget_s:.0f} s (the first case also measures "
-        "GEMM interference, launch stalls and submit costs: add ~10 s)"
-    )
-    return total
-
-
 def run(args: argparse.Namespace) -> int:
     _check(args)
     if args.dry_run:
         _gpu_args(args)
-        print_plan(args)
+        from kvoffload.bench.transfer_methods import unavailable
+
+        notes = {m: why for m in args.methods if (why := unavailable(m)) is not None}
+        print_plan(args, notes)
         return 0
     if _use_gpu(args):
         return run_gpu(args)
@@ -359,22 +261,22 @@ def _print(rows: list[dict[str, Any]], limit: float) -> None:
 
 
 def run_gpu(args: argparse.Namespace) -> int:
-    from kvoffload.bench.transfer_gpu import METHODS
+    import torch
+
     from kvoffload.bench.transfer_gpu import run_gpu as measure
     from kvoffload.bench.transfer_plot import plot
+    from kvoffload.bench.transfer_report import print_gpu
     from kvoffload.bench.transfer_targets import summarize
 
-    for m in args.methods:
-        if m not in METHODS:
-            raise SystemExit(f"--methods: expected names from {list(METHODS)}, got {m!r}")
     _gpu_args(args)
-    result = {**measure(args), **machine_info()}
+    out = args.out or default_out("transfer", torch.cuda.get_device_name())
+    partial = out.with_name(f"{out.stem}.partial.json")  # the cases so far, if the run is cut
+    result = {**measure(args, lambda r: write_json(partial, r)), **machine_info()}
     result["targets"] = summarize(result)
-    device = result["device"]
-    out = args.out or default_out("transfer", device)
     console.print(f"wrote {write_json(out, result)}")
+    partial.unlink(missing_ok=True)
     console.print(f"wrote {plot(result, args.plot or out.with_suffix('.png'))}")
-    _print_gpu(result)
+    print_gpu(result)
     return 0
 
 
@@ -384,72 +286,17 @@ def _gpu_args(args: argparse.Namespace) -> None:
     parse_cases(args.cases)
     if any(b <= 0 for b in args.gpu_blocks) or args.max_transfer_mib <= 0:
         raise SystemExit("--gpu-blocks and --max-transfer-mib must be positive")
+    for flag, given, known in (
+        ("--methods", args.methods, METHODS),
+        ("--sections", args.sections, SECTIONS),
+    ):
+        for name in given:
+            if name not in known:
+                raise SystemExit(f"{flag}: expected names from {list(known)}, got {name!r}")
+    if args.time_budget_s <= 0:
+        raise SystemExit(f"--time-budget-s: expected seconds > 0, got {args.time_budget_s}")
     if args.quick:
         args.reps = min(args.reps, 3)
         args.latency_reps = min(args.latency_reps, 15)
         args.gemm_reps = min(args.gemm_reps, 4)
         args.time_budget_s = min(args.time_budget_s, 150.0)
-
-
-def _print_gpu(result: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    from kvoffload.bench.transfer_targets import link_limit
-
-    link = result["link"]["GBps"]
-    console.print(
-        "link (1 GiB, median [min-max]): "
-        + ", ".join(
-            f"{k} {v['median']:.1f} [{v['min']:.1f}-{v['max']:.1f}]" for k, v in link.items()
-        )
-    )
-    table = Table(
-        title=f"GPU transfers on {result['device']}: share of the link, copies alone / end to "
-        "end; p50 / p99 us of transfers of <= 16 blocks"
-    )
-    cols = ("model", "layout", "bs", "blocks", "piece", "slot", "method", "store", "load")
-    for col in (*cols, "store us", "load us"):
-        table.add_column(col, justify="left" if col in ("model", "layout", "method") else "right")
-    limit = link_limit(result)
-    d2h, h2d = limit["d2h"], limit["h2d"]
-    for r in result["rows"]:
-        lat = ["", ""]
-        if "store_p50_us" in r and r["blocks"] <= 16:
-            lat = [f"{r[f'{d}_p50_us']:.0f} / {r[f'{d}_p99_us']:.0f}" for d in ("store", "load")]
-        table.add_row(
-            r["model"],
-            r["layout"],
-            str(r["block_size"]),
-            str(r["blocks"]),
-            f"{r['piece_bytes'] // 1024} KiB",
-            f"{r['slot_bytes'] // 1024} KiB",
-            r["method"],
-            f"{r['store_gpu_GBps'] / d2h:.0%} / {r['store_GBps'] / d2h:.0%}",
-            f"{r['load_gpu_GBps'] / h2d:.0%} / {r['load_GBps'] / h2d:.0%}",
-            *lat,
-        )
-    console.print(table)
-    for b in result["store_and_load"]:
-        console.print(
-            f"store+load at once {b['model']} {b['layout']} bs{b['block_size']} {b['method']}: "
-            f"{b['GBps']:.1f} GB/s"
-        )
-    if result["gemm"]:
-        g = result["gemm"]
-        console.print(
-            f"GEMM slowdown (baseline noise {g['baseline_noise']:.1%}): "
-            + ", ".join(f"{m} {v:+.1%}" for m, v in g["slowdown"].items())
-        )
-    for m, st in (result.get("launch_stall") or {}).items():
-        console.print(
-            f"launch-bound Python thread, {m} transfers every step: {st['slowdown']:+.1%} per step "
-            f"(noise {st['noise']:.1%}), host CPU {st['host_cpu_us_per_transfer']:.0f} us per "
-            "transfer"
-        )
-    if result.get("skipped_cases"):
-        console.print(f"skipped (time budget): {', '.join(result['skipped_cases'])}")
-    console.print(f"binding host us: {result['binding_host_us']}")
-    console.print(f"target reached? (bench transfer, {result['seconds']:.0f} s)")
-    for t in result["targets"]:
-        mark = {True: "reached", False: "NOT reached", None: "-"}[t["reached"]]
-        console.print(f"  {t['target']}: {t['measured']} -> {mark}")

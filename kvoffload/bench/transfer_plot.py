@@ -7,7 +7,14 @@ from typing import Any
 
 from kvoffload.bench.transfer_targets import link_limit
 
-STYLE = {"staged": ("tab:green", "o"), "dma": ("tab:blue", "s"), "sm": ("tab:red", "^")}
+STYLE = {
+    "staged": ("tab:green", "o"),
+    "staged-python": ("tab:olive", "v"),
+    "dma": ("tab:blue", "s"),
+    "sm": ("tab:red", "^"),
+    "vllm-triton": ("tab:purple", "D"),
+    "auto": ("tab:gray", "P"),
+}
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:

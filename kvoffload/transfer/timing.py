@@ -1,9 +1,11 @@
 # mypy: disable-error-code="no-untyped-call"
-"""GPU timing helpers for the transfer benchmark: event-timed transfers, the link limit, GEMMs.
+"""Timing copy backends on a GPU: event-timed transfers and the link limit.
 
-A transfer is timed on the GPU: a timing stream sleeps (long enough for the host to enqueue the
-copies), records a start event, the copies are ordered after it and the stream waits for their
-completion before the end event; so the time is the copies' own, not the host's submission.
+Used by ``kvoffload calibrate`` (the planner's table), ``kvoffload doctor`` (the link now) and
+``kvoffload bench transfer``. A transfer is timed on the GPU: a timing stream records a start
+event, the copies are ordered after it and the stream waits for their completion before the end
+event. With a lead, the stream first sleeps long enough for the host to enqueue the copies, so the
+time is the copies' own; without one, the host's enqueue counts too (end to end).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and count of ``values``."""
     return {
         "median": statistics.median(values),
         "min": min(values),
@@ -46,6 +49,16 @@ class Sleeper:
     def sleep(self, stream: torch.cuda.Stream, seconds: float) -> None:
         with torch.cuda.stream(stream):
             torch.cuda._sleep(int(seconds * self.cycles_per_s))
+
+
+def submitter(backend: Any, *specs: list[Any]) -> Callable[[torch.cuda.Stream], list[Any]]:
+    """``stream -> pendings``: submit each of ``specs`` (lists of ``TransferSpec``) to ``backend``,
+    ordered after ``stream``: what ``time_transfers`` calls."""
+
+    def submit(stream: torch.cuda.Stream) -> list[Any]:
+        return [backend.submit(s, order_after=stream) for s in specs]
+
+    return submit
 
 
 def time_transfers(
