@@ -43,7 +43,8 @@ typedef struct {
 #define KVO_NOT_READY 600 /* CUDA_ERROR_NOT_READY */
 #define KVO_MAX_DMAS 4
 #define KVO_INDEX_RING 8  /* device block-id buffers per direction */
-#define KVO_HOST_IDS 64   /* jobs of at most this many blocks: the kernels read ids from host */
+#define KVO_HOST_IDS 16   /* jobs of at most this many blocks: the kernels read ids from host */
+#define KVO_INDEX_FIRST 4096 /* block ids each index buffer holds from the start */
 #define KVO_STORE 0
 #define KVO_LOAD 1
 

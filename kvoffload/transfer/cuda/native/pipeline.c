@@ -241,8 +241,7 @@ static int upload_ids(kvo_engine *e, kvo_job *job, kvo_lane *lane, int *entry, k
     int64_t need = job->total > 0 ? job->total : 1;
     if (lane->index[k].capacity < need) {
         int64_t cap = lane->index[k].capacity * 2;
-        if (cap < need) cap = need;
-        if (cap < 4096) cap = 4096;
+        if (cap < 2 * need) cap = 2 * need;
         if (lane->index[k].host != NULL) e->d.host_free(lane->index[k].host);
         if (lane->index[k].dev != 0) e->d.mem_free(lane->index[k].dev);
         lane->index[k].host = NULL;
@@ -357,9 +356,13 @@ int kvo_lane_init(kvo_engine *e, int dir) {
         int err = e->d.event_create(&lane->joins[j], 2);
         if (err) return err;
     }
-    for (int k = 0; k < KVO_INDEX_RING; k++) {
+    for (int k = 0; k < KVO_INDEX_RING; k++) { /* allocated now: pinning memory takes
+                                                  * milliseconds, which no transfer should wait */
         int err = e->d.event_create(&lane->index[k].idle, 2);
+        if (!err) err = e->d.host_alloc(&lane->index[k].host, KVO_INDEX_FIRST * 8, 0);
+        if (!err) err = e->d.mem_alloc(&lane->index[k].dev, KVO_INDEX_FIRST * 8);
         if (err) return err;
+        lane->index[k].capacity = KVO_INDEX_FIRST;
     }
     return 0;
 }
