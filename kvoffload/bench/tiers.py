@@ -29,6 +29,7 @@ import contextlib
 import importlib.util
 import logging
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -227,7 +228,7 @@ def _servers(
     import redis
     from redis.utils import HIREDIS_AVAILABLE
 
-    from kvoffload.store.tiers.local_server import LocalCluster, LocalServer, server_binary
+    from kvoffload.store.tiers.local_server import LocalCluster, LocalServer
 
     result["valkey_client"] = {"redis": redis.__version__, "hiredis": HIREDIS_AVAILABLE}
     urls = {"one_server": args.valkey_url}
@@ -244,11 +245,21 @@ def _servers(
             if started is not None:
                 started[name] = made
             shape = "3 primaries + 3 replicas" if name == "cluster" else "one server"
-            result[f"valkey_{name}"] = f"{server_binary()}, {shape} on loopback (started here)"
+            result[f"valkey_{name}"] = f"{_server_version()}, {shape} on loopback (started here)"
         else:
             result[f"valkey_{name}"] = "given by URL"
         _reachable(urls[name])
     return {k: v for k, v in urls.items() if v is not None}
+
+
+def _server_version() -> str:
+    """``redis-server 7.0.15``: the server started here, by name and version (not its path)."""
+    from kvoffload.store.tiers.local_server import server_binary
+
+    binary = server_binary() or "?"
+    done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    version = next((w[2:] for w in done.stdout.split() if w.startswith("v=")), "?")
+    return f"{Path(binary).name} {version}"
 
 
 def _reachable(url: str) -> None:

@@ -30,10 +30,10 @@ import secrets
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvoffload.bench.tiers_common import lat
+from kvoffload.bench.tiers_common import Fatal, lat
 from kvoffload.bench.tiers_fleet_engine import EngineSpec, serve
 
 NODE_TIMEOUT_MS = 1000  # cluster-node-timeout of a cluster started here: failover in ~2-3 s
@@ -76,7 +76,7 @@ def run_fleet(params: FleetParams, urls: dict[str, str], cluster: Any | None) ->
     """The three runs. ``cluster``: the ``LocalCluster`` behind ``urls["cluster"]`` when it was
     started here (one of its primaries is killed), else None."""
     out: dict[str, Any] = {
-        "params": {**params.__dict__, "host_blocks": params.spec("", 0).host_blocks},
+        "params": {**asdict(params), "host_blocks": params.spec("", 0).host_blocks},
         "node_timeout_ms": NODE_TIMEOUT_MS if cluster is not None else None,
         "kill_at_fraction": KILL_AT if cluster is not None else None,
     }
@@ -103,18 +103,27 @@ def one_run(
         ctx.Process(target=_main, args=(spec, p, procs, start, done, results), daemon=True)
         for p in range(procs)
     ]
-    for w in workers:
-        w.start()
+    stopped = False
     try:
-        start.wait(PREFILL_BOUND_S)
-    except threading.BrokenBarrierError:
-        _stop(workers)
-        raise RuntimeError(f"a fleet process failed before the start: {_errors(results)}") from None
-    t_start = time.monotonic()
-    end = t_start + seconds
-    failover = _failover(cluster, t_start + KILL_AT * seconds, workers) if cluster else None
-    got, errors = _collect(results, procs, end + FINISH_BOUND_S)
-    hung = _stop(workers)
+        for w in workers:
+            w.start()
+        try:
+            start.wait(PREFILL_BOUND_S)
+        except threading.BrokenBarrierError:
+            _stop(workers)
+            raise Fatal(f"a fleet process failed before the start: {_errors(results)}") from None
+        t_start = time.monotonic()
+        end = t_start + seconds
+        failover = _failover(cluster, t_start + KILL_AT * seconds, workers) if cluster else None
+        got, errors = _collect(results, procs, end + FINISH_BOUND_S)
+        hung = _stop(workers)
+        stopped = True
+    finally:
+        if not stopped:  # the parent failed (or was interrupted): no process outlives the run
+            for w in workers:
+                if w.is_alive():
+                    w.kill()
+                    w.join(5.0)
     out = summarise(params, got, t_start, end, failover)
     out["processes"] = {
         "count": procs,
@@ -125,7 +134,13 @@ def one_run(
         "finished_after_window_s": max((g["finished"] - end for g in got), default=None),
         "alive_at_kill": None if failover is None else failover.pop("alive_at_kill"),
     }
-    out["failover"] = failover
+    out["failover"] = None
+    if failover is not None:
+        out["failover"] = {
+            "victim_port": failover["victim_port"],
+            "killed_at_s": failover["killed_at"] - t_start,  # into the window
+            "promoted_after_s": failover["promoted_after_s"],  # None: not in PROMOTION_BOUND_S
+        }
     return out
 
 

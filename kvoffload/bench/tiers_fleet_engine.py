@@ -18,6 +18,8 @@ then "recompute" the rest (write the oracle) and store them (write-behind to the
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ POOL = 8  # distinct random rows behind the oracle's blocks
 STAMP = 16  # key bytes stamped at the start of every K and V page
 STEP_S = 0.002  # a scheduler step: how often a request looks up again while blocks are pending
 LOOKUP_BOUND_S = 5.0  # a request stops waiting for pending blocks after this (counted, a miss)
+DONE_WAIT_S = 30.0  # for the others to finish their last request (under the parent's bound)
 MODEL = "bench/fleet@1"
 
 
@@ -134,7 +137,8 @@ def serve(spec: EngineSpec, proc: int, procs: int, start: Any, done: Any) -> dic
         finished = time.monotonic()
         local.offloader.drain_tiers(5.0)
         stats = local.offloader.tier_stats()
-        done.wait(120)  # nobody deletes shared blocks while another process still reads them
+        with contextlib.suppress(threading.BrokenBarrierError):  # a peer died: none to wait for
+            done.wait(DONE_WAIT_S)  # nobody deletes shared blocks while another still reads them
         runner.discard_stored()
     finally:
         local.close(tier_drain_s=0.0)
