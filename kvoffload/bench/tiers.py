@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import importlib.util
 import logging
+import os
 import shutil
 import subprocess
 import tempfile
@@ -182,6 +183,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
         block_bytes=args.fleet_block_kib << 10,
     )
     result: dict[str, Any] = {"benchmark": "tiers_fleet", **machine_info()}
+    result["load_average_1m"] = {"start": os.getloadavg()[0]}  # others' work on the machine
     with contextlib.ExitStack() as stack:
         started: dict[str, Any] = {}
         urls = _servers(stack, True, args, result, started)
@@ -190,6 +192,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
             f"runs of {params.baseline_s:g} s)"
         )
         result["fleet"] = run_fleet(params, urls, started.get("cluster"))
+    result["load_average_1m"]["end"] = os.getloadavg()[0]
     _print_fleet(result["fleet"])
     out = args.out or default_out("tiers_fleet", "cpu")
     console.print(f"wrote {write_json(out, result)}")

@@ -131,7 +131,8 @@ def one_run(
         "errors": errors,
         "hung": hung,
         "exitcodes": [w.exitcode for w in workers],
-        "finished_after_window_s": max((g["finished"] - end for g in got), default=None),
+        # when the last report reached the parent, from the window's end (bound: FINISH_BOUND_S)
+        "last_report_after_window_s": max((g["received"] - end for g in got), default=None),
         "alive_at_kill": None if failover is None else failover.pop("alive_at_kill"),
     }
     out["failover"] = None
@@ -178,6 +179,7 @@ def _failover(cluster: Any, when: float, workers: list[Any]) -> dict[str, Any]:
 
 
 def _collect(results: Any, procs: int, deadline: float) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every process's report (or error) until ``deadline``; each report gets ``received``."""
     got: list[dict[str, Any]] = []
     errors: list[str] = []
     while len(got) + len(errors) < procs and time.monotonic() < deadline:
@@ -185,6 +187,7 @@ def _collect(results: Any, procs: int, deadline: float) -> tuple[list[dict[str, 
             item = results.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
         except queue.Empty:
             continue
+        item["received"] = time.monotonic()
         if "error" in item:
             errors.append(item["error"])
         else:

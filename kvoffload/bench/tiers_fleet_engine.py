@@ -134,7 +134,6 @@ def serve(spec: EngineSpec, proc: int, procs: int, start: Any, done: Any) -> dic
         order = np.random.default_rng(proc)
         while time.monotonic() < end:
             runner.request(int(order.integers(spec.prefixes)))
-        finished = time.monotonic()
         local.offloader.drain_tiers(5.0)
         stats = local.offloader.tier_stats()
         with contextlib.suppress(threading.BrokenBarrierError):  # a peer died: none to wait for
@@ -142,7 +141,7 @@ def serve(spec: EngineSpec, proc: int, procs: int, start: Any, done: Any) -> dic
         runner.discard_stored()
     finally:
         local.close(tier_drain_s=0.0)
-    return {**runner.report(), "finished": finished, "tier_stats": stats}
+    return {**runner.report(), "tier_stats": stats}
 
 
 class Requests:
