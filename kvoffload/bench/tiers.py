@@ -26,24 +26,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
-import logging
-import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from kvoffload.bench.common import console, default_out, machine_info, progress, write_json
 from kvoffload.bench.tiers_common import BATCH, FP, SIZES, Fatal, blocks, fs_of, median_round
+from kvoffload.bench.tiers_servers import need_client, servers
 
 SECTIONS = ("format", "disk", "valkey", "policy", "sharing")
 DEFAULT_SECTIONS = ("format", "disk", "valkey", "policy")
-FLEET_DEFAULT = 8
-FLEET_MAX = 64  # processes: each is a Python interpreter with its own host tier
-FLEET_SECONDS_MAX = 3600.0
-FLEET_BLOCK_KIB_MAX = 32 << 10  # a Valkey value holds a block plus its header: under 64 MiB
+FLEET_DEFAULT = 8  # --fleet without a number
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,23 +73,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{FLEET_DEFAULT} when omitted)",
     )
     p.add_argument("--fleet-seconds", type=float, default=20.0, help="the fleet's timed window")
-    p.add_argument("--fleet-block-kib", type=int, default=256, help="the fleet's block (host slot)")
+    p.add_argument(
+        "--fleet-block-kib", type=int, default=256, help="the fleet's block (host slot), KiB"
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON result path")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.fleet is not None:
-        return _run_fleet(args)
+        from kvoffload.bench import tiers_fleet_cli
+
+        return tiers_fleet_cli.run(args)
     sections = _sections(args)
     shared = {"valkey", "sharing"} & set(sections)
     if shared:
-        _need_client("/".join(sorted(shared)), "--sections format,disk,policy")
+        need_client("/".join(sorted(shared)), "--sections format,disk,policy")
     base = Path(tempfile.mkdtemp(prefix="kvoffload-bench-tiers-", dir=args.dir))
     result: dict[str, Any] = {"benchmark": "tiers", **machine_info(), "dir_fs": fs_of(base)}
     result["params"] = {"mib": args.mib, "rounds": args.rounds, "batch_blocks": BATCH}
     try:
         with contextlib.ExitStack() as stack:
-            urls = _servers(stack, "sharing" in sections, args, result) if shared else {}
+            urls = servers(stack, "sharing" in sections, args, result) if shared else {}
             with progress() as bar:
                 task = bar.add_task("tiers", total=len(sections) * len(SIZES) * args.rounds)
                 for section in sections:
@@ -128,160 +126,6 @@ def _sections(args: argparse.Namespace) -> list[str]:
     if args.processes <= 0:
         raise Fatal(f"expected --processes > 0, got {args.processes}")
     return sections
-
-
-def _need_client(what: str, instead: str) -> None:
-    if importlib.util.find_spec("redis") is None:
-        raise Fatal(
-            f"the {what} section needs the redis client: pip install -e '.[tiers]' in a checkout "
-            f"(or leave it out: {instead})"
-        )
-
-
-def _check_fleet(args: argparse.Namespace) -> None:
-    """Fatal, before anything starts, on a fleet option out of range or a clashing option."""
-    if args.cluster or args.sections is not None:
-        raise Fatal(
-            "expected --fleet alone (it is its own run), got it with "
-            + ("--cluster" if args.cluster else f"--sections {args.sections}")
-        )
-    if not 1 <= args.fleet <= FLEET_MAX:
-        raise Fatal(f"expected --fleet between 1 and {FLEET_MAX} processes, got {args.fleet}")
-    if not 0 < args.fleet_seconds <= FLEET_SECONDS_MAX:
-        raise Fatal(
-            f"expected --fleet-seconds > 0 and <= {FLEET_SECONDS_MAX:g}, got {args.fleet_seconds}"
-        )
-    if not 1 <= args.fleet_block_kib <= FLEET_BLOCK_KIB_MAX:
-        raise Fatal(
-            f"expected --fleet-block-kib between 1 and {FLEET_BLOCK_KIB_MAX}, got "
-            f"{args.fleet_block_kib}"
-        )
-    if args.cluster_url is not None:
-        from kvoffload.store.tiers.endpoint import parse_valkey_url
-
-        try:
-            cluster = parse_valkey_url(args.cluster_url).cluster
-        except ValueError as e:
-            raise Fatal(f"--cluster-url: {e}") from None
-        if not cluster:
-            raise Fatal(
-                f"expected --cluster-url redis+cluster://host:port[,host:port...] (or "
-                f"rediss+cluster://), got {args.cluster_url!r}"
-            )
-
-
-def _run_fleet(args: argparse.Namespace) -> int:
-    from kvoffload.bench.tiers_fleet import FleetParams, run_fleet
-
-    _check_fleet(args)
-    _need_client("fleet", "a run without --fleet")
-    seconds = float(args.fleet_seconds)
-    params = FleetParams(
-        processes=args.fleet,
-        seconds=seconds,
-        baseline_s=max(2.0, 0.3 * seconds),
-        block_bytes=args.fleet_block_kib << 10,
-    )
-    result: dict[str, Any] = {"benchmark": "tiers_fleet", **machine_info()}
-    result["load_average_1m"] = {"start": os.getloadavg()[0]}  # others' work on the machine
-    with contextlib.ExitStack() as stack:
-        started: dict[str, Any] = {}
-        urls = _servers(stack, True, args, result, started)
-        console.print(
-            f"fleet: {params.processes} processes, {seconds:g} s window (and 2 one-process "
-            f"runs of {params.baseline_s:g} s)"
-        )
-        result["fleet"] = run_fleet(params, urls, started.get("cluster"))
-    result["load_average_1m"]["end"] = os.getloadavg()[0]
-    _print_fleet(result["fleet"])
-    out = args.out or default_out("tiers_fleet", "cpu")
-    console.print(f"wrote {write_json(out, result)}")
-    problems = fleet_problems(result["fleet"]["fleet"])
-    if problems:
-        console.print(f"kvoffload bench tiers --fleet: FAILED: {'; '.join(problems)}")
-        return 1
-    return 0
-
-
-def fleet_problems(run: dict[str, Any]) -> list[str]:
-    """What must never happen in a fleet run, in words (empty: none happened)."""
-    procs = run["processes"]
-    problems = []
-    if run["wrong_bytes"]:
-        problems.append(f"{run['wrong_bytes']} wrong bytes loaded")
-    if procs["hung"] or procs["reported"] != procs["count"]:
-        problems.append(f"{procs['count'] - procs['reported']} processes did not report in time")
-    if procs["errors"] or any(code != 0 for code in procs["exitcodes"]):
-        problems.append(f"process errors {procs['errors']}, exit codes {procs['exitcodes']}")
-    if procs["alive_at_kill"] not in (None, procs["count"]):
-        problems.append(f"only {procs['alive_at_kill']} processes alive at the kill")
-    return problems
-
-
-def _servers(
-    stack: contextlib.ExitStack,
-    cluster: bool,
-    args: argparse.Namespace,
-    result: dict[str, Any],
-    started: dict[str, Any] | None = None,
-) -> dict[str, str]:
-    """The server (and with ``cluster``, the cluster) to measure: given, or started here (then
-    put in ``started``) and stopped by ``stack``. Each is checked once: unreachable or refusing
-    is a ``Fatal`` now."""
-    import redis
-    from redis.utils import HIREDIS_AVAILABLE
-
-    from kvoffload.store.tiers.local_server import LocalCluster, LocalServer
-
-    result["valkey_client"] = {"redis": redis.__version__, "hiredis": HIREDIS_AVAILABLE}
-    urls = {"one_server": args.valkey_url}
-    if cluster:
-        urls["cluster"] = args.cluster_url
-    for name, url in urls.items():
-        if url is None:
-            try:
-                made = LocalCluster() if name == "cluster" else LocalServer()
-            except FileNotFoundError as e:
-                raise Fatal(f"{e}; or give --valkey-url / --cluster-url of a running one") from None
-            stack.enter_context(made)
-            urls[name] = made.url
-            if started is not None:
-                started[name] = made
-            shape = "3 primaries + 3 replicas" if name == "cluster" else "one server"
-            result[f"valkey_{name}"] = f"{_server_version()}, {shape} on loopback (started here)"
-        else:
-            result[f"valkey_{name}"] = "given by URL"
-        _reachable(urls[name])
-    return {k: v for k, v in urls.items() if v is not None}
-
-
-def _server_version() -> str:
-    """``redis-server 7.0.15``: the server started here, by name and version (not its path)."""
-    from kvoffload.store.tiers.local_server import server_binary
-
-    binary = server_binary() or "?"
-    done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
-    version = next((w[2:] for w in done.stdout.split() if w.startswith("v=")), "?")
-    return f"{Path(binary).name} {version}"
-
-
-def _reachable(url: str) -> None:
-    from kvoffload.store.tiers.base import TierStartupError
-    from kvoffload.store.tiers.valkey import ValkeyTier
-
-    quiet = logging.getLogger("kvoffload.store.tiers.valkey")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # the one line below says it; not the tier's warning too
-    try:
-        tier = ValkeyTier(url, FP, 4096, timeout_s=5.0)
-    except (TierStartupError, ValueError) as e:
-        raise Fatal(str(e)) from None
-    finally:
-        quiet.setLevel(level)
-    up = tier.up
-    tier.close()
-    if not up:
-        raise Fatal(f"valkey at {url} is unreachable; start it, or give another URL")
 
 
 def _section(
@@ -359,40 +203,3 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-def _print_fleet(fleet: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    table = Table(title="tiers: fleet (hits = blocks loaded / shared-prefix blocks asked)")
-    for col in (
-        "processes",
-        "phase",
-        "s",
-        "requests",
-        "hit rate",
-        "hit GB/s",
-        "lookup p50/p99 ms",
-        "load p50/p99 ms",
-    ):
-        table.add_column(col)
-    runs = {"one_process_one_server": "1, server", "one_process_cluster": "1, cluster"}
-    runs["fleet"] = f"{fleet['params']['processes']}, cluster"
-    for run, label in runs.items():
-        for phase, row in fleet[run]["phases"].items():
-            table.add_row(
-                label,
-                phase,
-                f"{row['seconds']:.1f}",
-                str(row["requests"]),
-                f"{row['hit_rate']:.3f}",
-                f"{row['hit_GBps']:.3f}",
-                f"{row['lookup']['p50_ms']:.2f}/{row['lookup']['p99_ms']:.2f}",
-                f"{row['load']['p50_ms']:.1f}/{row['load']['p99_ms']:.1f}",
-            )
-    console.print(table)
-    run = fleet["fleet"]
-    console.print(
-        f"fleet: wrong bytes {run['wrong_bytes']}, processes {run['processes']}, "
-        f"failover {run['failover']}, recovery {run.get('recovery')}, ratios {fleet['ratios']}"
-    )

@@ -19,7 +19,8 @@ blocks read up from the cluster (``promoted``), GB/s of hits into the engine and
 call (``lookup``) and of the time from a request's first lookup until its hits were in the
 engine (``load``). And: wrong bytes (must be 0), every process alive at the kill and exited 0,
 each within ``FINISH_BOUND_S`` of the window's end (a process past it is killed and reported
-hung), and how long after the kill each process first had a whole prefix hit again.
+hung), and how long after the kill each process first had a whole prefix hit from the cluster
+again.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def one_run(
             raise Fatal(f"a fleet process failed before the start: {_errors(results)}") from None
         t_start = time.monotonic()
         end = t_start + seconds
-        failover = _failover(cluster, t_start + KILL_AT * seconds, workers) if cluster else None
+        kill_at = t_start + KILL_AT * seconds
+        failover = _failover(cluster, kill_at, end, workers) if cluster else None
         got, errors = _collect(results, procs, end + FINISH_BOUND_S)
         hung = _stop(workers)
         stopped = True
@@ -140,7 +142,7 @@ def one_run(
         out["failover"] = {
             "victim_port": failover["victim_port"],
             "killed_at_s": failover["killed_at"] - t_start,  # into the window
-            "promoted_after_s": failover["promoted_after_s"],  # None: not in PROMOTION_BOUND_S
+            "promoted_after_s": failover["promoted_after_s"],  # None: not in the window
         }
     return out
 
@@ -155,15 +157,16 @@ def _main(spec: EngineSpec, proc: int, procs: int, start: Any, done: Any, result
         raise
 
 
-def _failover(cluster: Any, when: float, workers: list[Any]) -> dict[str, Any]:
-    """Kill a primary at ``when`` (SIGKILL) and watch its replica take over."""
+def _failover(cluster: Any, when: float, end: float, workers: list[Any]) -> dict[str, Any]:
+    """Kill a primary at ``when`` (SIGKILL) and watch its replica take over (until ``end``, the
+    window's, or ``PROMOTION_BOUND_S``)."""
     time.sleep(max(0.0, when - time.monotonic()))
     victim = cluster.primary_ports()[0]
     alive = sum(w.is_alive() for w in workers)
     killed_at = time.monotonic()
     cluster.node(victim).kill()
     promoted_at = None
-    while time.monotonic() < killed_at + PROMOTION_BOUND_S:
+    while time.monotonic() < min(end, killed_at + PROMOTION_BOUND_S):
         ports = cluster.primary_ports()
         if victim not in ports and len(ports) == cluster.primaries:
             promoted_at = time.monotonic()
