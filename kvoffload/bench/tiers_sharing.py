@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-FP = "0123456789abcdef0123456789abcdef"
+from kvoffload.bench.tiers_common import FP
+
 PREFIX_BLOCKS = 16  # one mover op
 POOL = 8  # distinct block contents per process (a block's content: POOL[(prefix + block) % POOL])
 
