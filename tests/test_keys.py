@@ -70,7 +70,7 @@ def test_every_128_bit_digest_is_a_key_and_distinct():
     digests = [xxhash.xxh3_128_intdigest(i.to_bytes(8, "little")) for i in range(1000)]
     assert sum(d >> 127 for d in digests) > 400  # the top bit is set in about half
     keys = [as_block_key(d) for d in digests]
-    assert all(len(k) == 16 and int.from_bytes(k, "big") == d for k, d in zip(keys, digests))
+    assert [int.from_bytes(k, "big") for k in keys] == digests and {len(k) for k in keys} == {16}
     assert len(set(keys)) == 1000
     assert as_block_key(2**128 - 1) == b"\xff" * 16 and as_block_key(0) == bytes(16)
     # ints below 2**127 keep the key they had before (16 bytes, big-endian): stored keys stay valid
