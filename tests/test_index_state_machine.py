@@ -38,6 +38,7 @@ SLOTS = 24
 KEYS = [i.to_bytes(4, "big") for i in range(64)]
 STEPS = [0]  # invariant checks run, i.e. operations executed (plus one per example)
 BAD_CALLS = [0]  # refused calls among them
+FORGED = [0]  # refused made-up results among those
 CHAINS = [KEYS[i : i + 16] for i in range(0, 64, 16)]  # four 16-block "prompts" (overlapping use)
 
 
@@ -148,6 +149,7 @@ class OffloaderMachine(RuleBasedStateMachine):
             self.off.complete([JobResult(job.job_id, True, job.nbytes, 0.0)])
         assert self._frozen() == before and not self.off.is_settled(job.req_id)
         BAD_CALLS[0] += 1
+        FORGED[0] += 1
         if real is not None:
             del self.jobs[job.job_id]
             self._complete(job, real)

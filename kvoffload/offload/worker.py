@@ -64,11 +64,14 @@ class WorkerStats:
 
 
 class TransferWorker:
-    """Submits jobs to a ``CopyBackend`` and collects their results; never raises a copy error.
+    """Runs the jobs of one ``Offloader`` on a ``CopyBackend`` and collects their results; never
+    raises a copy error.
 
     A copy that fails (bad memory, a driver error) comes back as ``JobResult(ok=False, error=...)``
-    for the engine to handle by recomputing; bad *input* (a malformed job, a job that ran before
-    or is not its Offloader's) raises ValueError at ``submit``.
+    for the engine to handle by recomputing; bad *input* (a job that ran before, is running, or is
+    not its Offloader's) raises ValueError at ``submit``.
+
+    >>> worker = TransferWorker(backend, offloader)  # what build_local does   # doctest: +SKIP
     """
 
     def __init__(
