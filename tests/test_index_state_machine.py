@@ -48,7 +48,7 @@ class FlakyBackend(HostBackend):
 
     fail = False
 
-    def submit_checked(self, specs):  # type: ignore[no-untyped-def]
+    def submit_checked(self, specs):
         done: Future[None] = Future()
         try:
             if self.fail:

@@ -98,7 +98,7 @@ def test_failed_copy_is_a_failed_job_and_rolls_back(engine):
     worker.submit(job)
     worker.wait([job.job_id], 30)
     (result,) = worker.get_finished()
-    assert not result.ok and "IndexError" in result.error
+    assert not result.ok and "IndexError" in (result.error or "")
     off.complete([result])
     assert off.lookup(keys) == 0 and off.index.num_free == off.num_slots
     worker.close()

@@ -21,12 +21,12 @@ BLOCKS, PAGE, SLOTS = 32, 128, 8
 class Gate(HostBackend):
     """The host backend, each copy held at a gate until the test opens it; then real bytes."""
 
-    def __init__(self, layout: KVLayout, arena) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, layout: KVLayout, arena) -> None:
         super().__init__(layout, arena)
         self.gate = threading.Event()
         self.started = threading.Event()
 
-    def copy(self, specs):  # type: ignore[no-untyped-def]
+    def copy(self, specs):
         self.started.set()
         assert self.gate.wait(60)
         super().copy(specs)
@@ -45,6 +45,7 @@ def test_close_with_jobs_in_flight_settles_every_request_and_pins_nothing():
 
     backend.gate.set()
     base = off.schedule_store("base", held, [0, 1])
+    assert base is not None
     worker.submit(base)
     assert worker.wait([base.job_id], 30) == set()
     off.complete(worker.get_finished())
@@ -53,14 +54,17 @@ def test_close_with_jobs_in_flight_settles_every_request_and_pins_nothing():
     backend.started.clear()
 
     running = off.schedule_store("running", [k1], [2])  # copying when close starts
+    assert running is not None
     worker.submit(running)
     assert backend.started.wait(10)
     queued = off.schedule_store("queued", [k2], [3])  # submitted, not started: cancelled
+    assert queued is not None
     worker.submit(queued)
     load = off.schedule_load("load", held, [10, 11])  # a load queued behind them: cancelled
     worker.submit(load)
     off.schedule_load("unsent_load", held[:1], [12])  # never submitted
     unsent = off.schedule_store("unsent_store", [k3], [4])  # never submitted
+    assert unsent is not None
     assert off.index.num_pinned == 2 and off.index.num_writing == 3
     engine_before = kv.copy()
     host = local.arena.slots  # a view stays valid after the arena is released

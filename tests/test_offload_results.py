@@ -23,12 +23,12 @@ BLOCKS, PAGE = 16, 256
 class StoreGate(HostBackend):
     """The host backend with stores held at a gate until the test opens it; then real bytes."""
 
-    def __init__(self, layout: KVLayout, arena) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, layout: KVLayout, arena) -> None:
         super().__init__(layout, arena)
         self.gate = threading.Event()
         self.started = threading.Event()
 
-    def copy(self, specs):  # type: ignore[no-untyped-def]
+    def copy(self, specs):
         if specs[0].direction == "store":
             self.started.set()
             assert self.gate.wait(60)
@@ -59,7 +59,8 @@ def load_bytes(kv: np.ndarray, local: LocalOffload, key: bytes, dst: int) -> np.
     (result,) = finish(local, job.job_id)
     assert result.ok
     local.offloader.complete([result])
-    return kv[dst].copy()
+    out: np.ndarray = kv[dst].copy()
+    return out
 
 
 def test_a_forged_ok_never_makes_a_key_readable(engine):
@@ -109,7 +110,7 @@ def test_a_forged_ok_for_a_failed_copy_leaves_nothing_readable(engine):
 
 
 class BrokenStores(HostBackend):
-    def copy(self, specs):  # type: ignore[no-untyped-def]
+    def copy(self, specs):
         raise OSError("the copy failed")
 
 
