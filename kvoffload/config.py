@@ -159,11 +159,24 @@ class OffloadConfig:
         tls.check(parse_valkey_url(self.valkey_url).tls)
 
     def num_slots(self, slot_bytes: int) -> int:
-        """Host slots for blocks of ``slot_bytes``; ValueError if not even one fits."""
+        """Host slots for blocks of ``slot_bytes``; ValueError if not even one fits, or if they
+        need more bytes than this machine has RAM (checked before anything is allocated)."""
         if self.host_capacity_blocks is not None:
-            return self.host_capacity_blocks
-        capacity = self.host_capacity_bytes or DEFAULT_HOST_CAPACITY_BYTES
-        return slots_for_capacity(capacity, slot_bytes)
+            slots, name = self.host_capacity_blocks, "host_capacity_blocks"
+        else:
+            capacity = self.host_capacity_bytes or DEFAULT_HOST_CAPACITY_BYTES
+            slots, name = slots_for_capacity(capacity, slot_bytes), "host_capacity_bytes"
+        ram = physical_ram_bytes()
+        need = slots * slot_bytes
+        if ram is not None and need > ram:
+            given = getattr(self, name)
+            raise ValueError(
+                f"expected {name} to fit in this machine's RAM ({ram} bytes, {ram / 2**30:.1f} "
+                f"GiB), got {name}={'the default' if given is None else given}, which needs "
+                f"{slots} slots of {slot_bytes} bytes = {need} bytes ({need / 2**30:.4g} GiB) of "
+                "host RAM; set host_capacity_bytes or host_capacity_blocks lower"
+            )
+        return slots
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> OffloadConfig:
@@ -175,6 +188,14 @@ class OffloadConfig:
                 f"unknown kvoffload option(s) {unknown}; expected some of {sorted(known)}"
             )
         return cls(**dict(options))
+
+
+def physical_ram_bytes() -> int | None:
+    """This machine's RAM in bytes, None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 # -- checks shared by the options above (each ValueError names the key) ------------------------

@@ -5,6 +5,9 @@
 reads ``Offloader.snapshot()`` and ``TransferWorker.snapshot()`` (one lock each, no work on the
 engine's path) and ``Offloader.tier_stats()`` for the disk and Valkey tiers. ``METRICS`` names them
 all; ``docs/api.md`` lists them. prometheus-client is imported only when metrics are asked for.
+
+Imports point one way: ``offload.local`` imports this module, which knows only the Offloader and
+the worker (``Observed`` is any object holding both, a ``LocalOffload`` among them).
 """
 
 from __future__ import annotations
@@ -12,10 +15,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from kvoffload.offload.local import LocalOffload
     from kvoffload.offload.offloader import Offloader
     from kvoffload.offload.worker import TransferWorker
 
@@ -83,6 +85,16 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "promote_failures, probes",
     ),
 }
+
+
+class Observed(Protocol):
+    """What ``serve`` exports: an Offloader and its worker (``LocalOffload`` is one)."""
+
+    @property
+    def offloader(self) -> Offloader: ...
+
+    @property
+    def worker(self) -> TransferWorker: ...
 
 
 def _prometheus() -> Any:
@@ -166,7 +178,7 @@ class MetricsServer:
         self._thread.join(5.0)
 
 
-def serve(local: LocalOffload, port: int, addr: str = "0.0.0.0") -> MetricsServer:
+def serve(local: Observed, port: int, addr: str = "0.0.0.0") -> MetricsServer:
     """Serve ``local``'s metrics on ``addr:port`` (0: a free port) in a daemon thread."""
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ValueError(f"expected a TCP port in [0, 65535], got {port!r}")

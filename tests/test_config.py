@@ -13,6 +13,49 @@ def test_capacity_in_bytes_or_blocks():
     assert OffloadConfig().num_slots(1 << 20) == DEFAULT_HOST_CAPACITY_BYTES >> 20
 
 
+def test_capacity_beyond_this_machines_ram_names_the_option_and_the_bytes(monkeypatch):
+    """host_capacity_blocks=2**62 used to end in numpy's "array is too big" from the index."""
+    import numpy as np
+
+    from kvoffload import config, prefix_block_keys
+    from kvoffload.offload import Offloader
+
+    ram = config.physical_ram_bytes()
+    assert ram is not None and ram > 0
+    message = (
+        rf"expected host_capacity_blocks to fit in this machine's RAM \({ram} bytes.*got "
+        rf"host_capacity_blocks={2**62}, which needs {2**62} slots of 4096 bytes = {2**74} bytes"
+    )
+    with pytest.raises(ValueError, match=message):
+        Offloader(OffloadConfig(host_capacity_blocks=2**62), 4096)
+    monkeypatch.setattr(config, "physical_ram_bytes", lambda: 10 * 4096)
+    with pytest.raises(ValueError, match=r"host_capacity_bytes=the default, which needs"):
+        OffloadConfig().num_slots(4096)
+    with pytest.raises(ValueError, match=r"got host_capacity_bytes=45056, which needs 11 slots"):
+        OffloadConfig(host_capacity_bytes=11 * 4096).num_slots(4096)
+    off = Offloader(OffloadConfig(host_capacity_blocks=10), 4096)  # all of it is allowed
+    job = off.schedule_store("r", prefix_block_keys(np.arange(160), 16), range(10))
+    assert job is not None and len(job.keys) == 10
+
+
+def test_a_cuda_backend_for_cpu_tensors_is_refused_before_anything_is_built():
+    """backend="staged" on CPU tensors used to raise ModuleNotFoundError: triton."""
+    import numpy as np
+
+    from kvoffload import KVLayout, build_local
+
+    layout = KVLayout.from_tensors([np.zeros((4, 64), np.uint8)], block_size=16, block_dim=0)
+    for backend in ("staged", "dma", "sm"):
+        with pytest.raises(
+            ValueError,
+            match=rf"expected a CUDA layout for backend '{backend}' .*got tensors on 'cpu': use "
+            "backend 'host' or 'auto' for CPU tensors",
+        ):
+            build_local(layout, OffloadConfig(backend=backend, host_capacity_blocks=2))
+    local = build_local(layout, OffloadConfig(backend="host", host_capacity_blocks=2))
+    local.close()
+
+
 def test_capacity_smaller_than_one_block():
     with pytest.raises(ValueError, match="at least one block"):
         OffloadConfig(host_capacity_bytes=1000).num_slots(4096)
@@ -121,20 +164,34 @@ def test_registered_backends_are_accepted():
 
 
 def test_an_arena_larger_than_the_machine_says_what_to_set():
-    """The README's 64 GiB example on a machine that cannot map it (address space capped here,
-    as 24 GiB of RAM without overcommit would): a clear error, not a raw OSError from mmap."""
+    """The README's 64 GiB example on a machine with less RAM: a ValueError naming the option
+    before anything is allocated. Within RAM but more than the process may map (address space
+    capped here, as RAM without overcommit would): a MemoryError, not a raw OSError from mmap."""
+    import numpy as np
+
+    from kvoffload import KVLayout, build_local
+    from kvoffload.config import physical_ram_bytes
+
+    ram = physical_ram_bytes()
+    assert ram is not None
+    layout = KVLayout.from_tensors([np.zeros((4, 16, 8, 2048), np.float32)], block_size=16)
+    if ram < 64 << 30:
+        with pytest.raises(ValueError, match="got host_capacity_bytes=68719476736, which needs"):
+            build_local(layout, OffloadConfig(host_capacity_bytes=64 << 30))
+    if ram < 8 << 30:
+        pytest.skip(f"the MemoryError case needs 8 GiB of RAM, this machine has {ram} bytes")
     code = """
 import resource, numpy as np
 from kvoffload import KVLayout, OffloadConfig, build_local
 layout = KVLayout.from_tensors([np.zeros((4, 16, 8, 2048), np.float32)], block_size=16)
-resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))
 try:
-    build_local(layout, OffloadConfig(host_capacity_bytes=64 << 30))
+    build_local(layout, OffloadConfig(host_capacity_bytes=8 << 30))
 except MemoryError as err:
     print(err)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "68719476736 bytes (64.0 GiB) for 65536 slots of 1048576 bytes" in out.stdout
+    assert "8589934592 bytes (8.0 GiB) for 8192 slots of 1048576 bytes" in out.stdout
     assert "host_capacity_bytes or host_capacity_blocks" in out.stdout
     with pytest.raises(MemoryError, match="for 1048576 slots of 1073741824 bytes"):
         HostArena(1 << 20, 1 << 30)  # 1 PiB: more than any address space maps

@@ -116,7 +116,7 @@ def test_zero_slots_is_an_error():
 
 
 def test_refused_calls_change_nothing():
-    """Each refusal used to leave state behind: a str key stored as WRITING, a repeated key in
+    """Each refusal used to leave state behind: a repeated key in prepare_store or in
     complete_store popping one slot before failing, a negative evict count."""
     ix = BlockIndex(4, 1)
     ix.complete_store(ix.prepare_store(keys(2)).keys)
@@ -126,8 +126,8 @@ def test_refused_calls_change_nothing():
         return (ix.num_free, ix.num_writing, ix.num_readable, ix.num_pinned, ix.stats.snapshot())
 
     before = state()
-    with pytest.raises(ValueError, match="expected keys as non-empty bytes"):
-        ix.prepare_store(["abc"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="distinct keys"):
+        ix.prepare_store([b"new", b"new"])
     with pytest.raises(ValueError, match="distinct keys"):
         ix.complete_store([*writing, *writing])
     with pytest.raises(ValueError, match="block count >= 0"):

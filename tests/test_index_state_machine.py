@@ -1,6 +1,7 @@
 """Random operations on the engine-neutral API against a model, in three variants.
 
-``OffloaderMachine``: 10^5 operations on the scheduler side (Offloader over BlockIndex), bad calls
+``OffloaderMachine``: 10^5 operations on the scheduler side (Offloader over BlockIndex; its jobs
+run by a host-backend worker whose copies fail when the test says), bad calls and forged results
 mixed in. After every step: every slot is exactly one of free / being written / readable; a block
 being read is still readable (never evicted); a failed or cancelled store left nothing readable;
 the stats equal the model's counts; a refused call changed nothing (capacity, pins, settled-ness).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import random
 import sys
 import threading
+from concurrent.futures import Future
 
 import hypothesis.strategies as st
 import numpy as np
@@ -29,28 +31,66 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvoffload import KVLayout, build_local
 from kvoffload.config import OffloadConfig
-from kvoffload.offload import JobResult, LocalOffload, Offloader, TransferJob
+from kvoffload.offload import JobResult, LocalOffload, TransferJob, TransferWorker
+from kvoffload.transfer.host import FuturePending, HostBackend
 
 SLOTS = 24
 KEYS = [i.to_bytes(4, "big") for i in range(64)]
 STEPS = [0]  # invariant checks run, i.e. operations executed (plus one per example)
 BAD_CALLS = [0]  # refused calls among them
+FORGED = [0]  # refused made-up results among those
 CHAINS = [KEYS[i : i + 16] for i in range(0, 64, 16)]  # four 16-block "prompts" (overlapping use)
+
+
+class FlakyBackend(HostBackend):
+    """The host backend copying in the caller's thread (10^5 operations stay fast); while
+    ``fail`` is set, a copy fails before it moves a byte."""
+
+    fail = False
+
+    def submit_checked(self, specs):
+        done: Future[None] = Future()
+        try:
+            if self.fail:
+                raise OSError("the copy failed (on purpose)")
+            self.copy(specs)
+            done.set_result(None)
+        except OSError as err:
+            done.set_exception(err)
+        return FuturePending(done)
 
 
 class OffloaderMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.off = Offloader(OffloadConfig(host_capacity_blocks=SLOTS), slot_bytes=64)
+        self.kv = np.zeros((16, 64), np.uint8)  # kept alive: the layout holds its address
+        layout = KVLayout.from_tensors([self.kv], block_size=16, block_dim=0)
+        self.local = build_local(layout, OffloadConfig(host_capacity_blocks=SLOTS))
+        self.off = self.local.offloader
+        self.local.worker.close()
+        self.backend = FlakyBackend(layout, self.local.arena)
+        self.worker = self.local.worker = TransferWorker(self.backend, self.off)
         self.jobs: dict[int, TransferJob] = {}
         self.readable: set[bytes] = set()  # model
         self.expect = {"stores": 0, "store_failures": 0, "loads": 0, "load_failures": 0}
         self.hits = self.misses = 0
         self.req = 0
 
+    def teardown(self) -> None:
+        self.local.close()
+
     def _new_req(self) -> str:
         self.req += 1
         return f"r{self.req}"
+
+    def _run(self, job: TransferJob, ok: bool) -> JobResult:
+        """The job's real result from the worker: its copy moves bytes, or fails when not ``ok``."""
+        self.backend.fail = not ok
+        self.worker.submit(job)
+        assert self.worker.wait([job.job_id], 30) == set()
+        (result,) = self.worker.get_finished()
+        assert result.ok == ok
+        return result
 
     def _pinned(self) -> set[bytes]:
         return {k for j in self.jobs.values() if j.direction == "load" for k in j.keys}
@@ -94,8 +134,25 @@ class OffloaderMachine(RuleBasedStateMachine):
     def finish(self, pick: int, ok: bool, junk: bool) -> None:
         """Complete one job; with ``junk`` next to an unknown id (applied, then ValueError)."""
         job = self.jobs.pop(sorted(self.jobs)[pick % len(self.jobs)])
-        result = JobResult(job.job_id, ok, job.nbytes if ok else 0, 0.0)
+        result = self._run(job, ok)
         self._complete(job, result, junk=JobResult(10**9, True, 0, 0.0) if junk else None)
+
+    @precondition(lambda self: self.jobs)
+    @rule(pick=st.integers(0, 10**6), submitted=st.booleans())
+    def forged_result(self, pick: int, submitted: bool) -> None:
+        """A result the worker did not report (for a job never submitted, or one submitted and
+        finished whose real result is held back) changes nothing; the real one then counts."""
+        job = self.jobs[sorted(self.jobs)[pick % len(self.jobs)]]
+        real = self._run(job, ok=True) if submitted else None
+        before = self._frozen()
+        with pytest.raises(ValueError, match="did not report" if submitted else "never submitted"):
+            self.off.complete([JobResult(job.job_id, True, job.nbytes, 0.0)])
+        assert self._frozen() == before and not self.off.is_settled(job.req_id)
+        BAD_CALLS[0] += 1
+        FORGED[0] += 1
+        if real is not None:
+            del self.jobs[job.job_id]
+            self._complete(job, real)
 
     @rule(
         chain=st.integers(0, 3),
@@ -135,9 +192,12 @@ class OffloaderMachine(RuleBasedStateMachine):
         assert self.off.abort(job.req_id) == [job.job_id]
         assert not self.off.is_settled(job.req_id)
         del self.jobs[job.job_id]
-        result = JobResult(
-            job.job_id, started, job.nbytes if started else 0, 0.0, cancelled=not started
-        )
+        if started:
+            result = self._run(job, ok=True)
+        else:
+            assert self.worker.cancel([job.job_id]) == [job.job_id]
+            (result,) = self.worker.get_finished()
+            assert result.cancelled
         self._complete(job, result)
         assert self.off.is_settled(job.req_id)
 
@@ -248,13 +308,16 @@ class ReplayMachine(RuleBasedStateMachine):
         self.kv, layout = bytes_layout()
         self.local = build_local(layout, OffloadConfig(host_capacity_blocks=HOST_SLOTS))
         self.off = self.local.offloader
-        # Another Offloader (its own index, the same slot size) whose jobs are foreign here.
-        self.other = Offloader(OffloadConfig(host_capacity_blocks=HOST_SLOTS), layout.slot_bytes)
+        # Another offload (its own index and arena, the same layout) whose jobs are foreign here.
+        self.other_kv, other_layout = bytes_layout()
+        self.other_local = build_local(other_layout, OffloadConfig(host_capacity_blocks=HOST_SLOTS))
+        self.other = self.other_local.offloader
         self.finished: list[TransferJob] = []
         self.req = 0
 
     def teardown(self) -> None:
         self.local.close()
+        self.other_local.close()
 
     def _new_req(self) -> str:
         self.req += 1
@@ -305,7 +368,7 @@ class ReplayMachine(RuleBasedStateMachine):
         keys = RCHAINS[chain][:n]
         job = self.other.schedule_store(self._new_req(), keys, range(n))
         if job is not None and load:  # make them readable over there, then load them
-            self.other.complete([JobResult(job.job_id, True, job.nbytes, 0.0)])
+            assert run_job(self.other_local, job).ok
         if load:
             held = self.other.lookup(keys)
             job = self.other.schedule_load(self._new_req(), keys[:held], range(held))
@@ -313,7 +376,9 @@ class ReplayMachine(RuleBasedStateMachine):
             return
         self._refused(job, "did not create")
         REPLAY["foreign"] += 1
-        self.other.complete([JobResult(job.job_id, False, 0, 0.0)])  # settle it over there
+        other = self.other_local.worker  # settle it over there
+        assert other.cancel(self.other.abort(job.req_id)) == [job.job_id]
+        self.other.complete(other.get_finished())
 
     def _refused(self, job: TransferJob, message: str) -> None:
         slots, kv = self.local.arena.slots.copy(), self.kv.copy()

@@ -3,6 +3,7 @@ import sys
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvoffload.store.keys import as_block_key, prefix_block_keys
 
@@ -54,12 +55,34 @@ def test_engine_hashes_as_keys():
     assert as_block_key(b"\x01\x02") == b"\x01\x02"
     assert as_block_key(5) != as_block_key(-5)
     assert len(as_block_key(2**127 - 1)) == 16
-    with pytest.raises(ValueError, match="128 bits"):
-        as_block_key(2**130)
+    for too_big, shown in [(2**130, "an int of 131 bits"), (-(2**128), "a negative int of 129")]:
+        with pytest.raises(ValueError, match=rf"at most 128 bits, got {shown}"):
+            as_block_key(too_big)
     with pytest.raises(ValueError, match="bytes or int"):
         as_block_key("abc")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="non-empty"):
         as_block_key(b"")
+
+
+def test_every_128_bit_digest_is_a_key_and_distinct():
+    """534 of 1,000 unsigned xxh3-128 digests (the top bit set) used to be refused with "expected
+    at most 128 bits, got 128 bits"."""
+    digests = [xxhash.xxh3_128_intdigest(i.to_bytes(8, "little")) for i in range(1000)]
+    assert sum(d >> 127 for d in digests) > 400  # the top bit is set in about half
+    keys = [as_block_key(d) for d in digests]
+    assert [int.from_bytes(k, "big") for k in keys] == digests and {len(k) for k in keys} == {16}
+    assert len(set(keys)) == 1000
+    assert as_block_key(2**128 - 1) == b"\xff" * 16 and as_block_key(0) == bytes(16)
+    # ints below 2**127 keep the key they had before (16 bytes, big-endian): stored keys stay valid
+    assert as_block_key(123) == (123).to_bytes(16, "big", signed=True)
+
+
+def test_negative_ints_never_share_a_key_with_non_negative_ones():
+    pairs = [(-1, 2**128 - 1), (-5, 5), (-(2**127), 2**127), (-(2**128 - 1), 1)]
+    for neg, pos in pairs:
+        assert as_block_key(neg) != as_block_key(pos)
+    assert as_block_key(-1) == b"-" + (1).to_bytes(16, "big")
+    assert len({as_block_key(h) for h in range(-300, 300)}) == 600
 
 
 def test_bad_block_size():

@@ -72,7 +72,7 @@ def test_wait_on_a_layer_returns_once_that_layer_has_arrived():
     local = kvo.build_local(KVLayoutOf(tensors, 1), kvo.OffloadConfig(host_capacity_blocks=8))
     off = local.offloader
     held = HeldAtLayer(local.worker.backend.layout, local.arena)
-    worker = kvo.TransferWorker(held)
+    worker = kvo.TransferWorker(held, off)
     try:
         keys = kvo.prefix_block_keys(np.arange(3 * BS), BS)
         store = off.schedule_store("a", keys, [0, 1, 2])

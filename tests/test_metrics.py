@@ -23,6 +23,23 @@ def test_importing_kvoffload_never_imports_prometheus():
     assert out.stdout.strip() == "False"
 
 
+def test_metrics_and_the_local_offload_import_each_other_one_way():
+    """metrics.py and offload/local.py imported each other (type-only on one side): a reader had
+    to hold both files at once. Now local imports metrics, and metrics neither local nor anything
+    that imports it (at run time or for types)."""
+    import ast
+
+    import kvoffload.metrics as metrics
+    import kvoffload.offload.local as local
+
+    def imported(module: object) -> set[str]:
+        tree = ast.parse(Path(str(getattr(module, "__file__", ""))).read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+    assert "kvoffload.metrics" in imported(local)
+    assert not {"kvoffload.offload.local", "kvoffload.offload", "kvoffload"} & imported(metrics)
+
+
 def test_without_prometheus_client_the_call_names_the_extra(monkeypatch):
     kv = [np.zeros((8, BS, 4), np.float32)]
     local = build_local(KVLayout.from_tensors(kv, BS), OffloadConfig(host_capacity_blocks=2))

@@ -11,6 +11,7 @@ import torch
 from kvoffload import KVLayout, OffloadConfig, build_local, prefix_block_keys
 from kvoffload.offload import JobResult, TransferWorker
 from kvoffload.transfer.host import HostBackend
+from kvoffload.transfer.spec import TransferSpec
 
 NUM_BLOCKS, BS = 32, 16
 
@@ -76,20 +77,31 @@ def test_store_skips_held_blocks_and_evicts_under_pressure(engine):
     assert off.index.stats.evictions == 4 and off.lookup(keys[8:]) == 4
 
 
+class BrokenCopyBackend(HostBackend):
+    """The host backend whose stores fail half-way (the first block copied, then an error),
+    the way a driver error would end a copy."""
+
+    def _copy_region(self, spec, r):
+        if spec.direction == "store":
+            half = TransferSpec.of("store", spec.blocks[:1], spec.slots[:1], spec.group)
+            super()._copy_region(half, r)
+            raise IndexError("the copy failed half-way")
+        super()._copy_region(spec, r)
+
+
 def test_failed_copy_is_a_failed_job_and_rolls_back(engine):
     _kv, local = engine
     off = local.offloader
+    worker = TransferWorker(BrokenCopyBackend(local.worker.backend.layout, local.arena), off)
     keys = prefix_block_keys(np.arange(32), BS)
     job = off.schedule_store("a", keys, [0, 1])
-    # Corrupt the job the way a broken backend would fail: a slot outside the arena.
-    job.specs[0].slots[1] = 10**6
-    local.worker.backend.validate = lambda specs: None  # let it reach the copy
-    local.worker.submit(job)
-    local.worker.wait([job.job_id], 30)
-    (result,) = local.worker.get_finished()
-    assert not result.ok and "IndexError" in result.error
+    worker.submit(job)
+    worker.wait([job.job_id], 30)
+    (result,) = worker.get_finished()
+    assert not result.ok and "IndexError" in (result.error or "")
     off.complete([result])
     assert off.lookup(keys) == 0 and off.index.num_free == off.num_slots
+    worker.close()
 
 
 class GatedHostBackend(HostBackend):
@@ -110,7 +122,7 @@ def test_abort_cancels_what_has_not_started_and_settles(engine):
     _kv, local = engine
     off = local.offloader
     gated = GatedHostBackend(local.worker.backend.layout, local.arena)
-    worker = TransferWorker(gated)
+    worker = TransferWorker(gated, off)
     keys = prefix_block_keys(np.arange(64), BS)
     held = off.schedule_store("held", keys[:2], [0, 1])
     waiting = off.schedule_store("aborted", keys[2:4], [2, 3])
@@ -207,7 +219,9 @@ def test_a_refused_schedule_leaves_nothing_behind(engine):
         (keys, [5, 6], 1, r"group in \[0, 1\), got 1"),
         (keys, [5, 6], True, "int layer group"),
         (keys, [5.0, 6.0], 0, "int engine block ids"),
-        (keys, [[5, 6]], 0, "one engine block per key"),
+        (keys, [[5, 6]], 0, r"expected a 1-D array of engine block ids, got shape \(1, 2\)"),
+        (keys, np.array([[5], [6]]), 0, r"1-D array of engine block ids, got shape \(2, 1\)"),
+        (keys, 5, 0, r"1-D array of engine block ids, got shape \(\)"),
         (keys, [5], 0, "one engine block per key"),
         ([*keys, b"absent"], [5, 6, 7], 0, "expected READABLE keys"),
     ]
@@ -222,6 +236,7 @@ def test_a_refused_schedule_leaves_nothing_behind(engine):
         (new, [0, NUM_BLOCKS], "engine block id"),
         ([new[0], new[0]], [0, 1], "distinct keys"),
         (new, [0], "one engine block per key"),
+        (new[:1], [[0]], r"expected a 1-D array of engine block ids, got shape \(1, 1\)"),
     ]:
         with pytest.raises(ValueError, match=message):
             off.schedule_store("r", ks, blocks)
@@ -274,6 +289,8 @@ def test_complete_applies_every_known_result_then_names_the_unknown(engine):
 
 
 def test_closed_objects_say_so_before_touching_state():
+    """One contract for a closed object, like the backends': ValueError "expected an open ...,
+    got a closed one", before any state is touched."""
     kv = [torch.zeros(2, NUM_BLOCKS, BS, 2, 32, dtype=torch.int16)]
     local = build_local(
         KVLayout.from_tensors(kv, BS, block_dim=1), OffloadConfig(host_capacity_blocks=4)
@@ -285,8 +302,8 @@ def test_closed_objects_say_so_before_touching_state():
     assert job is not None
     local.close()
     local.close()  # idempotent
-    assert local.closed
-    free = off.index.num_free
+    assert local.closed and off.closed
+    before = _state(off)
     for call in (
         lambda: off.lookup(keys),
         lambda: off.schedule_store("c", prefix_block_keys(np.arange(200, 216), BS), [3]),
@@ -295,16 +312,18 @@ def test_closed_objects_say_so_before_touching_state():
         lambda: off.complete([]),
         lambda: off.abort("b"),
         lambda: off.lookup_tiers(keys),
+        lambda: off.poll_tiers(),
+        lambda: off.drain_tiers(1.0),
     ):
-        with pytest.raises(RuntimeError, match="Offloader is closed"):
+        with pytest.raises(ValueError, match="expected an open Offloader, got a closed one"):
             call()
-    with pytest.raises(RuntimeError, match="TransferWorker is closed"):
+    with pytest.raises(ValueError, match="expected an open TransferWorker, got a closed one"):
         worker.submit(job)
-    assert worker.cancel([job.job_id]) == []  # its Offloader is closed too: nothing to settle
-    with pytest.raises(RuntimeError, match="LocalOffload is closed"):
+    with pytest.raises(ValueError, match="expected an open LocalOffload, got a closed one"):
         local.serve_metrics(0)
-    assert off.index.num_free == free and not off.is_settled("b") and off.is_settled("a")
-    assert worker.get_finished() == []
+    assert _state(off) == before
+    assert worker.cancel([job.job_id]) == []  # close settled it: nothing is left to cancel
+    assert off.is_settled("b") and off.is_settled("a") and worker.get_finished() == []
 
 
 def test_a_worker_closed_alone_refuses_jobs_that_still_settle(engine):
@@ -314,7 +333,7 @@ def test_a_worker_closed_alone_refuses_jobs_that_still_settle(engine):
     keys = prefix_block_keys(np.arange(16), BS)
     job = off.schedule_store("a", keys, [0])
     assert job is not None
-    with pytest.raises(RuntimeError, match="TransferWorker is closed"):
+    with pytest.raises(ValueError, match="expected an open TransferWorker, got a closed one"):
         worker.submit(job)
     assert worker.cancel(off.abort("a")) == [job.job_id]
     off.complete(worker.get_finished())

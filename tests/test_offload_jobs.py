@@ -149,32 +149,32 @@ def test_foreign_jobs_are_refused_before_touching_memory(setup):
     assert local.offloader.lookup([key]) == 1
 
 
-def test_an_unpaired_worker_serves_one_offloader_and_runs_each_id_once():
+def test_a_worker_runs_only_jobs_of_the_offloader_built_for_its_backend():
+    """One mechanism: a worker is built with its Offloader (there is no unpaired worker), and
+    only with one whose checks cover its backend's (so every job goes to submit_checked)."""
     kv = make_kv()
     layout = layout_of(kv)
-    off = Offloader(OffloadConfig(host_capacity_blocks=2), layout.slot_bytes)
-    other = Offloader(OffloadConfig(host_capacity_blocks=2), layout.slot_bytes)
     local = build_local(layout, OffloadConfig(host_capacity_blocks=2))
-    worker = TransferWorker(HostBackend(layout, local.arena))  # no Offloader: the record checks
+    backend = HostBackend(layout, local.arena)
+    config = OffloadConfig(host_capacity_blocks=2)
     try:
-        (key,) = prefix_block_keys(np.arange(BS), BS)
-        job = off.schedule_store("r", [key], [4])
-        assert job is not None
-        worker.submit(job)
-        assert worker.wait([job.job_id], 30) == set()
-        off.complete(worker.get_finished())
-        before = local.arena.slots.copy()
-        with pytest.raises(ValueError, match="already ran"):
-            worker.submit(job)
-        foreign = other.schedule_store("x", [key], [7])
-        assert foreign is not None
-        with pytest.raises(ValueError, match="of another"):
-            worker.submit(foreign)
-        assert np.array_equal(local.arena.slots, before)
-        with pytest.raises(ValueError, match="has run no job"):
-            worker.pair(other)
+        for offloader, message in [
+            (Offloader(config, layout.slot_bytes), r"engine_blocks=\[16\].*got engine_blocks=None"),
+            (Offloader(config, layout.slot_bytes, [NUM_BLOCKS + 1]), "got engine_blocks=.17"),
+            (Offloader(config, layout.slot_bytes + 1, [NUM_BLOCKS]), "slot_bytes="),
+            (
+                Offloader(OffloadConfig(host_capacity_blocks=3), layout.slot_bytes, [NUM_BLOCKS]),
+                "at most 2 host slots",
+            ),
+            (None, "expected the Offloader whose jobs this worker runs, got NoneType"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                TransferWorker(backend, offloader)  # type: ignore[arg-type]
+        other = Offloader(config, layout.slot_bytes, [NUM_BLOCKS])
+        with pytest.raises(ValueError, match="TransferWorker built with this Offloader"):
+            LocalOffload(other, local.worker, local.arena)
     finally:
-        worker.close()
+        backend.close()
         local.close()
 
 
@@ -196,17 +196,37 @@ def test_cancel_settles_a_job_never_submitted_and_it_can_never_run(setup):
     assert off.index.num_free == off.num_slots
 
 
+class RefusingBackend(HostBackend):
+    def submit_checked(self, specs):
+        raise ValueError("the backend refused the job")
+
+
 def test_a_backend_refusal_leaves_the_job_cancellable(setup):
-    _kv, local = setup
-    off, worker = local.offloader, local.worker
+    kv, local = setup
+    off = local.offloader
+    worker = TransferWorker(RefusingBackend(local.worker.backend.layout, local.arena), off)
     (key,) = prefix_block_keys(np.arange(BS), BS)
     job = off.schedule_store("r", [key], [2])
-    job.specs[0].slots[0] = 99  # corrupted after scheduling: the backend's check refuses it
-    with pytest.raises(ValueError, match="host slot in"):
+    before = Snapshot(local, kv)
+    with pytest.raises(ValueError, match="the backend refused the job"):
         worker.submit(job)
+    assert before.unchanged()
     assert worker.cancel(off.abort("r")) == [job.job_id]
     off.complete(worker.get_finished())
     assert off.is_settled("r") and off.index.num_free == off.num_slots
+    worker.close()
+
+
+def test_a_job_cannot_change_after_it_was_checked(setup):
+    """The worker runs a job without checking it again: its block and slot ids are read-only."""
+    _kv, local = setup
+    (key,) = prefix_block_keys(np.arange(BS), BS)
+    job = local.offloader.schedule_store("r", [key], [2])
+    for ids in (job.specs[0].slots, job.specs[0].blocks):
+        with pytest.raises(ValueError, match="read-only"):
+            ids[0] = 99
+    run(local, job)
+    assert local.offloader.lookup([key]) == 1
 
 
 # -- the load deadline ---------------------------------------------------------------------------

@@ -261,3 +261,50 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match=f"buffers of {B} bytes"):
         tier.put(keys(1), [memoryview(bytearray(B - 1))])
     tier.close()
+
+
+def test_a_directory_deleted_under_the_tier_is_recreated_and_said_once(
+    tmp_path, monkeypatch, caplog
+):
+    """The tier used to keep writing into files whose directory was gone, with no word."""
+    import shutil
+
+    from kvoffload.store.tiers import disk
+
+    monkeypatch.setattr(disk, "CHECK_FILES_EVERY_S", 0.0)
+    caplog.set_level(logging.WARNING, logger="kvoffload.store.tiers.disk")
+    data, ks = blocks(4, seed=5), keys(4)
+    tier = DiskTier(tmp_path, FP, B, capacity_bytes=8 * REC)
+    assert tier.put(ks[:2], views(data[:2])) == [True, True]
+    shutil.rmtree(tier.dir)
+    assert tier.put(ks[2:3], views(data[2:3])) == [True]
+    assert slab(tier).is_file() and (tier.dir / "LOCK").is_file()
+    said = [r.getMessage() for r in caplog.records if "deleted under the tier" in r.getMessage()]
+    assert len(said) == 1 and "2 block(s) are gone" in said[0]
+    ok, out = read(tier, ks[:3])
+    assert ok == [False, False, True] and np.array_equal(out[2], data[2])  # misses, not garbage
+    assert tier.contains(ks[:3]) == [False, False, True]
+
+    shutil.rmtree(tier.dir)  # again: reopened again, not said again (rate-limited)
+    assert tier.put(ks[3:], views(data[3:])) == [True]
+    assert len([r for r in caplog.records if "deleted under" in r.getMessage()]) == 1
+    assert tier.stats.snapshot()["reconnects"] == 2
+    tier.close()
+    again = DiskTier(tmp_path, FP, B, capacity_bytes=8 * REC)  # the files are real: a restart
+    ok, out = read(again, ks)
+    assert ok == [False, False, False, True] and np.array_equal(out[3], data[3])
+    again.close()
+
+
+def test_files_are_checked_at_most_once_per_interval(tmp_path, monkeypatch):
+    import shutil
+
+    from kvoffload.store.tiers import disk
+
+    monkeypatch.setattr(disk, "CHECK_FILES_EVERY_S", 1e9)  # an interval that never ends here
+    tier = DiskTier(tmp_path, FP, B, capacity_bytes=8 * REC)
+    tier.put(keys(1), views(blocks(1)))
+    shutil.rmtree(tier.dir)
+    tier.put(keys(2)[1:], views(blocks(1, seed=1)))  # within the interval: not checked yet
+    assert not tier.dir.exists() and tier.stats.snapshot()["reconnects"] == 0
+    tier.close()

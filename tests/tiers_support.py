@@ -222,11 +222,14 @@ def build_with(kv: list[np.ndarray], host_blocks: int, make_tiers) -> LocalOfflo
     """Like ``build``, with tiers made by ``make_tiers(slot_bytes)`` (test doubles that subclass
     the real tiers)."""
     layout = layout_of(kv)
-    offloader = Offloader(OffloadConfig(host_capacity_blocks=host_blocks), layout.slot_bytes)
+    engine_blocks = [g.num_blocks for g in layout.groups]
+    config = OffloadConfig(host_capacity_blocks=host_blocks)
+    offloader = Offloader(config, layout.slot_bytes, engine_blocks)
     arena = HostArena(offloader.num_slots, layout.slot_bytes)
     mover = TierMover(arena, make_tiers(layout.slot_bytes))
     offloader.attach_tiers(mover)
-    return LocalOffload(offloader, TransferWorker(HostBackend(layout, arena)), arena, mover)
+    worker = TransferWorker(HostBackend(layout, arena), offloader)
+    return LocalOffload(offloader, worker, arena, mover)
 
 
 def mover_of(local: LocalOffload) -> TierMover:

@@ -14,14 +14,16 @@ to ``complete``. ``abort`` cancels what has not started and lets in-flight copie
 request is settled once none of its jobs is in flight. A load past its deadline is reported failed
 early (``JobResult.final=False``: recompute) but stays in flight until its copy really ended.
 
-Every call validates all of its input before it changes anything: a refused call (ValueError)
-leaves the index, the pins and the request's bookkeeping as they were. Every call takes this
-object's lock, so several threads may share one Offloader. After ``close`` the calls that act
-raise RuntimeError; ``is_settled``, ``in_flight`` and the statistics still answer.
+This is the boundary: every call validates all of its input before it changes anything, and a
+refused call (ValueError, "expected X, got Y") leaves the index, the pins and the request's
+bookkeeping as they were. Inside (the index, the ledger, the worker's backend) the checked input
+is an invariant and is not checked again. Every call takes this object's lock, so several
+threads may share one Offloader. After ``close`` the calls that act raise ValueError ("expected an
+open Offloader, got a closed one"); ``is_settled``, ``in_flight`` and the statistics still answer.
 
-A job runs at most once: each job carries this Offloader's ``token``, and a ``TransferWorker``
-paired with it (``build_local`` pairs them) runs only a job this Offloader has in flight and has
-not handed out before (``claim``).
+A job runs at most once and only real results count: the Offloader's ``JobLedger``
+(``kvoffload.offload.ledger``), shared with the ``TransferWorker`` built with it, admits each job
+it handed out once and accepts in ``complete`` only results that worker reported.
 
 With lower tiers attached (``attach_tiers``; ``build_local`` does it when the config names a disk
 path or a Valkey URL), stored blocks are also written down behind the engine's back, and
@@ -42,14 +44,37 @@ import numpy as np
 
 from kvoffload.config import OffloadConfig
 from kvoffload.offload.jobs import JobResult, TransferJob
+from kvoffload.offload.ledger import JobLedger
 from kvoffload.offload.lower import LowerTiers, TierLookup
 from kvoffload.offload.tiers import TierMover
 from kvoffload.store.index import BlockIndex
 from kvoffload.store.keys import BlockKey, checked_keys
 from kvoffload.transfer.spec import Direction, TransferSpec, check_engine_blocks
 
+_REFUSED = {
+    "unknown": "unknown id(s) {}",
+    "unsubmitted": "id(s) {} never submitted to its worker",
+    "unreported": "result(s) for id(s) {} that its worker did not report (made up, or completed "
+    "already)",
+}
+
 
 class Offloader:
+    """The scheduler half of the engine-neutral API: host-held blocks, jobs, settled requests.
+
+    Built by ``build_local`` (with its ``TransferWorker`` and host arena) or by hand for a worker
+    built with it: ``TransferWorker(backend, Offloader(config, layout.slot_bytes,
+    [g.num_blocks for g in layout.groups], layout.block_size))``. ``lookup`` says how much of a
+    prefix is held, ``schedule_load``/``schedule_store`` pin or reserve host slots and return a
+    ``TransferJob`` for the worker, ``complete`` applies the worker's results, ``is_settled`` says
+    when a request's engine blocks may be reused. Thread-safe; the module docstring has the
+    contract and ``docs/api.md`` the loop.
+
+    >>> off = Offloader(OffloadConfig(host_capacity_blocks=8), slot_bytes=4096, engine_blocks=[64])
+    >>> off.lookup([b"k0", b"k1"])
+    0
+    """
+
     def __init__(
         self,
         config: OffloadConfig,
@@ -58,8 +83,9 @@ class Offloader:
         block_size: int | None = None,
     ) -> None:
         """``engine_blocks``: the engine's blocks per layer group (``build_local`` passes the
-        layout's), so that block ids are range-checked at ``schedule_*``; None checks only
-        ``>= 0``. ``block_size``: tokens per block, for the prefill-tokens-saved count."""
+        layout's), so that block ids are range-checked at ``schedule_*``; a worker can only be
+        built with an Offloader that has them. None checks only ``>= 0`` (a scheduler without a
+        worker, in tests). ``block_size``: tokens per block, for the prefill-tokens-saved count."""
         if not isinstance(slot_bytes, int) or isinstance(slot_bytes, bool) or slot_bytes <= 0:
             raise ValueError(f"expected slot_bytes to be a positive int, got {slot_bytes!r}")
         if engine_blocks is not None and (
@@ -75,17 +101,17 @@ class Offloader:
         self.lower: LowerTiers | None = None
         self._lock = threading.RLock()
         self._ids = itertools.count()
-        self._jobs: dict[int, TransferJob] = {}
-        self._by_req: dict[str, set[int]] = {}
-        self._aborted: set[str] = set()
-        self._claimed: set[int] = set()  # handed to the paired worker (submitted or cancelled)
-        self._late: set[int] = set()  # loads reported timed out whose copy has not ended
+        self._ledger = JobLedger(self._lock)  # the worker built with this Offloader shares it
         self._timed_out = 0  # loads reported timed out, ever
         self._closed = False
 
     @property
     def num_slots(self) -> int:
         return self.index.num_slots
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         """How many leading ``keys`` are held on host, ready to load."""
@@ -99,7 +125,7 @@ class Offloader:
         """Pin held ``keys`` and describe their copy into engine ``blocks`` (same order, distinct).
 
         Raises ValueError, changing nothing, unless every key is held (READABLE) and ``blocks``
-        are distinct engine block ids of layer ``group``, one per key.
+        is a 1-D sequence of distinct engine block ids of layer ``group``, one per key.
         """
         with self._lock:
             self._check_open("schedule_load")
@@ -139,93 +165,79 @@ class Offloader:
             self.index.touch(checked_keys(keys, "touch"))
 
     def complete(self, results: Iterable[JobResult]) -> list[TransferJob]:
-        """Apply finished jobs to the index: stores become readable (or roll back), loads unpin.
+        """Apply the worker's results: stores become readable (or roll back), loads unpin.
 
-        Returns the job of each result applied. A result whose id is not in flight (unknown,
-        already completed, or not a ``JobResult``) does not stop the others: every known one is
-        applied first, so no request is stranded, and then ValueError names the unknown ids.
-        A ``final=False`` result (a load past its deadline) counts the timeout and keeps the job
-        in flight, its host slots pinned, until its final result.
+        Returns the job of each result applied. Only a result the worker reported (from
+        ``get_finished``) for a job this Offloader submitted counts, once: an unknown or
+        completed id, a job never submitted, a result the worker did not hand out (a forged
+        ``ok=True``, a ``final=False`` for a store) is refused. A refused one does not stop the
+        others: every real one is applied first, so no request is stranded, and then ValueError
+        names the refused ids. A ``final=False`` result (a load past its deadline) counts the
+        timeout and keeps the job in flight, its host slots pinned, until its final result.
         """
         with self._lock:
             self._check_open("complete")
             done: list[TransferJob] = []
-            unknown: list[object] = []
-            for result in results:
-                known = isinstance(result, JobResult) and isinstance(result.job_id, int)
-                job = self._jobs.get(result.job_id) if known else None
-                if job is None or (not result.final and job.job_id in self._late):
-                    unknown.append(getattr(result, "job_id", result))
+            refused: dict[str, list[object]] = {why: [] for why in _REFUSED}
+            # a late load's timeout first, when its end comes in the same call
+            items: list[object] = list(results)
+            items.sort(key=lambda r: not isinstance(r, JobResult) or r.final)
+            for result in items:
+                if not isinstance(result, JobResult):
+                    refused["unknown"].append(result)
                     continue
-                if result.final:
-                    self._apply(job, result)
+                job, why = self._ledger.accept(result)
+                if job is None:
+                    refused[why].append(result.job_id)
+                    continue
+                if result.final:  # a late load was reported failed: the engine recomputed
+                    late = self._ledger.is_late(job.job_id)
+                    self._apply(self._ledger.settle(job.job_id), result.ok and not late)
                 else:
-                    self._late.add(job.job_id)
+                    self._ledger.mark_late(job.job_id)
                     self._timed_out += 1
                 done.append(job)
             if self.lower is not None:
                 self.lower.poll()
-            if unknown:
+            if any(refused.values()):
+                got = "; ".join(_REFUSED[w].format(ids) for w, ids in refused.items() if ids)
                 raise ValueError(
-                    f"complete: expected results of jobs in flight, got unknown id(s) {unknown} "
-                    f"(the {len(done)} known result(s) were applied)"
+                    "complete: expected results its worker reported for job ids this Offloader "
+                    f"submitted, got {got} (the {len(done)} known result(s) were applied)"
                 )
             return done
 
     def abort(self, req_id: str) -> list[int]:
-        """Mark ``req_id`` aborted; returns its jobs in flight, for ``TransferWorker.cancel``
-        (which also settles jobs of it that were never submitted)."""
+        """Returns ``req_id``'s jobs in flight, for ``TransferWorker.cancel`` (which cancels those
+        not started, also those never submitted: ``worker.cancel(off.abort(req))`` lets ``req``
+        settle once its running copies end)."""
         with self._lock:
             self._check_open("abort")
-            jobs = sorted(self._by_req.get(req_id, ()))
-            if jobs:
-                self._aborted.add(req_id)
-            return jobs
+            if not isinstance(req_id, str):
+                raise ValueError(f"abort: expected a str req_id, got {req_id!r}")
+            return sorted(self._ledger.jobs(req_id))
 
     def is_settled(self, req_id: str) -> bool:
         """True when no job of ``req_id`` is in flight: its engine blocks may be reused."""
         with self._lock:
-            return req_id not in self._by_req
+            return self._ledger.is_settled(req_id)
 
     def close(self) -> None:
-        """Refuse further calls (RuntimeError). Idempotent; ``LocalOffload.close`` calls it."""
+        """Settle every job still in flight, then refuse further calls (ValueError). Idempotent.
+
+        A job whose final result its worker reported and nobody completed gets that result; any
+        other job fails: a store leaves nothing readable, a load unpins its slots. Every request
+        is then settled and nothing is pinned. Close the worker first (``LocalOffload.close``
+        does): a copy still running after this may write into slots given up here.
+        """
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-
-    # -- the paired worker ---------------------------------------------------------------------
-
-    def claim(self, job: TransferJob) -> None:
-        """Hand ``job`` to the paired worker to run: ValueError unless it is this Offloader's job
-        (the very object ``schedule_*`` returned), in flight, and not handed out before."""
-        with self._lock:
-            self._check_open("claim")
-            if not isinstance(job, TransferJob) or self._jobs.get(job.job_id) is not job:
-                what = getattr(job, "job_id", job)
-                raise ValueError(
-                    f"submit: expected a job this worker's Offloader has in flight, got job {what}"
-                    " that it did not create or has already completed (a job runs at most once)"
-                )
-            if job.job_id in self._claimed:
-                raise ValueError(
-                    f"submit: expected a job not submitted before, got job {job.job_id} that was "
-                    "already submitted or cancelled (a job runs at most once)"
-                )
-            self._claimed.add(job.job_id)
-
-    def unclaim(self, job: TransferJob) -> None:
-        """Undo ``claim`` for a job the worker's backend refused before it touched memory."""
-        with self._lock:
-            self._claimed.discard(job.job_id)
-
-    def claim_unsubmitted(self, job_id: int) -> TransferJob | None:
-        """Claim an in-flight job that was never submitted, so that the worker can report it
-        cancelled (it will never run); None if there is no such job."""
-        with self._lock:
-            job = self._jobs.get(job_id)
-            if self._closed or job is None or job_id in self._claimed:
-                return None
-            self._claimed.add(job_id)
-            return job
+            for job, reported in self._ledger.close():
+                late = self._ledger.is_late(job.job_id)
+                ok = not late and any(r.final and r.ok for r in reported)
+                self._apply(self._ledger.settle(job.job_id), ok)
 
     # -- lower tiers (disk, Valkey) ------------------------------------------------------------
 
@@ -274,9 +286,7 @@ class Offloader:
 
     def in_flight(self, req_id: str | None = None) -> set[int]:
         with self._lock:
-            if req_id is None:
-                return set(self._jobs)
-            return set(self._by_req.get(req_id, ()))
+            return self._ledger.jobs(req_id)
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and gauges in one consistent read (``kvoffload.metrics`` exports them)."""
@@ -292,9 +302,9 @@ class Offloader:
                     "readable": ix.num_readable,
                     "pinned": ix.num_pinned,
                 },
-                "jobs_in_flight": len(self._jobs),
+                "jobs_in_flight": len(self._ledger),
                 "loads_timed_out": self._timed_out,
-                "loads_late": len(self._late),
+                "loads_late": self._ledger.num_late(),
                 "prefill_tokens_saved": saved,
                 "tiers": {} if self.lower is None else self.lower.snapshot(),
             }
@@ -303,7 +313,7 @@ class Offloader:
 
     def _check_open(self, where: str) -> None:
         if self._closed:
-            raise RuntimeError(f"{where}: this Offloader is closed; build a new one")
+            raise ValueError(f"{where}: expected an open Offloader, got a closed one")
 
     def _engine_blocks(
         self,
@@ -316,16 +326,21 @@ class Offloader:
         if not isinstance(req_id, str):
             raise ValueError(f"schedule_{direction}: expected a str req_id, got {req_id!r}")
         raw = np.asarray(blocks)
+        if raw.ndim != 1:
+            raise ValueError(
+                f"schedule_{direction}: expected a 1-D array of engine block ids, got shape "
+                f"{raw.shape}"
+            )
         if raw.size and raw.dtype.kind not in "iu":
             raise ValueError(
                 f"schedule_{direction}: expected int engine block ids, got dtype {raw.dtype}"
             )
-        arr = np.ascontiguousarray(raw, dtype=np.int64).reshape(-1)
-        if len(arr) != len(keys) or raw.ndim > 1:
+        if len(raw) != len(keys):
             raise ValueError(
                 f"schedule_{direction}: expected one engine block per key ({len(keys)}), got "
-                f"{len(arr)}"
+                f"{len(raw)}"
             )
+        arr = np.ascontiguousarray(raw, dtype=np.int64)
         try:
             check_engine_blocks(direction, arr, group, self.engine_blocks)
         except ValueError as err:
@@ -335,6 +350,8 @@ class Offloader:
     def _job(
         self, req_id: str, direction: Direction, keys: Sequence[BlockKey], spec: TransferSpec
     ) -> TransferJob:
+        spec.blocks.flags.writeable = False  # a job is data that cannot change once checked
+        spec.slots.flags.writeable = False
         job = TransferJob(
             next(self._ids),
             req_id,
@@ -344,25 +361,15 @@ class Offloader:
             len(keys) * self.slot_bytes,
             self.token,
         )
-        self._jobs[job.job_id] = job
-        self._by_req.setdefault(req_id, set()).add(job.job_id)
+        self._ledger.add(job)
         return job
 
-    def _apply(self, job: TransferJob, result: JobResult) -> None:
-        """The job's final result: release what it held; its request may settle."""
-        del self._jobs[job.job_id]
-        self._claimed.discard(job.job_id)
-        late = job.job_id in self._late
-        self._late.discard(job.job_id)
-        ok = result.ok and not late  # a late load was reported failed: the engine recomputed
+    def _apply(self, job: TransferJob, ok: bool) -> None:
+        """Release what a settled job held: a store's keys become readable or roll back, a
+        load's slots unpin. A closed Offloader writes nothing more to the lower tiers."""
         if job.direction == "store":
             self.index.complete_store(job.keys, ok)
-            if ok and self.lower is not None:
+            if ok and self.lower is not None and not self._closed:
                 self.lower.stored(job.keys)
         else:
             self.index.complete_load(job.keys, ok)
-        jobs = self._by_req[job.req_id]
-        jobs.discard(job.job_id)
-        if not jobs:
-            del self._by_req[job.req_id]
-            self._aborted.discard(job.req_id)

@@ -1,15 +1,14 @@
 """The worker side: runs transfer jobs asynchronously and reports them finished by id.
 
-A job runs at most once, whatever the caller does. A worker paired with its ``Offloader``
-(``build_local`` pairs them) asks it before running a job (``Offloader.claim``): only the job
-object the Offloader handed out, still in flight and not submitted before, runs. An unpaired
-worker (built with ``offloader=None``) serves the first Offloader whose job it sees (by
-``TransferJob.owner``) and remembers the ids it ran: ids are increasing per Offloader, so it keeps
-the last ``RUN_RECORD`` of them and refuses any id older than that window. Either way a refused
-job raises ValueError before any memory is touched. A paired worker whose Offloader range-checks
-block ids against this backend's layout and owns no more slots than its arena (``build_local``'s
-pairing) hands jobs to ``backend.submit_checked``: they were validated in ``schedule_*``, so the
-backend skips the costlier checks (see ``CopyBackend.submit_checked``).
+A worker is built with the ``Offloader`` whose jobs it runs (``build_local`` builds both), and
+checks at construction that the Offloader range-checks block ids against this backend's layout and
+owns no more host slots than its arena. It then shares that Offloader's ``JobLedger``
+(``kvoffload.offload.ledger``): ``submit`` runs only the very job object the Offloader handed out,
+in flight and not submitted before, and every result ``get_finished`` hands out is recorded there,
+so that ``Offloader.complete`` accepts only real results. A refused job raises ValueError before
+any memory is touched. A job admitted so was validated in ``schedule_*`` and cannot have changed
+since (its arrays are read-only), so it goes to ``backend.submit_checked``, which skips the
+costlier checks (see ``CopyBackend.submit_checked``).
 
 Load deadline: a load still running ``load_timeout_s`` after ``submit`` is reported failed
 (``JobResult(ok=False, timed_out=True, final=False)``: the engine recomputes those blocks) while
@@ -18,8 +17,8 @@ request unsettled, until the copy really ends and its final result comes. The fi
 backend leaves a load past its deadline it is logged at ERROR, once per worker.
 
 Every call takes this worker's lock (never while blocking on a copy), so several threads may share
-one worker. After ``close``, ``submit`` raises RuntimeError; ``cancel`` and ``get_finished`` still
-work, so that every request can settle.
+one worker. After ``close``, ``submit`` raises ValueError ("expected an open TransferWorker, got a
+closed one"); ``cancel`` and ``get_finished`` still work, so that every request can settle.
 """
 
 from __future__ import annotations
@@ -29,20 +28,14 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvoffload.config import DEFAULT_LOAD_TIMEOUT_S
 from kvoffload.offload.jobs import JobResult, TransferJob
+from kvoffload.offload.offloader import Offloader
 from kvoffload.transfer.backend import CopyBackend, Pending
 
-if TYPE_CHECKING:
-    from kvoffload.offload.offloader import Offloader
-
 log = logging.getLogger(__name__)
-
-# Job ids an unpaired worker remembers having run; an older id is refused. 2^16 jobs is far more
-# than any engine keeps scheduled but unsubmitted, and costs about 4 MiB at most.
-RUN_RECORD = 1 << 16
 
 
 @dataclass
@@ -70,100 +63,56 @@ class WorkerStats:
     load: DirectionStats = field(default_factory=DirectionStats)
 
 
-class _RunRecord:
-    """For an unpaired worker: whose jobs it runs, and which ids it ran (bounded)."""
-
-    def __init__(self) -> None:
-        self.owner: str | None = None
-        self.floor = 0  # every id below it is refused
-        self.ids: set[int] = set()
-
-    def check(self, job: TransferJob) -> None:
-        if self.owner is not None and job.owner != self.owner:
-            raise ValueError(
-                f"submit: expected a job of the Offloader this worker serves ({self.owner}), got "
-                f"job {job.job_id} of another ({job.owner or 'none'})"
-            )
-        if job.job_id < self.floor or job.job_id in self.ids:
-            raise ValueError(
-                f"submit: expected a job not run before, got job {job.job_id} that this worker "
-                "already ran (a job runs at most once)"
-            )
-
-    def add(self, job: TransferJob) -> None:
-        self.owner = job.owner
-        self.ids.add(job.job_id)
-        if len(self.ids) > 2 * RUN_RECORD:
-            self.floor = max(self.ids) - RUN_RECORD
-            self.ids = {i for i in self.ids if i >= self.floor}
-
-
 class TransferWorker:
-    """Submits jobs to a ``CopyBackend`` and collects their results; never raises a copy error.
+    """Runs the jobs of one ``Offloader`` on a ``CopyBackend`` and collects their results; never
+    raises a copy error.
 
     A copy that fails (bad memory, a driver error) comes back as ``JobResult(ok=False, error=...)``
-    for the engine to handle by recomputing; bad *input* (a malformed job, a job that ran before
-    or is not its Offloader's) raises ValueError at ``submit``.
+    for the engine to handle by recomputing; bad *input* (a job that ran before, is running, or is
+    not its Offloader's) raises ValueError at ``submit``.
+
+    >>> worker = TransferWorker(backend, offloader)  # what build_local does   # doctest: +SKIP
     """
 
     def __init__(
         self,
         backend: CopyBackend,
-        offloader: Offloader | None = None,
+        offloader: Offloader,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
     ) -> None:
+        """Run ``offloader``'s jobs on ``backend``. ValueError unless ``offloader`` was built for
+        ``backend``'s layout (``engine_blocks`` and ``slot_bytes`` of the layout) with at most as
+        many host slots as ``backend``'s arena, or for a ``load_timeout_s`` that is not > 0."""
         if isinstance(load_timeout_s, bool) or not 0 < load_timeout_s < float("inf"):
             raise ValueError(f"expected load_timeout_s > 0 seconds, got {load_timeout_s!r}")
+        _check_fit(offloader, backend)
         self.backend = backend
         self.offloader = offloader
         self.load_timeout_s = float(load_timeout_s)
         self.stats = WorkerStats()
+        self._ledger = offloader._ledger  # the one record of which job may run, and its results
         self._lock = threading.Lock()
         self._running: dict[int, _Running] = {}
         self._finished: list[JobResult] = []
-        self._record = _RunRecord()
         self._stuck_logged = False
         self._closed = False
-        self._checked = offloader is not None and _checks_cover(offloader, backend)
-
-    def pair(self, offloader: Offloader) -> None:
-        """Run only jobs ``offloader`` has in flight (see the module docstring); before the first
-        ``submit``. ``build_local`` and ``LocalOffload`` pair their worker."""
-        with self._lock:
-            if self.offloader is offloader:
-                return
-            if self.offloader is not None or self._record.owner is not None:
-                raise ValueError(
-                    "pair: expected a worker that has run no job and has no Offloader yet"
-                )
-            self.offloader = offloader
-            self._checked = _checks_cover(offloader, self.backend)
 
     def submit(self, job: TransferJob) -> None:
-        """Start ``job``'s copy; ValueError, touching no memory, if it ran before, is running, is
-        not its Offloader's, or is malformed; RuntimeError after ``close``."""
+        """Start ``job``'s copy; ValueError, touching no memory, unless it is a job this worker's
+        Offloader handed out, in flight and not submitted before, and this worker is open."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("submit: this TransferWorker is closed; build a new one")
+                raise ValueError("submit: expected an open TransferWorker, got a closed one")
             if not isinstance(job, TransferJob):
                 raise ValueError(f"submit: expected a TransferJob, got {type(job).__name__}")
             if job.job_id in self._running:
                 raise ValueError(f"submit: expected a new job id, got {job.job_id} already running")
-            if self.offloader is not None:
-                self.offloader.claim(job)
-            else:
-                self._record.check(job)
+            self._ledger.take(job)
             try:
-                if self._checked:
-                    pending = self.backend.submit_checked(job.specs)
-                else:
-                    pending = self.backend.submit(job.specs)
+                pending = self.backend.submit_checked(job.specs)
             except BaseException:
-                if self.offloader is not None:
-                    self.offloader.unclaim(job)
+                self._ledger.untake(job)
                 raise
-            if self.offloader is None:
-                self._record.add(job)
             now = time.perf_counter()
             deadline = now + self.load_timeout_s if job.direction == "load" else None
             self._running[job.job_id] = _Running(job, pending, now, deadline)
@@ -171,21 +120,14 @@ class TransferWorker:
     def cancel(self, job_ids: Iterable[int]) -> list[int]:
         """Cancel jobs that have not started; they finish as ``cancelled``. Returns those ids.
 
-        With a paired Offloader, a job of it that was never submitted is cancelled too (it can
-        then never run), so ``worker.cancel(offloader.abort(req))`` always lets ``req`` settle,
-        also after ``close`` (cancelling touches no memory).
+        A job of this worker's Offloader that was never submitted is cancelled too (it can then
+        never run), so ``worker.cancel(offloader.abort(req))`` always lets ``req`` settle, also
+        after this worker's ``close`` (cancelling touches no memory). Once the Offloader is closed
+        every job is settled already: nothing is left to cancel and this returns [].
         """
         ids = _job_ids(job_ids, "cancel")
         with self._lock:
-            cancelled = []
-            for job_id in ids:
-                job = self._cancel_one(job_id)
-                if job is None:
-                    continue
-                getattr(self.stats, job.direction).cancelled += 1
-                self._finished.append(JobResult(job_id, False, 0, 0.0, "cancelled", cancelled=True))
-                cancelled.append(job_id)
-            return cancelled
+            return self._cancel_locked(ids)
 
     def get_finished(self) -> list[JobResult]:
         """Results of jobs finished (or past their deadline) since the last call; never blocks."""
@@ -197,6 +139,7 @@ class TransferWorker:
                 elif not run.late and run.deadline is not None and now >= run.deadline:
                     self._expire(run, now)
             out, self._finished = self._finished, []
+            self._ledger.report(out)  # what Offloader.complete will accept
             return out
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> set[int]:
@@ -249,30 +192,40 @@ class TransferWorker:
             return {"queue_depth": len(self._running), **asdict(self.stats)}
 
     def close(self, timeout: float = 60.0) -> None:
-        """Refuse new jobs, wait up to ``timeout`` s for running ones, then release the backend."""
+        """Refuse new jobs, wait up to ``timeout`` s for submitted ones, cancel those that have
+        not started by then, and release the backend. Their results still come from
+        ``get_finished``. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             running = list(self._running)
-        stuck = self.wait(running, timeout)
+        self.wait(running, timeout)
         with self._lock:
-            late = [j for j, run in self._running.items() if run.late and not run.pending.done()]
-        if stuck or late:
-            log.warning(
-                "closing with %d transfer job(s) still running: %s",
-                len(stuck) + len(late),
-                sorted(stuck | set(late)),
-            )
+            self._cancel_locked(list(self._running))  # those that have not started yet
+            stuck = sorted(j for j, run in self._running.items() if not run.pending.done())
+        if stuck:
+            log.warning("closing with %d transfer job(s) still running: %s", len(stuck), stuck)
         self.backend.close()
 
     # -- internals (the lock is held) ----------------------------------------------------------
+
+    def _cancel_locked(self, job_ids: list[int]) -> list[int]:
+        cancelled = []
+        for job_id in job_ids:
+            job = self._cancel_one(job_id)
+            if job is None:
+                continue
+            getattr(self.stats, job.direction).cancelled += 1
+            self._finished.append(JobResult(job_id, False, 0, 0.0, "cancelled", cancelled=True))
+            cancelled.append(job_id)
+        return cancelled
 
     def _cancel_one(self, job_id: int) -> TransferJob | None:
         """The job, if it will now never touch memory: not started, or never submitted."""
         run = self._running.get(job_id)
         if run is None:
-            return None if self.offloader is None else self.offloader.claim_unsubmitted(job_id)
+            return self._ledger.take_unsubmitted(job_id)
         if run.late or not run.pending.cancel():
             return None
         del self._running[job_id]
@@ -327,11 +280,25 @@ class TransferWorker:
             )
 
 
-def _checks_cover(offloader: Offloader, backend: CopyBackend) -> bool:
-    """True when ``offloader.schedule_*`` checks what ``backend.submit`` would: block ids against
-    the same layer groups, and slots of an index no larger than the arena."""
+def _check_fit(offloader: Offloader, backend: CopyBackend) -> None:
+    """ValueError unless ``offloader.schedule_*`` checks what ``backend.submit`` would: block ids
+    against the same layer groups, slots of an index no larger than the arena."""
+    if not isinstance(offloader, Offloader):
+        raise ValueError(
+            f"expected the Offloader whose jobs this worker runs, got {type(offloader).__name__}"
+        )
     groups = tuple(g.num_blocks for g in backend.layout.groups)
-    return offloader.engine_blocks == groups and offloader.num_slots <= backend.arena.num_slots
+    if offloader.engine_blocks != groups or offloader.slot_bytes != backend.layout.slot_bytes:
+        raise ValueError(
+            "expected an Offloader built for this backend's layout (engine_blocks="
+            f"{list(groups)}, slot_bytes={backend.layout.slot_bytes}, as build_local passes), got "
+            f"engine_blocks={offloader.engine_blocks}, slot_bytes={offloader.slot_bytes}"
+        )
+    if offloader.num_slots > backend.arena.num_slots:
+        raise ValueError(
+            f"expected an Offloader with at most {backend.arena.num_slots} host slots (the "
+            f"backend's arena), got {offloader.num_slots}"
+        )
 
 
 def _job_ids(job_ids: Iterable[int], where: str) -> list[int]:

@@ -22,7 +22,9 @@ Lifecycle of a block (the one place it is written down)::
 
 The index deals in keys and integer slot ids only: no bytes, no torch. It is single-threaded: the
 scheduler that owns it calls it from one thread (the ``Offloader`` holds its lock around every
-call). Every call that refuses its input raises ValueError before it changes anything.
+call). Keys are non-empty ``bytes``: the caller's boundary checks that once (``Offloader`` through
+``checked_keys``), the index does not again. Every call that refuses its input (a key in the
+wrong state, a repeated key, a bad count) raises ValueError before it changes anything.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvoffload.store.keys import BlockKey, checked_keys
+from kvoffload.store.keys import BlockKey
 from kvoffload.store.policies import EvictionPolicy, make_policy
 from kvoffload.store.stats import StoreStats
 
@@ -115,7 +117,6 @@ class BlockIndex:
 
     def prepare_store(self, keys: Sequence[BlockKey]) -> StorePlan:
         """Reserve slots for the keys not yet present (see the module docstring)."""
-        keys = checked_keys(keys, "prepare_store")
         _check_unique(keys, "prepare_store")
         new = [k for k in keys if k not in self._readable and k not in self._writing]
         evicted: list[BlockKey] = []

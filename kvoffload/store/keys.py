@@ -17,25 +17,40 @@ import xxhash
 
 BlockKey = bytes
 
-# Ints are keyed as 16 bytes, two's complement: xxh3-128 and 64-bit hashes both fit, and negative
-# values (older vLLM hashed with Python's hash()) stay distinct from positive ones.
+# Ints are keyed by value, so that every 128-bit digest (xxh3-128, sha256 cut to 128 bits) and every
+# 64-bit hash fits: 0 <= h < 2**128 as 16 bytes, unsigned big-endian; a negative h (Python's hash()
+# of older vLLM) as 17 bytes, b"-" and |h| in 16 bytes. The lengths differ, so no negative int ever
+# shares a key with a non-negative one (-1 and 2**128 - 1 stay apart).
 _INT_KEY_BYTES = 16
+_INT_LIMIT = 1 << (8 * _INT_KEY_BYTES)
+_NEGATIVE = b"-"
 _ROOT = b"kvoffload/root/v1"
 
 
 def as_block_key(h: bytes | int) -> BlockKey:
-    """An engine-provided block hash as a key. Raises ValueError for other types or empty bytes."""
+    """An engine-provided block hash as a key.
+
+    ``bytes`` are the key as given. An ``int`` ``h`` with ``-2**128 < h < 2**128`` is keyed by
+    value: ``0 <= h < 2**128`` as 16 bytes, unsigned big-endian (every xxh3-128 digest fits);
+    a negative ``h`` as 17 bytes, ``b"-"`` then ``abs(h)`` in 16, so it never equals the key of a
+    non-negative int. Raises ValueError for other types, empty bytes, and ints of 129 bits or more.
+
+    >>> as_block_key(2**128 - 1).hex(), as_block_key(-1).hex()
+    ('ffffffffffffffffffffffffffffffff', '2d00000000000000000000000000000001')
+    """
     if isinstance(h, bytes):
         if not h:
             raise ValueError("expected a non-empty block hash, got b''")
         return h
     if isinstance(h, int) and not isinstance(h, bool):
-        try:
-            return h.to_bytes(_INT_KEY_BYTES, "big", signed=True)
-        except OverflowError:
+        magnitude = -h if h < 0 else h
+        if magnitude >= _INT_LIMIT:
             raise ValueError(
-                f"expected an int block hash of at most 128 bits, got {h.bit_length()} bits"
-            ) from None
+                "expected an int block hash in (-2**128, 2**128), i.e. of at most 128 bits, got "
+                f"{'a negative' if h < 0 else 'an'} int of {magnitude.bit_length()} bits"
+            )
+        raw = magnitude.to_bytes(_INT_KEY_BYTES, "big")
+        return _NEGATIVE + raw if h < 0 else raw
     raise ValueError(f"expected a block hash as bytes or int, got {type(h).__name__}")
 
 

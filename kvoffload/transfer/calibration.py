@@ -1,6 +1,6 @@
 """The calibration table: measured GB/s per copy method on this machine, cached per GPU + driver.
 
-``kvoffload calibrate`` fills it (``kvoffload.transfer.cuda.measure``) and writes it as JSON under
+``kvoffload calibrate`` fills it (``kvoffload.calibrate``) and writes it as JSON under
 the cache directory: ``$KVOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvoffload``, else
 ``~/.cache/kvoffload``; one file per GPU model and driver version, so a driver update or another
 GPU model starts from the default until calibrated again. This module is torch-free.

@@ -33,6 +33,15 @@ cut are misses, the space is the tier's again; where the disk has no room for th
 past the cut are left unused and later slabs still grow. A directory locked by another live
 process makes this tier empty and read-only (one process per directory; share blocks between
 processes through the Valkey tier).
+
+A directory deleted under a running tier (``rm -rf`` of the cache, a cleanup job) would otherwise
+take every later write into files nobody can open again, with the disk space held until the
+process ends. ``put`` checks at most once every ``CHECK_FILES_EVERY_S`` whether its files are
+still linked (one ``fstat`` per file); when they are not, it logs a WARNING (rate-limited), drops
+the blocks it had (misses from then on) and reopens: it recreates the directory, takes the lock
+again and grows new slabs (``reconnects`` counts it). Where the directory cannot be recreated or
+is locked by another process by then, the tier stays empty and read-only, which its log line
+says. The reopen waits for a moment with no read or write in flight.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,6 +73,8 @@ HEAD_AREA = 512  # header (56 bytes) + key; keys longer than 456 bytes are not s
 ALIGN = 4096
 SLAB_TARGET_BYTES = 256 << 20  # slab file size to aim for; smaller when capacity is smaller
 _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+# Seconds between two checks that the tier's files still exist (each: one fstat per file).
+CHECK_FILES_EVERY_S = 1.0
 
 
 def record_bytes_for(block_bytes: int) -> int:
@@ -95,6 +107,8 @@ class DiskTier(Tier):
         self._key_of: dict[int, BlockKey] = {}
         self._readers: dict[int, int] = {}
         self._free: list[int] = []
+        self._writes = 0  # block writes in flight (a reopen waits until none is)
+        self._checked_at = time.monotonic()
         self._writable = True
         self._can_grow = True
         self._lock_fd: int | None = None
@@ -104,6 +118,7 @@ class DiskTier(Tier):
 
     def put(self, keys: Sequence[BlockKey], payloads: Sequence[memoryview]) -> list[bool]:
         self._check_sizes(keys, payloads)
+        self._check_files()
         return [self._put_one(k, p) for k, p in zip(keys, payloads, strict=True)]
 
     def get(self, keys: Sequence[BlockKey], outs: Sequence[memoryview]) -> list[bool]:
@@ -160,6 +175,7 @@ class DiskTier(Tier):
         except OSError as e:
             with self._lock:
                 self._free.append(rec)
+                self._writes -= 1
             self.stats.add(put_failures=1)
             if e.errno in _READ_ONLY_ERRNOS:
                 self._writable = False
@@ -168,6 +184,7 @@ class DiskTier(Tier):
         with self._lock:
             self._where[key] = rec
             self._key_of[rec] = key
+            self._writes -= 1
         self.stats.add(puts=1, put_bytes=len(payload))
         return True
 
@@ -210,17 +227,20 @@ class DiskTier(Tier):
         return self._fds[slab], i * self.record_bytes
 
     def _reserve(self) -> int | None:
-        """A record to write: a free one, a new slab's, else the least recently used block's."""
+        """A record to write: a free one, a new slab's, else the least recently used block's.
+        Counts a write in flight; the caller ends it."""
         with self._lock:
             if not self._free and self._can_grow:
                 self._grow()
             if self._free:
+                self._writes += 1
                 return self._free.pop()
             for key, rec in self._where.items():
                 if not self._readers.get(rec):
                     del self._where[key]
                     del self._key_of[rec]
                     self.stats.add(evictions=1)
+                    self._writes += 1
                     return rec
         return None
 
@@ -273,6 +293,45 @@ class DiskTier(Tier):
             self._readers[rec] = left
         else:
             del self._readers[rec]
+
+    # -- files deleted under the tier ----------------------------------------------------------
+
+    def _check_files(self) -> None:
+        """Reopen when the directory or a slab was deleted (see the module docstring)."""
+        now = time.monotonic()
+        if now - self._checked_at < CHECK_FILES_EVERY_S:
+            return
+        self._checked_at = now
+        with self._lock:
+            if self._writes or self._readers or not self._files_gone():
+                return
+            self._warn.warn(
+                "deleted",
+                "disk tier: the files in %s were deleted under the tier; its %d block(s) are "
+                "gone (misses), recreating the directory",
+                self.dir, len(self._where),
+            )  # fmt: skip
+            self._forget_files()
+            self._open()
+            self.stats.add(reconnects=1)
+
+    def _files_gone(self) -> bool:
+        """True when this tier's lock file or a slab has no name left (under ``_lock``)."""
+        if self._lock_fd is None:  # not this tier's directory (read-only, or another's lock)
+            return False
+        return any(os.fstat(fd).st_nlink == 0 for fd in [self._lock_fd, *self._fds])
+
+    def _forget_files(self) -> None:
+        """Close every file and drop every block (under ``_lock``, nothing in flight)."""
+        for fd in self._fds:
+            os.close(fd)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        self._fds, self._lock_fd = [], None
+        self._where.clear()
+        self._key_of.clear()
+        self._free.clear()
+        self._writable = self._can_grow = True
 
     # -- opening and the restart scan ---------------------------------------------------------
 
