@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 from unittest.mock import MagicMock
 
@@ -28,108 +26,26 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadKey,
     ReqContext,
-    ScheduleEndContext,
 )
-from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
-from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
     TieringOffloadingManager,
 )
 
-from kvoffload.integrations.vllm.secondary import KVOffloadDiskTier, KVOffloadValkeyTier
-from tests.tiers_support import running_server
+from tests.vllm.tier_support import (
+    CTX,
+    END,
+    KINDS,
+    OURS,
+    ROWS,
+    Build,
+    drain,
+    resolve,
+    rows,
+    store,
+)
 from tests.vllm.upstream.test_fs_tier import _make_offloading_spec, key, make_job
-
-ROWS, ROW_BYTES = 8, 64 << 10  # the primary tier: 8 chunks of 64 KiB
-CTX = ReqContext(req_id="test")
-END = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
-KINDS = ("fs", "disk", "valkey")
-OURS = ("disk", "valkey")
-Build = Callable[..., SecondaryTierManager]
-
-
-def rows(random: bool = False) -> np.ndarray:
-    """The primary tier's rows, page-aligned (vLLM's fs tier writes with O_DIRECT)."""
-    raw = np.zeros(ROWS * ROW_BYTES + 4096, dtype=np.uint8)
-    start = -raw.ctypes.data % 4096
-    data = raw[start : start + ROWS * ROW_BYTES].reshape(ROWS, ROW_BYTES)
-    if random:
-        data[:] = np.random.default_rng(7).integers(0, 256, data.shape, dtype=np.uint8)
-    return data
-
-
-@pytest.fixture
-def build(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Build]:
-    """``build(kind, spec=None, data=None, **entry)``: a tier over ``data``'s rows, shut down after
-    the test; each kind keeps its files (or server) for the whole test, so a second tier of the
-    same kind sees what the first stored."""
-    built: list[SecondaryTierManager] = []
-    servers: dict[str, Any] = {}
-
-    def make(kind: str, spec: Any = None, data: np.ndarray | None = None, **entry: Any) -> Any:
-        spec = _make_offloading_spec() if spec is None else spec
-        view = memoryview(rows() if data is None else data)
-        common = {"offloading_spec": spec, "primary_kv_view": view}
-        tier: SecondaryTierManager
-        if kind == "fs":
-            root = str(tmp_path / "fs")
-            tier = FileSystemTierManager(
-                **common,
-                tier_type="fs",
-                root_dir=root,
-                n_read_threads=2,
-                n_write_threads=2,
-                **entry,
-            )
-        elif kind == "disk":
-            entry.setdefault("disk_path", str(tmp_path / "disk"))
-            tier = KVOffloadDiskTier(**common, tier_type="KVOffloadDiskTier", **entry)
-        else:
-            if "server" not in servers:
-                servers["ctx"] = running_server()
-                servers["server"] = servers["ctx"].__enter__()
-            url = servers["server"].url
-            tier = KVOffloadValkeyTier(
-                **common, tier_type="KVOffloadValkeyTier", valkey_url=url, **entry
-            )
-        built.append(tier)
-        return tier
-
-    yield make
-    for tier in built:
-        tier.shutdown()
-    if "ctx" in servers:
-        servers["ctx"].__exit__(None, None, None)
-
-
-def drain(tier: SecondaryTierManager) -> list[Any]:
-    tier.drain_jobs()
-    return list(tier.get_finished_jobs())
-
-
-def resolve(tier: SecondaryTierManager, keys: list[OffloadKey], ctx: ReqContext = CTX) -> list[Any]:
-    """Look ``keys`` up until no answer is RETRY (both tiers answer RETRY while they probe)."""
-    deadline = time.monotonic() + 10
-    while True:
-        answers = [tier.lookup(k, ctx) for k in keys]
-        if LookupResult.RETRY not in answers:
-            return answers
-        assert time.monotonic() < deadline, "the lookup never resolved"
-        tier.on_schedule_end(END)
-        tier.drain_jobs()
-        list(tier.get_finished_jobs())
-        time.sleep(0.01)
-
-
-def store(
-    tier: SecondaryTierManager, keys: list[OffloadKey], chunks: list[int], job: int = 1
-) -> None:
-    tier.submit_store(make_job(job, keys, chunks))
-    assert [r.success for r in drain(tier)] == [True]
-
 
 # -- lookups, stores, loads (test_fs_tier.py) ----------------------------------------------------
 
