@@ -211,7 +211,8 @@ def test_promotion_through_the_tiering_manager_with_a_bare_mock_spec(
     tier.drain_jobs()
     manager.on_schedule_end(END)
     manager.reset_cache()  # the primary forgets; the tier keeps them
-    manager.on_reset_flushed()
+    if hasattr(manager, "on_reset_flushed"):  # vLLM 0.33 holds promotions until then
+        manager.on_reset_flushed()
     data[:] = 0
     other = ReqContext(req_id="again")
     manager.on_new_request(other)
