@@ -41,11 +41,13 @@ from tests.vllm.tier_support import (
     ROWS,
     Build,
     drain,
+    key,
+    make_job,
+    mock_spec,
     resolve,
     rows,
     store,
 )
-from tests.vllm.upstream.test_fs_tier import _make_offloading_spec, key, make_job
 
 # -- lookups, stores, loads (test_fs_tier.py) ----------------------------------------------------
 
@@ -66,7 +68,7 @@ def test_store_then_load_moves_the_bytes(build: Build, kind: str, batch: int) ->
     assert resolve(tier, keys) == [LookupResult.HIT] * batch
     data[:] = 0  # the load must bring the bytes back from the tier
     into = list(range(ROWS - batch, ROWS))
-    tier.submit_load(make_job(2, keys, into, is_promotion=True))
+    tier.submit_load(make_job(2, keys, into, promotion=True))
     assert [r.success for r in drain(tier)] == [True]
     assert np.array_equal(data[ROWS - batch :], expected)
     assert not data[: ROWS - batch].any()  # no other row was written
@@ -84,7 +86,7 @@ def test_jobs_are_tracked_independently(build: Build, kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_load_of_a_missing_key_fails(build: Build, kind: str) -> None:
     tier = build(kind)
-    tier.submit_load(make_job(1, [key(99)], [0], is_promotion=True))
+    tier.submit_load(make_job(1, [key(99)], [0], promotion=True))
     (result,) = drain(tier)
     assert not result.success and not result.successful_keys
 
@@ -98,7 +100,7 @@ def test_batch_load_with_a_missing_key_keeps_what_loaded(build: Build, kind: str
     tier = build(kind, data=data)
     store(tier, [key(10), key(11)], [0, 1])
     data[:] = 0
-    tier.submit_load(make_job(2, [key(10), key(99), key(11)], [4, 5, 6], is_promotion=True))
+    tier.submit_load(make_job(2, [key(10), key(99), key(11)], [4, 5, 6], promotion=True))
     (result,) = drain(tier)
     assert not result.success
     if kind == "fs":
@@ -113,7 +115,7 @@ def test_batch_load_with_a_missing_key_keeps_what_loaded(build: Build, kind: str
 
 
 def events_spec() -> Any:
-    return _make_offloading_spec(enable_kv_cache_events=True)
+    return mock_spec(events=True)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -124,7 +126,7 @@ def test_a_store_emits_one_stored_event(build: Build, kind: str) -> None:
     assert event.keys == [key(1), key(2)] and not event.removed
     assert event.medium == Medium.STORAGE and event.locality is Locality.LOCAL
     assert list(tier.take_events()) == []  # taken once
-    tier.submit_load(make_job(2, [key(1)], [3], is_promotion=True))
+    tier.submit_load(make_job(2, [key(1)], [3], promotion=True))
     assert [r.success for r in drain(tier)] == [True]
     assert list(tier.take_events()) == []  # a load announces nothing new
 
@@ -132,7 +134,7 @@ def test_a_store_emits_one_stored_event(build: Build, kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("spec_events", [False, True])
 def test_events_need_the_entry_and_vllms_switch(build: Build, kind: str, spec_events: bool) -> None:
-    spec = _make_offloading_spec(enable_kv_cache_events=spec_events)
+    spec = mock_spec(events=spec_events)
     tier = build(kind, spec=spec, **({} if spec_events else {"enable_kv_events": True}))
     store(tier, [key(1)], [0])
     assert list(tier.take_events()) == []
@@ -150,7 +152,7 @@ def test_ownership_names_the_tier(build: Build, kind: str) -> None:
 def test_cascade_through_the_tiering_manager_emits_the_tiers_event(build: Build, kind: str) -> None:
     data = rows()
     region = MagicMock()
-    region.create_kv_memoryview.return_value = memoryview(data)
+    region.create_kv_memoryview.return_value = data.data
     primary = CPUPrimaryTierOffloadingManager(num_chunks=ROWS, mmap_region=region)
     tier = build(kind, spec=events_spec(), data=data, enable_kv_events=True)
     manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
@@ -175,18 +177,18 @@ def test_cascade_through_the_tiering_manager_emits_the_tiers_event(build: Build,
 def test_replicated_chunks_written_at_tp2_are_hits_at_tp4(build: Build, kind: str) -> None:
     data = rows(random=True)
     expected = data[0].copy()
-    writer = build(kind, spec=_make_offloading_spec(tp_size=2, replicated_layout=True), data=data)
+    writer = build(kind, spec=mock_spec(tp_size=2, replicated_layout=True), data=data)
     store(writer, [key(7)], [0])
     writer.shutdown()  # the disk tier's directory is one process's at a time
     into = rows()
-    spec = _make_offloading_spec(tp_size=4, rank=3, replicated_layout=True)
+    spec = mock_spec(tp_size=4, replicated_layout=True)
     reader = build(kind, spec=spec, data=into)
     assert resolve(reader, [key(7)]) == [LookupResult.HIT]
-    reader.submit_load(make_job(2, [key(7)], [1], is_promotion=True))
+    reader.submit_load(make_job(2, [key(7)], [1], promotion=True))
     assert [r.success for r in drain(reader)] == [True]
     assert np.array_equal(into[1], expected)
     reader.shutdown()
-    sharded = build(kind, spec=_make_offloading_spec(tp_size=4, rank=3), data=rows())
+    sharded = build(kind, spec=mock_spec(tp_size=4), data=rows())
     assert resolve(sharded, [key(7)]) == [LookupResult.MISS]  # per-rank bytes: never shared
 
 
@@ -200,7 +202,7 @@ def test_promotion_through_the_tiering_manager_with_a_bare_mock_spec(
     data = rows(random=True)
     expected = data[:3].copy()
     region = MagicMock()
-    region.create_kv_memoryview.return_value = memoryview(data)
+    region.create_kv_memoryview.return_value = data.data
     primary = CPUPrimaryTierOffloadingManager(num_chunks=ROWS, mmap_region=region)
     tier = build(kind, spec=MagicMock(), data=data)
     manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])

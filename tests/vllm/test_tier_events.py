@@ -33,8 +33,7 @@ from tests.vllm.test_tiers import (
     settle,
     tier_config,
 )
-from tests.vllm.tier_support import ROW_BYTES, Build, drain, store
-from tests.vllm.upstream.test_fs_tier import _make_offloading_spec, key, make_job
+from tests.vllm.tier_support import ROW_BYTES, Build, drain, key, make_job, mock_spec, store
 
 
 def events_of(tier: Any) -> tuple[list[OffloadKey], list[OffloadKey]]:
@@ -47,7 +46,7 @@ def events_of(tier: Any) -> tuple[list[OffloadKey], list[OffloadKey]]:
 
 
 def small_disk(build: Build, records: int, **entry: Any) -> Any:
-    spec = _make_offloading_spec(enable_kv_cache_events=True)
+    spec = mock_spec(events=True)
     capacity = records * record_bytes_for(ROW_BYTES)
     return build("disk", spec=spec, enable_kv_events=True, disk_capacity_bytes=capacity, **entry)
 
@@ -92,7 +91,7 @@ def test_a_corrupt_disk_value_is_announced_removed(build: Build) -> None:
     disk = tier.tier
     fd, offset = disk._locate(disk._where[key(2)])
     os.pwrite(fd, b"\xff" * 64, offset + 4096)  # inside the payload
-    tier.submit_load(make_job(2, [key(1), key(2)], [4, 5], is_promotion=True))
+    tier.submit_load(make_job(2, [key(1), key(2)], [4, 5], promotion=True))
     (result,) = drain(tier)
     assert tuple(result.successful_keys) == (key(1),)
     assert events_of(tier) == ([], [key(2)])
@@ -104,24 +103,24 @@ def test_a_corrupt_disk_value_is_announced_removed(build: Build) -> None:
 def test_a_valkey_value_found_gone_is_announced_removed(build: Build) -> None:
     import redis
 
-    spec = _make_offloading_spec(enable_kv_cache_events=True)
+    spec = mock_spec(events=True)
     tier = build("valkey", spec=spec, enable_kv_events=True)
     store(tier, [key(1), key(2)], [0, 1])
     assert events_of(tier) == ([key(1), key(2)], [])
     redis.Redis.from_url(tier.options.config.valkey_url).delete(tier.tier.key_name(key(2)))
     tier.tier._known.clear()  # as after KNOWN_PRESENT_S: the server is asked again
-    tier.submit_load(make_job(2, [key(1), key(2)], [4, 5], is_promotion=True))
+    tier.submit_load(make_job(2, [key(1), key(2)], [4, 5], promotion=True))
     drain(tier)
     assert events_of(tier) == ([], [key(2)])
 
 
 def test_another_instances_value_is_announced_when_this_one_reads_it(build: Build) -> None:
-    spec = _make_offloading_spec(enable_kv_cache_events=True)
+    spec = mock_spec(events=True)
     writer = build("valkey", spec=spec)  # no events: another engine
     store(writer, [key(5)], [0])
     reader = build("valkey", spec=spec, enable_kv_events=True)
     assert events_of(reader) == ([], [])  # it cannot know what others wrote
-    reader.submit_load(make_job(1, [key(5)], [3], is_promotion=True))
+    reader.submit_load(make_job(1, [key(5)], [3], promotion=True))
     assert [r.success for r in drain(reader)] == [True]
     assert events_of(reader) == ([key(5)], [])
 
@@ -175,7 +174,7 @@ def test_vllm_publishes_our_tiers_blocks(tmp_path: Path, spec: Any) -> None:
     assert on_disk and all(isinstance(e, BlockStored) for e in on_disk)
     assert {e.ownership for e in on_disk} == {"KVOffloadDiskTier"}
     hashes = [h for e in on_disk for h in e.block_hashes]
-    assert len(hashes) == len(set(hashes)) == tier.tier.num_blocks == 5
+    assert len(hashes) == len(set(hashes)) == tier.tier.num_blocks == 5  # type: ignore[attr-defined]
     assert not [e for e in published if isinstance(e, BlockRemoved) and e.medium == "STORAGE"]
 
 

@@ -21,8 +21,7 @@ if not os.environ.get("CI"):  # under CI a missing Valkey client is a failure, n
 
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from tests.vllm.tier_support import CTX, END, Build, drain, store
-from tests.vllm.upstream.test_fs_tier import key, make_job
+from tests.vllm.tier_support import CTX, END, Build, drain, key, make_job, store
 
 RETRY, HIT, MISS = LookupResult.RETRY, LookupResult.HIT, LookupResult.MISS
 
@@ -106,7 +105,7 @@ def test_a_failed_load_is_a_miss_without_a_new_probe(build: Build, kind: str) ->
         fd, offset = disk._locate(disk._where[key(1)])
         os.pwrite(fd, b"\xff" * 64, offset + 4096)
     ops = recorded(tier)
-    tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+    tier.submit_load(make_job(2, [key(1)], [1], promotion=True))
     assert [r.success for r in drain(tier)] == [False]
     for _ in range(3):
         assert tier.lookup(key(1), CTX) is MISS

@@ -8,15 +8,28 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
+from unittest.mock import MagicMock
 
 import numpy as np
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
-from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingKVEventsConfig,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 from kvoffload.integrations.vllm.secondary import KVOffloadDiskTier, KVOffloadValkeyTier
 from tests.tiers_support import running_server
-from tests.vllm.upstream.test_fs_tier import _make_offloading_spec, make_job
 
 ROWS, ROW_BYTES = 8, 64 << 10  # the primary tier: 8 chunks of 64 KiB
 CTX = ReqContext(req_id="test")
@@ -24,6 +37,51 @@ END = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
 KINDS = ("fs", "disk", "valkey")
 OURS = ("disk", "valkey")
 Build = Callable[..., SecondaryTierManager]
+
+
+def mock_spec(events: bool = False, tp_size: int = 1, replicated_layout: bool = False) -> Any:
+    """vLLM's tier-test spec (``upstream/test_fs_tier.py``): a real ``OffloadingConfig`` (rank
+    ``tp_size - 1`` of ``tp_size``) and KV-events switch inside a ``MagicMock``."""
+    spec = MagicMock()
+    parallel = OffloadingParallelConfig(
+        rank=tp_size - 1,
+        world_size=tp_size,
+        tp_size=tp_size,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        data_parallel_size=1,
+        data_parallel_rank_local=None,
+        is_parallelism_agnostic=False,
+    )
+    spec.config = OffloadingConfig(
+        groups=(),
+        worker_kv_bytes_per_block=0,
+        enable_kv_cache_events=events,
+        extra_config={},
+        engine_id="test-engine",
+        model=OffloadingModelConfig(name="test-model", dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=parallel,
+        replicated_layout=replicated_layout,
+    )
+    spec.blocks_per_chunk = 1
+    spec.kv_events_config = OffloadingKVEventsConfig(
+        enable_kv_cache_events=events, self_describing_kv_events=False
+    )
+    return spec
+
+
+def key(n: int) -> OffloadKey:
+    return make_offload_key(n.to_bytes(8, "big"), 0)
+
+
+def make_job(
+    job_id: int, keys: list[OffloadKey], chunks: list[int], promotion: bool = False
+) -> Any:
+    ids = np.array(chunks, dtype=np.int64)
+    return TransferJob(job_id, keys, ids, is_promotion=promotion, req_context=CTX)
 
 
 def rows(random: bool = False) -> np.ndarray:
@@ -46,8 +104,8 @@ def tier_builder(tmp_path: Path) -> Iterator[Build]:
         servers: list[Any] = []
 
         def make(kind: str, spec: Any = None, data: np.ndarray | None = None, **entry: Any) -> Any:
-            spec = _make_offloading_spec() if spec is None else spec
-            view = memoryview(rows() if data is None else data)
+            spec = mock_spec() if spec is None else spec
+            view = (rows() if data is None else data).data
             common = {"offloading_spec": spec, "primary_kv_view": view}
             tier: SecondaryTierManager
             if kind == "fs":
