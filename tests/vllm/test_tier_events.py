@@ -84,6 +84,37 @@ def test_untouched_the_oldest_chunk_goes(build: Build) -> None:
     assert tier.tier.contains([key(i) for i in range(4)]) == [False, True, True, True]
 
 
+def test_chunks_found_on_disk_after_a_restart_are_announced_when_met(build: Build) -> None:
+    capacity = 4 * record_bytes_for(ROW_BYTES)
+    first = build("disk", spec=mock_spec(events=True), disk_capacity_bytes=capacity)  # no events
+    store(first, [key(1)], [0])
+    first.shutdown()  # the directory is one process's at a time
+    tier = small_disk(build, records=4)
+    assert events_of(tier) == ([], [])  # found by the restart scan: not announced yet
+    store(tier, [key(1), key(2)], [0, 1])  # key 1 is already held: not written again
+    assert events_of(tier) == ([key(1), key(2)], [])
+    assert tier.tier.stats.puts == 1
+
+
+def test_a_partly_failed_store_announces_what_was_written(build: Build) -> None:
+    """vLLM's fs tier announces nothing for a job with a failed block; ours announce each chunk
+    that was written (it is held and readable): a difference on purpose."""
+    tier = small_disk(build, records=4)
+    disk = tier.tier
+    put = disk.put
+
+    def second_fails(keys: Any, payloads: Any) -> list[bool]:
+        ok = put(keys[:1], payloads[:1])  # really written
+        return [*ok, *([False] * (len(keys) - 1))]
+
+    disk.put = second_fails
+    tier.submit_store(make_job(1, [key(1), key(2)], [0, 1]))
+    (result,) = drain(tier)
+    assert not result.success
+    assert events_of(tier) == ([key(1)], [])
+    assert disk.contains([key(1), key(2)]) == [True, False]
+
+
 def test_a_corrupt_disk_value_is_announced_removed(build: Build) -> None:
     tier = small_disk(build, records=4)
     store(tier, [key(1), key(2)], [0, 1])

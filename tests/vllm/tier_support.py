@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 from kvoffload.integrations.vllm.secondary import KVOffloadDiskTier, KVOffloadValkeyTier
+from kvoffload.store.tiers.disk import record_bytes_for
 from tests.tiers_support import running_server
 
 ROWS, ROW_BYTES = 8, 64 << 10  # the primary tier: 8 chunks of 64 KiB
@@ -116,6 +117,7 @@ def tier_builder(tmp_path: Path) -> Iterator[Build]:
                 )
             elif kind == "disk":
                 entry.setdefault("disk_path", str(tmp_path / "disk"))
+                entry.setdefault("disk_capacity_bytes", 64 * record_bytes_for(ROW_BYTES))
                 tier = KVOffloadDiskTier(**common, tier_type="KVOffloadDiskTier", **entry)
             else:
                 if not servers:

@@ -265,6 +265,8 @@ class _KVOffloadTier(SecondaryTierManager):
             for k, c, h in zip(keys, job_metadata.chunk_ids, held, strict=True)
             if h is not True
         ]
+        if self.residency is not None and len(todo) < len(keys):
+            self.residency.stored(k for k, h in zip(keys, held, strict=True) if h is True)
         self._start(job_metadata.job_id, keys, "write", todo)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
