@@ -33,11 +33,13 @@ from vllm.v1.kv_offload.tiering.manager import (
     TieringOffloadingManager,
 )
 
+from kvoffload.integrations.vllm.row_identity import layout_free, model_identity, row_fingerprint
 from tests.vllm.tier_support import (
     CTX,
     END,
     KINDS,
     OURS,
+    ROW_BYTES,
     ROWS,
     Build,
     drain,
@@ -226,3 +228,18 @@ def test_promotion_through_the_tiering_manager_with_a_bare_mock_spec(
     spec = primary.prepare_load(chunks, other)
     got = data[np.asarray(spec.block_ids)]
     assert np.array_equal(got, expected)
+
+
+def test_the_fingerprint_drops_the_parallel_layout_only_where_rows_are_layout_free() -> None:
+    def fingerprint(**kw: Any) -> str:
+        return row_fingerprint(mock_spec(**kw), ROW_BYTES, "m")
+
+    assert fingerprint(tp_size=2, replicated_layout=True) == fingerprint(
+        tp_size=4, replicated_layout=True
+    )
+    assert fingerprint(tp_size=2) != fingerprint(tp_size=4)
+    assert fingerprint(tp_size=4) != fingerprint(tp_size=4, replicated_layout=True)
+    bare = MagicMock()  # every attribute a mock: read as unknown, never serialized
+    assert row_fingerprint(bare, ROW_BYTES, "m") == row_fingerprint(MagicMock(), ROW_BYTES, "m")
+    assert not layout_free(bare)
+    assert model_identity(bare) == "unknown@unknown|kv=unknown"

@@ -37,9 +37,7 @@ What they keep that vLLM's tiers do not promise:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import logging
 import os
 import tempfile
@@ -48,8 +46,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
-import vllm
-from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -73,6 +69,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.integrations.vllm.options import DISK_TIER, VALKEY_TIER, parse_tier_options
 from kvoffload.integrations.vllm.region import RowArena
+from kvoffload.integrations.vllm.row_identity import model_identity, row_fingerprint, spec_fact
 from kvoffload.integrations.vllm.tier_events import Residency
 from kvoffload.offload.tiers import TierMover, TierOp, TierResult, build_tiers
 from kvoffload.store.tiers.disk import DiskTier
@@ -95,77 +92,8 @@ COUNTERS = {
     "evictions": "chunks dropped to stay under capacity",
     "reconnects": "times the server came back after being down",
 }
-ROW_FORMAT = "kvoffload-vllm-row-1"
 EVICTION_SLACK = 16  # extra oldest keys checked per detected disk eviction (order is approximate)
 EVENTS_KEY = "enable_kv_events"
-
-
-def model_identity(spec: OffloadingSpec) -> str:
-    """The default ``model_id``: vLLM's model name, revision and KV dtype.
-
-    vLLM hands a spec no revision; it is read from the current vLLM config when one is set (our
-    ``KVOffloadConnector`` sets it while the scheduler is built), else recorded as unknown: serve
-    several revisions under one model name only with an explicit ``model_id``.
-    """
-    model = getattr(getattr(spec, "config", None), "model", None)
-    name, dtype = _fact(model, "name", str), _fact(model, "dtype", str)
-    current = get_current_vllm_config_or_none()
-    revision = current.model_config.revision if current is not None else "unknown"
-    return f"{name or 'unknown'}@{revision}|kv={dtype or 'unknown'}"
-
-
-def layout_free(spec: OffloadingSpec) -> bool:
-    """Whether a host row's bytes are the same under every parallel layout, so that values are
-    shared across TP sizes: vLLM certified a replicated (MLA) KV cache whose bytes are the same on
-    every rank (``replicated_layout``; vLLM's spec then keeps one copy per row, ours one per rank,
-    so ``row_bytes`` still tells copy counts apart), or a parallelism-free canonical layout."""
-    config = getattr(spec, "config", None)
-    if _fact(config, "replicated_layout", bool):
-        return True
-    par = getattr(config, "parallel", None)
-    return bool(
-        _fact(config, "canonical_layout", bool) and _fact(par, "is_parallelism_agnostic", bool)
-    )
-
-
-def row_fingerprint(spec: OffloadingSpec, row_bytes: int, model_id: str) -> str:
-    """32 hex digits naming what a host row's bytes mean: values under another are never read.
-
-    Reads only what a real ``OffloadingSpec`` has, of the types it has them (a test's bare
-    ``MagicMock`` spec answers every name with a mock: those facts count as unknown)."""
-    config = getattr(spec, "config", None)
-    par = getattr(config, "parallel", None)
-    cache = getattr(config, "cache", None)
-    groups = _fact(config, "groups", tuple)
-    sizes = ("world_size", "tp_size", "pp_size", "pcp_size", "dcp_size")
-    row_layout = getattr(type(spec), "ROW_LAYOUT", None)
-    facts = {
-        "format": ROW_FORMAT,
-        "vllm": vllm.__version__,
-        "row_layout": row_layout or f"{type(spec).__module__}.{type(spec).__qualname__}",
-        "model_id": model_id,
-        "kv_dtype": _fact(getattr(config, "model", None), "dtype", str),
-        "kv_cache_layout": _fact(config, "kv_cache_layout", str),
-        "canonical_layout": _fact(config, "canonical_layout", bool),
-        "replicated_layout": _fact(config, "replicated_layout", bool),
-        "parallel": "any" if layout_free(spec) else [_fact(par, n, int) for n in sizes],
-        "tokens_per_hash": _fact(cache, "tokens_per_hash", int),
-        "blocks_per_chunk": _fact(cache, "blocks_per_chunk", int),
-        "groups": None
-        if groups is None
-        else [[g.tokens_per_block, list(g.layer_names)] for g in groups],
-        "worker_kv_bytes_per_block": _fact(config, "worker_kv_bytes_per_block", int),
-        "row_bytes": row_bytes,
-    }
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def _fact(obj: object, name: str, kind: type) -> Any:
-    """``obj.name`` where it is a ``kind`` (a bool is no int here), else None."""
-    value = getattr(obj, name, None)
-    if isinstance(value, bool) and kind is not bool:
-        return None
-    return value if isinstance(value, kind) else None
 
 
 def check_disk_path(path: str) -> None:
@@ -398,7 +326,7 @@ class _KVOffloadTier(SecondaryTierManager):
     def _residency(self, spec: OffloadingSpec, enabled: bool) -> Residency | None:
         """What to announce, when this entry asked for events and vLLM publishes them."""
         config = getattr(spec, "kv_events_config", None)
-        if not enabled or _fact(config, "enable_kv_cache_events", bool) is not True:
+        if not enabled or spec_fact(config, "enable_kv_cache_events", bool) is not True:
             if enabled:
                 log.warning(
                     "%s: %s is set but vLLM's KV cache events are off; no events are emitted",
