@@ -156,6 +156,20 @@ def test_another_instances_value_is_announced_when_this_one_reads_it(build: Buil
     assert events_of(reader) == ([key(5)], [])
 
 
+def test_touch_resets_the_valkey_servers_lru_clock(build: Build) -> None:
+    """The server orders ``allkeys-lru`` eviction by each value's idle time (whole seconds)."""
+    import redis
+
+    tier = build("valkey")
+    store(tier, [key(1), key(2)], [0, 1])
+    client = redis.Redis.from_url(tier.options.config.valkey_url)
+    time.sleep(2.1)
+    tier.touch([key(1)], None)
+    tier.drain_jobs()
+    idle = [client.object("idletime", tier.tier.key_name(key(i))) for i in (1, 2)]
+    assert idle[0] == 0 and idle[1] >= 2
+
+
 def test_keys_not_seen_for_the_ttl_are_announced_removed() -> None:
     residency = Residency(Medium.STORAGE, None, "KVOffloadValkeyTier", expire_s=0.05)
     residency.stored([key(1), key(2)])

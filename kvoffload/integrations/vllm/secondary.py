@@ -30,8 +30,8 @@ What they keep that vLLM's tiers do not promise:
 - With ``enable_kv_events`` (an entry's key, as for vLLM's ``fs`` tier; always on for our flat
   keys) and vLLM's KV events on, what the tier stores and drops is reported as vLLM's events
   (``tier_events.py``).
-- ``touch`` makes the disk tier's chunks the most recently used. No per-request state is kept
-  (lookups are per key), so ``on_request_finished`` has nothing to release.
+- ``touch`` makes chunks the tier's most recently used (Valkey: the server's LRU clock). No
+  per-request state is kept (lookups are per key), so ``on_request_finished`` has nothing to do.
 - A ``disk_path`` that cannot be created or written stops the engine at start-up (``ValueError``).
 """
 
@@ -225,13 +225,17 @@ class _KVOffloadTier(SecondaryTierManager):
         self.mover.wait_idle()
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """The disk tier's chunks among ``keys`` become its most recently used. Valkey's order
-        is the server's (``allkeys-lru``; a read refreshes a value's TTL): nothing is sent."""
+        """``keys`` become the tier's most recently used: on disk at once; on Valkey by one
+        pipelined ``STRLEN`` sent from the mover's thread (it resets the server's LRU clock of
+        each value, for ``allkeys-lru``; the TTL is refreshed only by reads and writes)."""
+        keys = list(keys)
         if isinstance(self.tier, DiskTier):
-            keys = list(keys)
             _touch_disk(self.tier, keys)
             if self.residency is not None:
                 self.residency.seen(keys)
+            return
+        for start in range(0, len(keys), PROBE_CHUNKS):
+            self._submit("probe", keys[start : start + PROBE_CHUNKS], (), None)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self.residency is None:
@@ -395,7 +399,7 @@ def _touch_disk(tier: DiskTier, keys: list[OffloadKey]) -> None:
     """Move ``keys`` to the recent end of the disk tier's LRU order, as a read does.
 
     DiskTier (``kvoffload/store``) has no public touch yet: its order is the ``_where`` map under
-    ``_lock``, which ``_get_one`` refreshes the same way; ``tests/vllm/test_tier_contract.py``
+    ``_lock``, which ``_get_one`` refreshes the same way; ``tests/vllm/test_tier_events.py``
     fails if that changes. To move into ``DiskTier.touch``."""
     with tier._lock:
         where = tier._where
