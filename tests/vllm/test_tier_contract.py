@@ -197,10 +197,10 @@ def test_replicated_chunks_written_at_tp2_are_hits_at_tp4(build: Build, kind: st
 # -- a bare MagicMock spec, the tiering manager's scenarios (test_tiering_offloading.py) ---------
 
 
-@pytest.mark.parametrize("kind", OURS)
-def test_promotion_through_the_tiering_manager_with_a_bare_mock_spec(
-    build: Build, kind: str
-) -> None:
+def cascaded(build: Build, kind: str) -> tuple[Any, ...]:
+    """vLLM's tiering manager over its CPU primary and our tier (built from a bare ``MagicMock``
+    spec, as vLLM's tests build theirs): 3 random chunks stored, cascaded down, then the primary
+    reset; returns (rows, their bytes, primary, tier, manager, keys, a new request)."""
     data = rows(random=True)
     expected = data[:3].copy()
     region = MagicMock()
@@ -220,14 +220,50 @@ def test_promotion_through_the_tiering_manager_with_a_bare_mock_spec(
     data[:] = 0
     other = ReqContext(req_id="again")
     manager.on_new_request(other)
+    return data, expected, primary, tier, manager, chunks, other
+
+
+def promote(manager: Any, chunks: list[Any], req: ReqContext) -> list[LookupResult]:
+    """Look ``chunks`` up step after step until no promotion is pending."""
     deadline = time.monotonic() + 10
-    while [manager.lookup(c, other) for c in chunks] != [LookupResult.HIT] * 3:
-        assert time.monotonic() < deadline, [manager.lookup(c, other) for c in chunks]
+    while True:
+        answers = [manager.lookup(c, req) for c in chunks]
+        if not {LookupResult.HIT_PENDING, LookupResult.RETRY} & set(answers):
+            return answers
+        assert time.monotonic() < deadline, answers
         manager.on_schedule_end(END)
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", OURS)
+def test_promotion_through_the_tiering_manager(build: Build, kind: str) -> None:
+    data, expected, primary, _, manager, chunks, other = cascaded(build, kind)
+    assert promote(manager, chunks, other) == [LookupResult.HIT] * 3
     spec = primary.prepare_load(chunks, other)
-    got = data[np.asarray(spec.block_ids)]
-    assert np.array_equal(got, expected)
+    assert np.array_equal(data[np.asarray(spec.block_ids)], expected)
+
+
+@pytest.mark.parametrize("kind", OURS)
+def test_a_failed_promotion_keeps_only_the_chunks_that_loaded(build: Build, kind: str) -> None:
+    """test_tiering_offloading.py's test_failed_promotion_keeps_only_successful_chunks, with a
+    real failure: the middle chunk is damaged on disk / deleted from the server."""
+    import redis
+
+    data, expected, primary, tier, manager, chunks, other = cascaded(build, kind)
+    if kind == "disk":
+        fd, offset = tier.tier._locate(tier.tier._where[chunks[1]])
+        os.pwrite(fd, b"\xff" * 64, offset + 4096)
+    else:
+        redis.Redis.from_url(tier.options.config.valkey_url).delete(tier.tier.key_name(chunks[1]))
+    promote(manager, chunks, other)
+    assert [primary.lookup(c, other) for c in chunks] == [
+        LookupResult.HIT,
+        LookupResult.MISS,
+        LookupResult.HIT,
+    ]
+    kept = [chunks[0], chunks[2]]
+    spec = primary.prepare_load(kept, other)
+    assert np.array_equal(data[np.asarray(spec.block_ids)], expected[[0, 2]])
 
 
 def test_the_fingerprint_drops_the_parallel_layout_only_where_rows_are_layout_free() -> None:
