@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# vLLM contract tests (tests/vllm) in their own venv, so the main test run stays light.
+# vLLM contract tests (tests/vllm) in their own venv, so the main test run stays light. They
+# include vLLM 0.33.0's own tier tests, vendored under tests/vllm/upstream/ (collected on 0.33
+# only), and the same scenarios run against our tiers (tests/vllm/test_tier_*.py).
 #
 #   .ci/vllm.sh [pytest args]
 #

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,3 +28,12 @@ def _close_engine_sims():
 
         while OPEN:
             OPEN.pop().close()
+
+
+@pytest.fixture
+def build(tmp_path: Path) -> Iterator[Any]:
+    """vLLM's fs tier or one of ours over a primary view (``tier_support.tier_builder``)."""
+    from tests.vllm.tier_support import tier_builder
+
+    with tier_builder(tmp_path) as make:
+        yield make

@@ -29,6 +29,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -177,6 +178,7 @@ class EngineSim:
     # Called after vLLM's per-layer wait (wait_for_layer_load), before the layer's "attention".
     on_layer: Any = None
     kv_offloading_size: float | None = None  # vLLM's --kv-offloading-size, in GiB
+    kv_events: bool = False  # vLLM's KV cache events (publisher "null": taken from the connector)
 
     def __post_init__(self) -> None:
         model = write_model(self.tmp_path / "model", self.sliding_window)
@@ -208,6 +210,9 @@ class EngineSim:
                 kv_offloading_size=self.kv_offloading_size,
             ),
             device_config=DeviceConfig("cpu"),
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=self.kv_events, publisher="null"
+            ),
             kv_transfer_config=KVTransferConfig(
                 kv_connector=self.connector,
                 kv_connector_module_path=self.connector_module,

@@ -24,21 +24,28 @@ What they keep that vLLM's tiers do not promise:
   parallel layout, chunk geometry, the spec's row layout and the vLLM version, so values of other
   models, ranks, layouts or versions are never read.
 - Reads and writes run on the tier's own threads (``tier_threads``), in batches of 16 chunks.
+- Values are shared across TP sizes where the host row's bytes do not depend on the parallel
+  layout: vLLM's single-copy layout of a replicated (MLA) KV cache, and its certified
+  parallelism-free canonical layout; elsewhere the layout is in the fingerprint.
+- With ``enable_kv_events`` (an entry's key, as for vLLM's ``fs`` tier; always on for our flat
+  keys) and vLLM's KV events on, what the tier stores and drops is reported as vLLM's events
+  (``tier_events.py``).
+- ``touch`` makes chunks the tier's most recently used (Valkey: the server's LRU clock). No
+  per-request state is kept (lookups are per key), so ``on_request_finished`` has nothing to do.
+- A ``disk_path`` that cannot be created or written stops the engine at start-up (``ValueError``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import logging
-from collections.abc import Iterable
+import os
+import tempfile
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
-import vllm
-from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -47,6 +54,7 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadingSpec,
@@ -61,7 +69,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.integrations.vllm.options import DISK_TIER, VALKEY_TIER, parse_tier_options
 from kvoffload.integrations.vllm.region import RowArena
-from kvoffload.offload.tiers import TierMover, TierOp, build_tiers
+from kvoffload.integrations.vllm.row_identity import model_identity, row_fingerprint, spec_fact
+from kvoffload.integrations.vllm.tier_events import Residency
+from kvoffload.offload.tiers import TierMover, TierOp, TierResult, build_tiers
+from kvoffload.store.tiers.disk import DiskTier
 from kvoffload.store.tiers.valkey import ValkeyTier
 
 log = logging.getLogger(__name__)
@@ -81,43 +92,27 @@ COUNTERS = {
     "evictions": "chunks dropped to stay under capacity",
     "reconnects": "times the server came back after being down",
 }
-ROW_FORMAT = "kvoffload-vllm-row-1"
+EVICTION_SLACK = 16  # extra oldest keys checked per detected disk eviction (order is approximate)
+EVENTS_KEY = "enable_kv_events"
 
 
-def model_identity(spec: OffloadingSpec) -> str:
-    """The default ``model_id``: vLLM's model name, revision and KV dtype.
-
-    vLLM hands a spec no revision; it is read from the current vLLM config when one is set (our
-    ``KVOffloadConnector`` sets it while the scheduler is built), else recorded as unknown: serve
-    several revisions under one model name only with an explicit ``model_id``.
-    """
-    model = spec.config.model
-    current = get_current_vllm_config_or_none()
-    revision = current.model_config.revision if current is not None else "unknown"
-    return f"{model.name}@{revision}|kv={model.dtype}"
-
-
-def row_fingerprint(spec: OffloadingSpec, row_bytes: int, model_id: str) -> str:
-    """32 hex digits naming what a host row's bytes mean: values under another are never read."""
-    config = spec.config
-    par = config.parallel
-    facts = {
-        "format": ROW_FORMAT,
-        "vllm": vllm.__version__,
-        "row_layout": getattr(spec, "ROW_LAYOUT", f"{type(spec).__module__}.{type(spec).__name__}"),
-        "model_id": model_id,
-        "kv_dtype": config.model.dtype,
-        "kv_cache_layout": getattr(config, "kv_cache_layout", None),
-        "canonical_layout": getattr(config, "canonical_layout", False),
-        "replicated_layout": config.replicated_layout,
-        "parallel": [par.world_size, par.tp_size, par.pp_size, par.pcp_size, par.dcp_size],
-        "tokens_per_hash": config.cache.tokens_per_hash,
-        "blocks_per_chunk": config.cache.blocks_per_chunk,
-        "groups": [[g.tokens_per_block, list(g.layer_names)] for g in config.groups],
-        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
-        "row_bytes": row_bytes,
-    }
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+def check_disk_path(path: str) -> None:
+    """ValueError unless ``path`` is (or can be made) a directory this process can write in."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"expected disk_path to be a directory kvoffload can create, got {path!r}: "
+            f"cannot create it ({e.strerror or e})"
+        ) from e
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"expected disk_path to be a directory kvoffload can write files in, got {path!r}: "
+            f"not writable ({e.strerror or e})"
+        ) from e
 
 
 @dataclass
@@ -144,8 +139,14 @@ class _KVOffloadTier(SecondaryTierManager):
         backpressure_detector: BackpressureDetector | None = None,
         **options: Any,
     ) -> None:
-        """``options``: the entry's keys (``parse_tier_options``); ValueError names a bad one."""
+        """``options``: the entry's keys (``parse_tier_options``, plus ``enable_kv_events``);
+        ValueError names a bad one, or a ``disk_path`` that cannot be created or written."""
+        events = options.pop(EVENTS_KEY, False)
+        if not isinstance(events, bool):
+            raise ValueError(f"expected {EVENTS_KEY} to be true or false, got {events!r}")
         opts = parse_tier_options(self.kind, options, model_identity(offloading_spec))
+        if opts.config.disk_path is not None:
+            check_disk_path(opts.config.disk_path)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(opts.locality)
         self.options = opts
@@ -153,9 +154,12 @@ class _KVOffloadTier(SecondaryTierManager):
         self.fingerprint = row_fingerprint(offloading_spec, arena.slot_bytes, opts.config.model_id)
         (self.tier,) = build_tiers(opts.config, self.fingerprint, arena.slot_bytes)
         self.mover = TierMover(arena, [self.tier], opts.config.tier_threads)
+        self.residency = self._residency(offloading_spec, events)
+        self._evictions = self.tier.stats.evictions  # disk evictions already looked at
         self._ids = itertools.count()
         self._op_job: dict[int, int | None] = {}  # mover op id -> job id (None: a probe)
         self._op_keys: dict[int, tuple[OffloadKey, ...]] = {}
+        self._op_kind: dict[int, str] = {}
         self._jobs: dict[int, _Job] = {}
         self._finished: list[JobResult] = []  # jobs done without an op
         self._probe_wanted: dict[OffloadKey, None] = {}  # ordered set, sent at the step's end
@@ -189,6 +193,8 @@ class _KVOffloadTier(SecondaryTierManager):
             for k, c, h in zip(keys, job_metadata.chunk_ids, held, strict=True)
             if h is not True
         ]
+        if self.residency is not None and len(todo) < len(keys):
+            self.residency.stored(k for k, h in zip(keys, held, strict=True) if h is True)
         self._start(job_metadata.job_id, keys, "write", todo)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -201,6 +207,9 @@ class _KVOffloadTier(SecondaryTierManager):
         for result in self.mover.get_finished():
             job_id = self._op_job.pop(result.op_id)
             keys = self._op_keys.pop(result.op_id)
+            kind = self._op_kind.pop(result.op_id)
+            if self.residency is not None:
+                self._observe(self.residency, kind, keys, result)
             if job_id is None:
                 self._probing.difference_update(keys)
                 continue
@@ -214,6 +223,26 @@ class _KVOffloadTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         self.mover.wait_idle()
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """``keys`` become the tier's most recently used: on disk at once; on Valkey by one
+        pipelined ``STRLEN`` sent from the mover's thread (it resets the server's LRU clock of
+        each value, for ``allkeys-lru``; the TTL is refreshed only by reads and writes)."""
+        keys = list(keys)
+        if isinstance(self.tier, DiskTier):
+            _touch_disk(self.tier, keys)
+            if self.residency is not None:
+                self.residency.seen(keys)
+            return
+        for start in range(0, len(keys), PROBE_CHUNKS):
+            self._submit("probe", keys[start : start + PROBE_CHUNKS], (), None)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.residency is None:
+            return ()
+        if isinstance(self.tier, DiskTier):
+            self._find_evicted(self.residency)
+        return self.residency.take()
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._finished or self._probe_wanted or self._probing)
@@ -293,7 +322,47 @@ class _KVOffloadTier(SecondaryTierManager):
         op = TierOp(next(self._ids), kind, self.tier.name, tuple(keys), chunks)
         self._op_job[op.op_id] = job_id
         self._op_keys[op.op_id] = op.keys
+        self._op_kind[op.op_id] = kind
         self.mover.submit(op)
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _residency(self, spec: OffloadingSpec, enabled: bool) -> Residency | None:
+        """What to announce, when this entry asked for events and vLLM publishes them."""
+        config = getattr(spec, "kv_events_config", None)
+        if not enabled or spec_fact(config, "enable_kv_cache_events", bool) is not True:
+            if enabled:
+                log.warning(
+                    "%s: %s is set but vLLM's KV cache events are off; no events are emitted",
+                    self.tier_type,
+                    EVENTS_KEY,
+                )
+            return None
+        ttl = self.options.config.valkey_ttl_s if isinstance(self.tier, ValkeyTier) else 0
+        return Residency(self.medium, self.locality, self.tier_type, expire_s=ttl or None)
+
+    def _observe(
+        self, residency: Residency, kind: str, keys: tuple[OffloadKey, ...], result: TierResult
+    ) -> None:
+        """A finished op's keys: written or read is held; a key that failed and that the tier now
+        says it does not hold (while it is up: a Valkey that is down knows nothing) is gone."""
+        ok = [k for k, good in zip(keys, result.ok, strict=True) if good]
+        if kind != "probe":
+            residency.stored(ok)
+        failed = [k for k, good in zip(keys, result.ok, strict=True) if not good]
+        if failed and getattr(self.tier, "up", True):
+            held = self.tier.contains(failed)
+            residency.removed(k for k, h in zip(failed, held, strict=True) if h is False)
+
+    def _find_evicted(self, residency: Residency) -> None:
+        """The disk tier evicts its least recently used chunk to make room: per eviction since the
+        last look, check the oldest announced chunks (their order follows the tier's)."""
+        evictions = self.tier.stats.evictions
+        count, self._evictions = evictions - self._evictions, evictions
+        if count > 0:
+            oldest = residency.oldest(count + EVICTION_SLACK)
+            held = self.tier.contains(oldest)
+            residency.removed(k for k, h in zip(oldest, held, strict=True) if h is False)
 
     def _result(self, job: _Job) -> JobResult:
         ok = [k for k in job.keys if k not in job.failed]
@@ -324,6 +393,19 @@ class KVOffloadValkeyTier(_KVOffloadTier):
     kind = VALKEY_TIER
     short = "valkey"
     cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+def _touch_disk(tier: DiskTier, keys: list[OffloadKey]) -> None:
+    """Move ``keys`` to the recent end of the disk tier's LRU order, as a read does.
+
+    DiskTier (``kvoffload/store``) has no public touch yet: its order is the ``_where`` map under
+    ``_lock``, which ``_get_one`` refreshes the same way; ``tests/vllm/test_tier_events.py``
+    fails if that changes. To move into ``DiskTier.touch``."""
+    with tier._lock:
+        where = tier._where
+        for key in keys:
+            if key in where:
+                where.move_to_end(key)
 
 
 def _redact(url: str) -> str:

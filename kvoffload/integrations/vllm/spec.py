@@ -40,6 +40,7 @@ from kvoffload.integrations.vllm.manager import (
 )
 from kvoffload.integrations.vllm.options import CAPACITY_KEY, parse_options
 from kvoffload.integrations.vllm.region import RankArena, SharedRegion
+from kvoffload.integrations.vllm.secondary import EVENTS_KEY
 from kvoffload.integrations.vllm.tier import HostTier
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 from kvoffload.store.arena import HostArena, PinFn
@@ -49,8 +50,9 @@ INFO_KEYS = ("kvoffload_host_chunks", "kvoffload_host_bytes", "kvoffload_evictio
 
 
 def with_tiers(extra_config: dict[str, Any]) -> dict[str, Any]:
-    """``extra_config`` with our flat tier keys as ``secondary_tiers`` entries (first)."""
-    tiers: list[dict[str, Any]] = list(parse_options(extra_config).tiers)
+    """``extra_config`` with our flat tier keys as ``secondary_tiers`` entries (first); those
+    emit KV events whenever vLLM's are on, as the host tier does."""
+    tiers = [{**t, EVENTS_KEY: True} for t in parse_options(extra_config).tiers]
     theirs: list[dict[str, Any]] = extra_config.get("secondary_tiers", [])
     return {**extra_config, "secondary_tiers": [*tiers, *theirs]}
 
