@@ -44,14 +44,11 @@ def probe(model: str, layout: str, method: str, pool: int, counts: tuple[int, ..
     gpu = [t.cuda() for t in tensors]
     kv = KVLayout.from_tensors(gpu, block_size=16, block_dim=block_dim)
     arena = HostArena(pool, kv.slot_bytes, pin=cuda_pin)
-    if method.startswith("staged-p"):  # the native engine with another gather program count
+    if method in VARIANTS:  # the native engine with other settings
         from kvoffload.transfer.cuda.engine import make_staged
         from kvoffload.transfer.cuda.staged_config import StagedConfig
 
-        programs = int(method.removeprefix("staged-p"))
-        backend: Any = make_staged(
-            kv, arena, StagedConfig(programs=programs, load_programs=programs)
-        )
+        backend: Any = make_staged(kv, arena, StagedConfig(**VARIANTS[method]))
     else:
         backend = make_backend(method, kv, arena)
     rows = []
@@ -133,16 +130,30 @@ def probe(model: str, layout: str, method: str, pool: int, counts: tuple[int, ..
     return rows
 
 
+VARIANTS: dict[str, dict[str, Any]] = {
+    "staged-p32": {"programs": 32, "load_programs": 32},
+    # small first chunks and layer slices from 1 MiB of load: the exposed gather / scatter shrinks
+    "staged-small": {"first_chunk_bytes": 1 << 20, "layer_slice_transfer_bytes": 1 << 20},
+    "staged-small-p32": {
+        "first_chunk_bytes": 1 << 20,
+        "layer_slice_transfer_bytes": 1 << 20,
+        "programs": 32,
+        "load_programs": 16,
+    },
+}
 METHODS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["staged", "staged-python", "dma"]
 
 
 def main() -> None:
     out: list[Any] = []
-    for model, layout, pool in (
+    cases = [
         ("llama3-8b", "page", 1100),
         ("llama3-70b-tp8-fp8", "kv_split", 2100),
         ("deepseek-v2-lite-mla", "page", 2100),
-    ):
+    ]
+    if len(sys.argv) > 3:
+        cases = [c for c in cases if c[0] in sys.argv[3].split(",")]
+    for model, layout, pool in cases:
         for method in METHODS:
             out += probe(model, layout, method, pool, (1, 16, 64, 1000))
     with open(sys.argv[1], "w") as f:
