@@ -66,7 +66,8 @@ def test_the_name_goes_once_every_mapper_has_opened_it(tmp_path: Path) -> None:
     assert one.created and not two.created
     assert one.named and region_files(tmp_path, "e")
     three = SharedRegion("e", MIB, tmp_path, mappers=3)
-    assert not one.named and region_files(tmp_path, "e") == []
+    assert region_files(tmp_path, "e") == []
+    assert not three.named and not one.named
     one.array[::4096] = 0x5A  # still one memory for all three
     assert (two.array[::4096] == 0x5A).all() and (three.array[::4096] == 0x5A).all()
     for region in (one, two, three):
@@ -110,7 +111,7 @@ def test_sigkill_and_sigterm_leave_no_file_and_give_the_memory_back(
         assert held - before >= nbytes * 0.9, "the region's pages were not in /dev/shm"
         one.kill(sig)
         two.kill(sig)
-        assert wait_for(lambda: held - shm_used() >= nbytes * 0.9), (
+        assert wait_for(lambda h=held: h - shm_used() >= nbytes * 0.9), (
             f"/dev/shm still holds the region after {signal.Signals(sig).name}"
         )
 

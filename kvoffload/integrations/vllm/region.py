@@ -31,7 +31,14 @@ from pathlib import Path
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvoffload.integrations.vllm.shm import PREFIX, SUFFIX, ShmFile, close_shared, open_shared, still_named
+from kvoffload.integrations.vllm.shm import (
+    PREFIX,
+    SUFFIX,
+    ShmFile,
+    close_shared,
+    open_shared,
+    still_named,
+)
 from kvoffload.store.arena import HostArena, PinFn
 
 SHM_DIR = Path("/dev/shm")
@@ -47,7 +54,7 @@ class SharedRegion:
         if nbytes <= 0:
             raise ValueError(f"expected a shared region of > 0 bytes, got {nbytes}")
         if mappers < 1:
-            raise ValueError(f"expected mappers >= 1 (processes that map the region), got {mappers}")
+            raise ValueError(f"expected mappers >= 1 (processes mapping the region), got {mappers}")
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)
         self.path = directory / f"{PREFIX}{safe}{SUFFIX}"
         self.nbytes = nbytes

@@ -112,7 +112,8 @@ class KVOffloadSpec(OffloadingSpec):
     @property
     def mappers(self) -> int:
         """Processes that map the host region: the scheduler and every worker (region.py)."""
-        return self.config.parallel.world_size + 1
+        workers: int = self.config.parallel.world_size
+        return workers + 1
 
     @property
     def region_bytes(self) -> int:
