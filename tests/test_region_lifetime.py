@@ -6,6 +6,7 @@ kills its engine; the region lives in ``tmp_path`` except where ``/dev/shm`` usa
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -64,10 +65,10 @@ def test_the_name_goes_once_every_mapper_has_opened_it(tmp_path: Path) -> None:
     one = SharedRegion("e", MIB, tmp_path, mappers=3)
     two = SharedRegion("e", MIB, tmp_path, mappers=3)
     assert one.created and not two.created
-    assert one.named and region_files(tmp_path, "e")
+    assert [r.named for r in (one, two)] == [True, True] and region_files(tmp_path, "e")
     three = SharedRegion("e", MIB, tmp_path, mappers=3)
     assert region_files(tmp_path, "e") == []
-    assert not three.named and not one.named
+    assert [r.named for r in (one, two, three)] == [False, False, False]
     one.array[::4096] = 0x5A  # still one memory for all three
     assert (two.array[::4096] == 0x5A).all() and (three.array[::4096] == 0x5A).all()
     for region in (one, two, three):
@@ -111,7 +112,7 @@ def test_sigkill_and_sigterm_leave_no_file_and_give_the_memory_back(
         assert held - before >= nbytes * 0.9, "the region's pages were not in /dev/shm"
         one.kill(sig)
         two.kill(sig)
-        assert wait_for(lambda h=held: h - shm_used() >= nbytes * 0.9), (
+        assert wait_for(functools.partial(freed, held, nbytes)), (
             f"/dev/shm still holds the region after {signal.Signals(sig).name}"
         )
 
@@ -161,6 +162,10 @@ def test_files_without_our_header_are_left_alone(tmp_path: Path) -> None:
     short.write_bytes(b"\1" * (HEADER.size - 1))
     assert reclaim_stale(tmp_path) == []
     assert old.exists() and stub.exists() and short.exists()
+
+
+def freed(held: int, nbytes: int) -> bool:
+    return held - shm_used() >= nbytes * 0.9
 
 
 def shm_used() -> int:
