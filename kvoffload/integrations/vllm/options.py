@@ -11,14 +11,20 @@ Two places take our options:
   (``parse_tier_options``), under vLLM's ``TieringOffloadingSpec`` or ours.
 
 Every value goes through ``OffloadConfig`` so that unknown keys and bad values raise ``ValueError``
-naming the key and what is accepted, before anything is built.
+naming the key and what is accepted, before anything is built. JSON users write numbers as
+strings, so before that a string is read as what its option holds (``as_number``): a byte size
+(``cpu_bytes_to_use`` and every ``*_bytes`` option) as an integer or a size with a unit
+(``"4194304"``, ``"512MiB"``, ``"64GiB"``, ``"1.5GB"``), another integer option as an integer
+(``"3600"``), a number of seconds as a decimal (``"0.5"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from kvoffload.config import OffloadConfig
@@ -46,6 +52,17 @@ DISK_TIER, VALKEY_TIER = "KVOffloadDiskTier", "KVOffloadValkeyTier"
 LOCALITIES = ("LOCAL", "REMOTE")
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(OffloadConfig))
+# Units of a byte size given as a string, case-insensitive ("64GiB", "512 MiB", "1.5GB").
+UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}  # fmt: skip
+_INT_TYPES = (int, "int", "int | None")
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+_INT = re.compile(r"\s*[+-]?\d+\s*")
+_INT_KEYS = frozenset(f.name for f in dataclasses.fields(OffloadConfig) if f.type in _INT_TYPES)
+_SECONDS_KEYS = frozenset(k for k in _FIELDS if k.endswith("_s"))
 _VALKEY_KEYS = tuple(k for k in _FIELDS if k.startswith("valkey_"))
 _COMMON_TIER_KEYS = ("model_id", "tier_threads")
 # Each tier's own keys (the first one is required), then the keys every tier takes.
@@ -88,7 +105,7 @@ def parse_options(extra_config: Mapping[str, Any]) -> VllmOptions:
             "expected canonical_layout to be false with KVOffloadSpec (each worker keeps its own "
             f"pages), got {extra_config['canonical_layout']!r}"
         )
-    capacity = _capacity(extra_config.get(CAPACITY_KEY))
+    capacity = _capacity(as_number(CAPACITY_KEY, extra_config.get(CAPACITY_KEY)))
     per_layer = extra_config.get(LAYER_KEY, False)
     if not isinstance(per_layer, bool):
         raise ValueError(f"expected {LAYER_KEY} to be true or false, got {per_layer!r}")
@@ -97,7 +114,7 @@ def parse_options(extra_config: Mapping[str, Any]) -> VllmOptions:
     tier_keys = {k for keys in TIER_KEYS.values() for k in keys}
     accepted = (*mine, *HOST_KEYS, *sorted(tier_keys))
     _check_known(ours, accepted, f"kv_connector_extra_config (besides vLLM's {sorted(VLLM_KEYS)})")
-    host = {k: v for k, v in ours.items() if k in HOST_KEYS}
+    host = {k: as_number(k, v) for k, v in ours.items() if k in HOST_KEYS}
     config = OffloadConfig.from_dict({**host, "host_capacity_bytes": capacity})
     tiers = []
     for tier, keys in TIER_KEYS.items():
@@ -129,8 +146,51 @@ def parse_tier_options(tier: str, options: Mapping[str, Any], default_model_id: 
     model_id = given.get("model_id", default_model_id)
     if not isinstance(model_id, str) or not model_id:
         raise ValueError(f"expected model_id to be a non-empty string, got {model_id!r}")
-    config = OffloadConfig.from_dict({**given, "model_id": model_id})
+    numbers = {k: as_number(k, v) for k, v in given.items()}
+    config = OffloadConfig.from_dict({**numbers, "model_id": model_id})
     return TierOptions(config, locality)
+
+
+def as_number(key: str, value: Any) -> Any:
+    """``value`` of option ``key``, a string read as the number that option holds (module doc);
+    anything else unchanged (the config checks it). ValueError for a string that is not one.
+
+    >>> as_number("cpu_bytes_to_use", "64GiB"), as_number("valkey_ttl_s", "60")
+    (68719476736, 60)
+    """
+    if not isinstance(value, str):
+        return value
+    if key == CAPACITY_KEY or key.endswith("_bytes"):
+        return parse_size(key, value)
+    if key in _INT_KEYS and _INT.fullmatch(value):
+        return int(value)
+    if key in _SECONDS_KEYS:
+        try:
+            return float(Decimal(value.strip()))
+        except InvalidOperation:
+            pass
+        raise ValueError(f"expected {key} to be a number of seconds like 0.5, got {value!r}")
+    if key in _INT_KEYS:
+        raise ValueError(f"expected {key} to be an integer like 8, got {value!r}")
+    return value
+
+
+def parse_size(key: str, text: str) -> int:
+    """A byte size: ``"4194304"``, ``"512MiB"``, ``"64 GiB"``, ``"1.5GB"`` (``UNITS``); the
+    result must be a whole, positive number of bytes."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in UNITS:
+        raise ValueError(
+            f"expected {key} to be a number of bytes, as an integer or a string like '4194304', "
+            f"'512MiB' or '64GiB' (units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), got {text!r}"
+        )
+    size = Decimal(match.group(1)) * UNITS[unit]
+    if size != size.to_integral_value() or size <= 0:
+        raise ValueError(
+            f"expected {key} to be a whole, positive number of bytes, got {text!r} = {size} bytes"
+        )
+    return int(size)
 
 
 def _entry_options(entry: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,99 +16,76 @@ under tensor and pipeline parallelism (a value always holds every rank's shard, 
 
 The file is created by whichever process opens it first (``O_EXCL``), sized with
 ``posix_fallocate`` (so a ``/dev/shm`` too small for ``cpu_bytes_to_use`` fails at start-up, not
-with a SIGBUS later), and unlinked by its creator at shutdown; mappings stay valid until each
-process unmaps. An engine that crashes leaves ``/dev/shm/kvoffload_<engine_id>.kv`` behind (vLLM's
-tiering region has the same property); delete it by hand.
+with a SIGBUS later), and its name is unlinked as soon as all ``mappers`` processes have opened it
+(``shm.py``): from then on the memory lives exactly as long as the processes that map it, however
+they end (SIGTERM, SIGKILL, a crash). A name left by an engine killed before that point is
+reclaimed at the next start, never while a live process maps it.
 """
 
 from __future__ import annotations
 
-import errno
 import mmap
-import os
 import re
-import time
 from pathlib import Path
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from kvoffload.integrations.vllm.shm import (
+    PREFIX,
+    SUFFIX,
+    ShmFile,
+    close_shared,
+    open_shared,
+    still_named,
+)
 from kvoffload.store.arena import HostArena, PinFn
 
 SHM_DIR = Path("/dev/shm")
-JOIN_TIMEOUT_S = 30.0  # how long a joiner waits for the creator to size the file
 
 
 class SharedRegion:
-    """``nbytes`` of shared memory named by ``engine_id``; ``array`` is its flat uint8 view."""
+    """``nbytes`` of shared memory named by ``engine_id`` and mapped by ``mappers`` processes
+    (each constructs one ``SharedRegion``); ``array`` is its flat uint8 view."""
 
-    def __init__(self, engine_id: str, nbytes: int, directory: Path = SHM_DIR) -> None:
+    def __init__(
+        self, engine_id: str, nbytes: int, directory: Path = SHM_DIR, mappers: int = 1
+    ) -> None:
         if nbytes <= 0:
             raise ValueError(f"expected a shared region of > 0 bytes, got {nbytes}")
+        if mappers < 1:
+            raise ValueError(f"expected mappers >= 1 (processes mapping the region), got {mappers}")
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)
-        self.path = directory / f"kvoffload_{safe}.kv"
+        self.path = directory / f"{PREFIX}{safe}{SUFFIX}"
         self.nbytes = nbytes
-        self.created = False
-        fd = self._open()
+        self._shm: ShmFile | None = open_shared(self.path, nbytes, mappers)
+        self.created = self._shm.created
         try:
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+            self._mmap: mmap.mmap | None = mmap.mmap(self._shm.fd, nbytes, mmap.MAP_SHARED)
+        except BaseException:
+            self.close()
+            raise
         self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address: int = self.array.ctypes.data
+
+    @property
+    def named(self) -> bool:
+        """Whether the file's name is still in its directory (not every mapper has opened it)."""
+        return self._shm is not None and still_named(self._shm)
 
     def rows(self, num_rows: int) -> np.ndarray:
         """The region as ``num_rows`` rows (chunks), for the scheduler's lower tiers."""
         return self.array.reshape(num_rows, self.nbytes // num_rows)
 
     def close(self) -> None:
-        """Unlink (if this process created it) and drop this object's mapping reference; the
-        memory goes once the last view of it is gone."""
-        if self.created:
-            self.path.unlink(missing_ok=True)
-            self.created = False
-        if self._mmap is not None:
+        """Release this process's hold (and the name, if the creator still sees it) and drop
+        this object's mapping reference; the memory goes once the last view of it is gone."""
+        if self._shm is not None:
+            close_shared(self._shm)
+            self._shm = None
+        if getattr(self, "_mmap", None) is not None:
             del self.array
             self._mmap = None
-
-    def _open(self) -> int:
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except FileExistsError:
-            return self._join()
-        self.created = True
-        try:
-            os.posix_fallocate(fd, 0, self.nbytes)
-        except OSError as e:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
-            if e.errno == errno.ENOSPC:
-                raise ValueError(
-                    f"expected room for {self.nbytes} bytes of host KV (cpu_bytes_to_use) in "
-                    f"{self.path.parent}, got ENOSPC: lower cpu_bytes_to_use or enlarge it "
-                    "(docker run --shm-size)"
-                ) from e
-            raise
-        return fd
-
-    def _join(self) -> int:
-        fd = os.open(self.path, os.O_RDWR)
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while (size := os.fstat(fd).st_size) < self.nbytes:
-            if time.monotonic() > deadline:
-                os.close(fd)
-                raise ValueError(
-                    f"expected {self.path} to reach {self.nbytes} bytes (its creator sizes it), "
-                    f"got {size} after {JOIN_TIMEOUT_S} s; a stale file? remove it"
-                )
-            time.sleep(0.005)
-        if size != self.nbytes:
-            os.close(fd)
-            raise ValueError(
-                f"expected {self.path} to hold {self.nbytes} bytes, got {size}: a file left by "
-                "another engine with the same engine_id; remove it"
-            )
-        return fd
 
 
 class RankArena(HostArena):

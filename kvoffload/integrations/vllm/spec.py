@@ -112,12 +112,18 @@ class KVOffloadSpec(OffloadingSpec):
         self._worker: KVOffloadWorker | None = None
 
     @property
+    def mappers(self) -> int:
+        """Processes that map the host region: the scheduler and every worker (region.py)."""
+        workers: int = self.config.parallel.world_size
+        return workers + 1
+
+    @property
     def region_bytes(self) -> int:
         return self.num_chunks * self.chunk_bytes
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            region = SharedRegion(self.config.engine_id, self.region_bytes)
+            region = SharedRegion(self.config.engine_id, self.region_bytes, mappers=self.mappers)
             rows = region.rows(self.num_chunks)
             tier = HostTier(
                 self.num_chunks,
@@ -142,7 +148,7 @@ class KVOffloadSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            region = SharedRegion(self.config.engine_id, self.region_bytes)
+            region = SharedRegion(self.config.engine_id, self.region_bytes, mappers=self.mappers)
             try:
                 self._worker = KVOffloadWorker(
                     kv_caches,

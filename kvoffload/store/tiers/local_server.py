@@ -5,10 +5,18 @@ For tests, benchmarks and trying the shared tier on one machine; production poin
 at servers it runs itself. The servers keep nothing on disk (no RDB, no AOF; a cluster node keeps
 only its ``nodes.conf``, so a killed node rejoins when restarted), listen on 127.0.0.1 only, on
 free ports, optionally over TLS only (``ServerTls``: certificates the caller made).
+
+A free port is only free until someone binds it: between ``free_port()`` and the server's bind,
+another process on the machine (another server, its cluster bus, a client's ephemeral port) may
+take it. So a server is up only when its own log says it accepts connections and it answers
+PING (never another process's PONG on that port); when its bind fails and we chose the ports, it
+is started again on new ones (``BIND_ATTEMPTS``); any other failure raises with the server's own
+last log lines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -20,6 +28,10 @@ import time
 from dataclasses import dataclass
 
 SERVER_BINARIES = ("valkey-server", "redis-server")
+BIND_ATTEMPTS = 8  # starts on new ports after a bind failure on ports we chose
+READY = b"Ready to accept connections"  # Redis 6-7 and Valkey 7-8 log this once listening
+BIND_FAILED = b"Address already in use"
+LOG_LINES = 8  # of the server's log, in a start failure's message
 CLI_BINARIES = ("valkey-cli", "redis-cli")
 
 
@@ -41,10 +53,18 @@ def _first(names: tuple[str, ...]) -> str | None:
     return None
 
 
+_handed_out: set[int] = set()  # never hand the same port to two servers of this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nobody listens on now (a start that loses the race picks another)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @dataclass(frozen=True)
@@ -111,6 +131,9 @@ class LocalServer:
         self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="kvoffload-valkey-")
+        # Ports may move until the first start succeeds, and only if the caller gave none
+        # (a restarted cluster node must keep its address).
+        self._ports_movable = port is None
 
     @property
     def url(self) -> str:
@@ -149,19 +172,65 @@ class LocalServer:
             ]  # fmt: skip
         return args + list(self.extra_args)
 
+    @property
+    def log_path(self) -> str:
+        """The server's log (its stdout and stderr) since its last start."""
+        return os.path.join(self._dir, "server.log")
+
     def start(self, timeout_s: float = 10.0) -> LocalServer:
-        self.proc = subprocess.Popen(
-            self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        """Start and wait until it answers; RuntimeError (with its log lines) if it does not."""
+        for _ in range(BIND_ATTEMPTS if self._ports_movable else 1):
+            if self._start_once(timeout_s):
+                self._ports_movable = False
+                return self
+            self._move_ports()
+        raise RuntimeError(
+            f"{self.binary} could not bind its ports in {BIND_ATTEMPTS} attempts; last log lines:"
+            f"\n{self.log_tail()}"
         )
+
+    def _start_once(self, timeout_s: float) -> bool:
+        """True once up; False when its bind failed and the ports may move; else raises."""
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.binary} exited with {self.proc.returncode} at start")
-            if self._answers():
-                return self
+                code, self.proc = self.proc.returncode, None
+                if self._ports_movable and BIND_FAILED in self._log():
+                    return False
+                raise RuntimeError(
+                    f"{self.binary} exited with {code} at start on port {self.port}; its last "
+                    f"log lines:\n{self.log_tail()}"
+                )
+            if READY in self._log() and self._answers():
+                return True
             time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"{self.binary} did not answer on port {self.port} in {timeout_s} s")
+        raise RuntimeError(
+            f"{self.binary} did not answer on port {self.port} in {timeout_s} s; its last log "
+            f"lines:\n{self.log_tail()}"
+        )
+
+    def _move_ports(self) -> None:
+        self.port = free_port()
+        if self.bus_port is not None:
+            self.bus_port = free_port()
+        # a failed cluster node may have written its identity with the old ports
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self._dir, "nodes.conf"))
+
+    def _log(self) -> bytes:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return b""
+
+    def log_tail(self, lines: int = LOG_LINES) -> str:
+        """The last ``lines`` lines of the server's log."""
+        text = self._log().decode(errors="replace").rstrip("\n")
+        return "\n".join(text.splitlines()[-lines:])
 
     def _answers(self) -> bool:
         """PING answered (PONG, or NOAUTH: up, with a password)."""
