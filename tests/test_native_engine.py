@@ -174,15 +174,7 @@ def test_close_with_jobs_in_flight_settles_every_job_and_frees_everything(
     cancels them (never run: their memory untouched), finishes the one in hand, frees the rest."""
     pair = Pair("llama3-8b", "page")
     backend = staged(pair, native_inline_bytes=0)  # every job to the worker thread
-    gate, entered = threading.Event(), threading.Event()
-    launch = fake_cuda_launch(fake_cuda)
-
-    def held(*args: Any) -> int:
-        entered.set()
-        assert gate.wait(10)
-        return int(launch(*args))
-
-    swap_launch(fake_cuda, held)
+    gate, entered, launch = hold_launches(fake_cuda)
     first = [TransferSpec.of("store", [1, 2], [3, 4])]
     queued = [[TransferSpec.of("store", [5], [10 + k])] for k in range(3)]
     try:
@@ -217,15 +209,7 @@ def test_close_with_jobs_in_flight_settles_every_job_and_frees_everything(
 def test_a_queued_job_can_be_cancelled_and_never_runs(fake_cuda: Calls) -> None:
     pair = Pair("llama3-8b", "page")
     backend = staged(pair, native_inline_bytes=0)
-    gate, entered = threading.Event(), threading.Event()
-    launch = fake_cuda_launch(fake_cuda)
-
-    def held(*args: Any) -> int:
-        entered.set()
-        assert gate.wait(10)
-        return int(launch(*args))
-
-    swap_launch(fake_cuda, held)
+    gate, entered, launch = hold_launches(fake_cuda)
     try:
         running = backend.submit([TransferSpec.of("store", [1], [2])])
         assert entered.wait(10)
@@ -423,6 +407,21 @@ def test_a_malformed_engine_spec_is_refused() -> None:
     bad_abi[0] = 99
     with pytest.raises(ValueError, match="ABI 1, got 99"):
         engine.Engine(native.address(table), bad_abi)
+
+
+def hold_launches(calls: Calls) -> tuple[threading.Event, threading.Event, Any]:
+    """Make the fake cuLaunchKernel wait for ``gate``; ``entered`` is set once one waits. Returns
+    (gate, entered, the launch to put back with ``swap_launch``)."""
+    gate, entered = threading.Event(), threading.Event()
+    launch = fake_cuda_launch(calls)
+
+    def held(*args: Any) -> int:
+        entered.set()
+        assert gate.wait(10)
+        return int(launch(*args))
+
+    swap_launch(calls, held)
+    return gate, entered, launch
 
 
 def fake_cuda_launch(calls: Calls) -> Any:

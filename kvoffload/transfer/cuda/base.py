@@ -105,15 +105,7 @@ class CudaBackend(CopyBackend):
         submit_thread: bool = True,
         inline_bytes: int = INLINE_BYTES,
     ) -> None:
-        if not layout.is_cuda:
-            raise ValueError(
-                f"expected a CUDA layout for the {self.name} backend, got device {layout.device}"
-            )
-        if not arena.pinned:
-            raise ValueError(
-                f"expected a page-locked host arena for the {self.name} backend (build it with "
-                "pin=kvoffload.transfer.pinning.cuda_pin), got an unpinned one"
-            )
+        check_cuda_pair(self.name, layout, arena)
         if inline_bytes < 0:
             raise ValueError(f"expected inline_bytes >= 0, got {inline_bytes}")
         super().__init__(layout, arena)
@@ -375,6 +367,19 @@ class CudaBackend(CopyBackend):
             cu.event_record(event, earlier.tail)
             cu.stream_wait_event(used[-1].tail, event)
         cu.event_record(event, used[-1].tail)
+
+
+def check_cuda_pair(name: str, layout: KVLayout, arena: HostArena) -> None:
+    """Raise ValueError unless ``layout`` is on a GPU and ``arena`` is page-locked."""
+    if not layout.is_cuda:
+        raise ValueError(
+            f"expected a CUDA layout for the {name} backend, got device {layout.device}"
+        )
+    if not arena.pinned:
+        raise ValueError(
+            f"expected a page-locked host arena for the {name} backend (build it with "
+            "pin=kvoffload.transfer.pinning.cuda_pin), got an unpinned one"
+        )
 
 
 def check_bounds(spec: TransferSpec, group_blocks: Sequence[int], num_slots: int) -> None:

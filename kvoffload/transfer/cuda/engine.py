@@ -26,7 +26,7 @@ import numpy as np
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import CopyBackend, Pending
 from kvoffload.transfer.cuda import native
-from kvoffload.transfer.cuda.base import _current_stream
+from kvoffload.transfer.cuda.base import _current_stream, check_cuda_pair
 from kvoffload.transfer.cuda.chunks import (
     first_slice_layers,
     load_schedules,
@@ -103,15 +103,7 @@ class NativeStagedBackend(CopyBackend):
         engine = native.module()
         if engine is None:
             raise NativeUnavailable(native.unavailable() or "the native engine is unavailable")
-        if not layout.is_cuda:
-            raise ValueError(
-                f"expected a CUDA layout for the {self.name} backend, got device {layout.device}"
-            )
-        if not arena.pinned:
-            raise ValueError(
-                f"expected a page-locked host arena for the {self.name} backend (build it with "
-                "pin=kvoffload.transfer.pinning.cuda_pin), got an unpinned one"
-            )
+        check_cuda_pair(self.name, layout, arena)
         check_words(layout)
         super().__init__(layout, arena)
         import torch
