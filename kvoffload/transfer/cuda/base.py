@@ -53,22 +53,17 @@ from kvoffload.transfer.descriptors import region_arrays
 from kvoffload.transfer.layout import KVLayout, LayerGroup
 from kvoffload.transfer.spec import TransferSpec
 
-# Transfers up to this many bytes are enqueued in the caller's thread when their direction is idle;
-# larger ones by the direction's thread (the caller then pays only validation and a hand-off).
-# Default 0, every transfer to the thread: on the H100 VM a Python loop launching kernels and
-# submitting a 2-block store and load per step ran 3,952 / 6,057 us per step with inline enqueue
-# against 1,765-3,941 with a thread (two runs, benchmarks/staged_sweep.py, docs/transfer.md): the
-# thread's driver calls run while the caller goes on, inline ones stall it.
+# Python path: transfers up to this many bytes are enqueued in the caller's thread when their
+# direction is idle. 0: every one to the thread, whose driver calls run while the caller goes on
+# (inline ones stalled a launch-bound loop; docs/transfer.md, 2026-11-23 "Host time").
 INLINE_BYTES = 0
 # At most this many layer slices (events) per load by default; each costs a little host time.
 MAX_LAYER_SLICES = 8
-# A load is cut into at most one slice per this many bytes (~0.6 ms of link time per slice against
-# ~0.2 ms of host time to enqueue one, measured on the H100 VM).
+# At most one layer slice per this many bytes of a load: ~0.6 ms of link time against ~0.2 ms of
+# Python to enqueue a slice.
 SLICE_TRANSFER_BYTES = 32 << 20
-# A ramped load's first layer slice holds at least this many bytes per block (one copy-engine
-# descriptor per block; 64 KiB is one layer of Llama-3-8B at 16-token blocks); later slices double.
-# Off by default (``first_slice_bytes = 0``): on the H100 (2026-11-23, staged_sweep.py "overlap")
-# a ramp beat equal slices only where the engine computes a layer in ~2x its link time.
+# A ramped load's first slice holds >= this many bytes per block (one Llama-3-8B layer at 16-token
+# blocks); off by default (docs/transfer.md, "Layer slices").
 FIRST_SLICE_BYTES = 64 << 10
 
 

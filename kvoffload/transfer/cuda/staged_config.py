@@ -14,50 +14,35 @@ from kvoffload.transfer.cuda.sm import check_kernel_shape
 
 @dataclass(frozen=True)
 class StagedConfig:
-    # Device staging memory per direction, in bytes (cut into ``depth`` areas, each at least one
-    # block).
+    # Device staging memory per direction (cut into ``depth`` areas, each at least one block).
     staging_bytes: int = 128 << 20
-    # Staging areas per direction: how many chunks can be in flight (gathered, not yet sent).
+    # Chunks in flight per direction (gathered, not yet sent).
     depth: int = 4
-    # Bytes of the first chunk of a store (the last of a load); chunks double from there.
+    # A store's first chunk (a load's last); chunks double from there: a short exposed gather.
     first_chunk_bytes: int = 4 << 20
-    # Programs of the gather/scatter kernel, and bytes each moves per loop step (a tile of
-    # several pieces; see kernels.tile).
+    # Gather/scatter programs: enough to outrun the link on small pieces, few SMs taken.
     programs: int = 16
-    # Programs of a load's scatter where a loop step moves one piece (pieces > 16 KiB: Llama-3-8B,
-    # Qwen2.5-7B at 32-token blocks); loads of smaller pieces use ``programs``. On the H100
-    # (2026-11-23, staged_sweep.py "programs", Llama-3-8B 512 blocks, 64 KiB pieces) 4 programs
-    # loaded 51.5 GB/s as 16 did (51.4), and a bf16 GEMM beside store+load (4 programs both ways)
-    # ran +2.1% slower against +3.3% with 16 and +5.7% with 32 (noise 0.8%). Store GB/s at 4
-    # programs and smaller pieces were not measured, so stores and those loads keep ``programs``.
+    # Scatter programs for loads of pieces > 16 KiB: the same GB/s as 16, less GEMM slowdown
+    # (docs/transfer.md, "Scatter programs").
     load_programs: int = 4
+    # Bytes each program moves per loop step (a tile of several small pieces; kernels.tile).
     chunk_bytes: int = 32768
     num_warps: int = 8
-    # DMA streams per direction; consecutive chunks alternate between them. Two gained nothing on
-    # the H100 (2 MiB, 320 KiB and 486 KiB slots, same probe), so one.
+    # DMA streams per direction: two gained nothing on the H100 (docs/transfer.md, dev3).
     dma_streams: int = 1
-    # A load's layer slices: each at least this many bytes per block (one descriptor per block and
-    # slice), at most ``max_layer_slices`` slices. On the H100 (2026-11-23, staged_sweep.py
-    # "overlap": a Llama-3-8B load of 740 blocks beside a synthetic prefill that waits for each
-    # layer and computes it in 1.1x / 2x that layer's link time) the prefill waited 2.9 / 3.2 ms
-    # beyond its compute with 16 equal slices of 128 KiB, 4.8 / 4.9 ms with 8 of 256 KiB, 4.5 /
-    # 2.9 ms with 8 ramped from one layer, 3.4 / 2.2 ms with 16 ramped, 31 ms with one slice per
-    # layer (the host fell behind); the load moved 52.4, 52.8, 52.7, 50.8 and 47.1 GB/s.
+    # A load's layer slices keep >= this many bytes per block (one descriptor per block and
+    # slice), at most ``max_layer_slices`` of them (docs/transfer.md, "Layer slices").
     layer_slice_bytes: int = 128 << 10
     max_layer_slices: int = 16
-    # ... and at most one slice per this many bytes of the load (see ``base``).
+    # ... and at most one slice per this many bytes of the load (``base.SLICE_TRANSFER_BYTES``).
     layer_slice_transfer_bytes: int = SLICE_TRANSFER_BYTES
-    # > 0: ramped slices, the first holding the fewest layers that make this many bytes per block
-    # (``FIRST_SLICE_BYTES``: one Llama-3-8B layer), the next twice as many, up to an equal share
-    # (``chunks.slice_bounds``): better where the engine computes a layer in ~2x its link time
-    # (numbers above). 0: equal slices.
+    # > 0: ramped slices from this many bytes per block (``FIRST_SLICE_BYTES``); 0: equal slices,
+    # which waited less unless the engine computes a layer in ~2x its link time.
     first_slice_bytes: int = 0
-    # Run transfers on the native engine (the compiled extension, ``engine.py``) where it is
-    # built; False, a missing extension or ``KVOFFLOAD_NATIVE=0``: the Python path (staged.py).
+    # Run on the native engine where it is built; False (or ``KVOFFLOAD_NATIVE=0``): Python path.
     native: bool = True
-    # Native engine: a transfer up to this many bytes is enqueued in the caller's thread (the GIL
-    # released) when its direction is idle, instead of waking the direction's thread; larger ones
-    # go to the thread so the caller goes on at once (docs/transfer.md, "Native engine").
+    # Native engine: transfers up to this size are enqueued by the caller (GIL released) when
+    # their direction is idle; a thread wake-up costs more than their whole enqueue.
     native_inline_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
