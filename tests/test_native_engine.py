@@ -430,3 +430,122 @@ def fake_cuda_launch(calls: Calls) -> Any:
 
 def swap_launch(calls: Calls, fn: Any) -> None:
     calls.launch_impl = fn
+
+
+class TwoGroups:
+    """A layout of two layer groups (Llama-3-8B pages and MLA latents: other slot sizes and layer
+    counts, the second group with fewer blocks), twice: the engine's and the oracle's."""
+
+    def __init__(self) -> None:
+        from dataclasses import replace
+
+        from kvoffload.store.arena import HostArena
+        from kvoffload.transfer.host import HostBackend
+        from kvoffload.transfer.layout import KVLayout
+        from kvoffload.transfer.shapes import MODELS, engine_tensors
+        from tests.fake_cuda import cuda_layout, no_pin
+
+        rng = np.random.default_rng(3)
+
+        def fill(shape: tuple[int, ...]) -> np.ndarray:
+            return rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+
+        a, dim_a = engine_tensors(MODELS["llama3-8b"], "page", POOL, 16, fill)
+        b, dim_b = engine_tensors(MODELS["deepseek-v2-lite-mla"], "page", POOL // 2, 16, fill)
+        self.mine, self.theirs = a + b, [t.copy() for t in a + b]
+
+        def layout(ts: list[np.ndarray]) -> KVLayout:
+            first = KVLayout.from_tensors(ts[: len(a)], block_size=16, block_dim=dim_a)
+            second = KVLayout.from_tensors(ts[len(a) :], block_size=16, block_dim=dim_b)
+            return replace(first, groups=first.groups + second.groups)
+
+        self.kv = cuda_layout(layout(self.mine))
+        oracle_kv = layout(self.theirs)
+        self.arena = HostArena(POOL, self.kv.slot_bytes, pin=no_pin)
+        self.arena_oracle = HostArena(POOL, self.kv.slot_bytes)
+        noise = rng.integers(0, 256, self.arena.slots.shape, dtype=np.uint8)
+        self.arena.slots[:] = noise
+        self.arena_oracle.slots[:] = noise
+        self.oracle = HostBackend(oracle_kv, self.arena_oracle)
+
+    def check(self) -> None:
+        assert np.array_equal(self.arena.slots, self.arena_oracle.slots), "host slots differ"
+        for i, (x, y) in enumerate(zip(self.mine, self.theirs, strict=True)):
+            assert np.array_equal(x, y), f"engine tensor {i} differs"
+
+
+@needs_engine
+def test_two_layer_groups_in_one_submit_move_the_oracles_bytes(fake_cuda: Calls) -> None:
+    from kvoffload.transfer.cuda.engine import make_staged
+    from kvoffload.transfer.cuda.staged_config import StagedConfig
+
+    pair = TwoGroups()
+    config = StagedConfig(
+        staging_bytes=4 * pair.kv.slot_bytes,
+        depth=2,
+        first_chunk_bytes=1,
+        layer_slice_bytes=8,
+        max_layer_slices=4,
+        layer_slice_transfer_bytes=1,
+    )
+    backend: Any = make_staged(pair.kv, pair.arena, config)
+    try:
+        assert backend.path == "native"
+        rng = np.random.default_rng(9)
+        for _ in range(3):
+            slots = rng.choice(POOL, 10, replace=False)
+            stores = [
+                TransferSpec.of("store", rng.choice(POOL, 6, replace=False), slots[:6], group=0),
+                TransferSpec.of("store", rng.choice(POOL // 2, 4, replace=False), slots[6:], 1),
+            ]
+            loads = [
+                TransferSpec.of("load", rng.choice(POOL, 6, replace=False), slots[:6], group=0),
+                TransferSpec.of("load", rng.choice(POOL // 2, 4, replace=False), slots[6:], 1),
+            ]
+            for specs in (stores, loads, [stores[1], loads[0]]):
+                pending = backend.submit(specs)
+                assert pending.wait(10) and pending.error() is None
+                for spec in specs:
+                    pair.oracle.copy([spec])
+                pair.check()
+            with pytest.raises(ValueError, match=r"engine block id in \[0, 12\), got 12"):
+                backend.submit([TransferSpec.of("store", [12], [0], group=1)])
+    finally:
+        backend.close()
+        pair.arena.close()
+        pair.arena_oracle.close()
+
+
+@needs_engine
+def test_jobs_beyond_the_id_buffers_first_capacity_grow_them(fake_cuda: Calls) -> None:
+    """4,500 blocks in one job: more ids than the buffers hold at start (4,096)."""
+    from kvoffload.store.arena import HostArena
+    from kvoffload.transfer.cuda.engine import make_staged
+    from kvoffload.transfer.host import HostBackend
+    from kvoffload.transfer.layout import KVLayout
+    from tests.fake_cuda import cuda_layout, no_pin
+
+    n = 4600
+    rng = np.random.default_rng(4)
+    mine = [rng.integers(0, 1 << 16, (n, 32), dtype=np.uint16) for _ in range(2)]
+    theirs = [t.copy() for t in mine]
+    kv = cuda_layout(KVLayout.from_tensors(mine, block_size=16, block_dim=0))
+    arena = HostArena(n, kv.slot_bytes, pin=no_pin)
+    arena_oracle = HostArena(n, kv.slot_bytes)
+    oracle = HostBackend(KVLayout.from_tensors(theirs, block_size=16, block_dim=0), arena_oracle)
+    backend: Any = make_staged(kv, arena)
+    try:
+        blocks, slots = rng.permutation(n)[:4500], rng.permutation(n)[:4500]
+        for specs in (
+            [TransferSpec.of("store", blocks, slots)],
+            [TransferSpec.of("load", rng.permutation(n)[:4500], slots)],
+        ):
+            assert backend.submit(specs).wait(30)
+            oracle.copy(specs)
+            assert np.array_equal(arena.slots, arena_oracle.slots)
+            for x, y in zip(mine, theirs, strict=True):
+                assert np.array_equal(x, y)
+    finally:
+        backend.close()
+        arena.close()
+        arena_oracle.close()
