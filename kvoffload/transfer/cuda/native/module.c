@@ -7,6 +7,11 @@
  * it returns one Job per direction. Jobs answer done(), wait(timeout), error(), cancel(),
  * wait_on(stream, layer) and times(); Engine.finished() drains the ids of jobs finished since the
  * last call. Every wait runs with the GIL released.
+ *
+ * LOCKING: a thread holding the GIL never waits for the engine's mutex. The engine's threads call
+ * driver entry points while holding it, and entry points may need the GIL (the CPU tests' fakes
+ * are Python callbacks), so every call here that takes the mutex releases the GIL first, and
+ * Python objects are built only after the mutex is released.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -258,15 +263,18 @@ static PyObject *engine_finished(EngineObject *self, PyObject *noargs) {
     (void)noargs;
     if (check_open(self) < 0) return NULL;
     kvo_engine *e = self->e;
+    int64_t n, *ids;
+    Py_BEGIN_ALLOW_THREADS /* see LOCKING */
     pthread_mutex_lock(&e->mu);
     e->track_finished = 1;
-    int64_t n = e->finished_n;
-    int64_t *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
+    n = e->finished_n;
+    ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
     if (ids != NULL) {
         memcpy(ids, e->finished, (size_t)n * sizeof *ids);
         e->finished_n = 0;
     }
     pthread_mutex_unlock(&e->mu);
+    Py_END_ALLOW_THREADS
     if (ids == NULL) return PyErr_NoMemory();
     PyObject *out = PyList_New(n);
     for (int64_t i = 0; out && i < n; i++) PyList_SET_ITEM(out, i, PyLong_FromLongLong(ids[i]));
@@ -284,18 +292,24 @@ static PyObject *engine_stats(EngineObject *self, PyObject *noargs) {
     (void)noargs;
     if (check_open(self) < 0) return NULL;
     kvo_engine *e = self->e;
+    long long queued = 0, inflight = 0, submitted, completed, failures, parts;
+    int closing;
+    Py_BEGIN_ALLOW_THREADS /* copied under the lock, built after it: see LOCKING */
     pthread_mutex_lock(&e->mu);
-    long long queued = 0, inflight = 0;
     for (int d = 0; d < 2; d++)
         for (kvo_job *j = e->queue_head[d]; j; j = j->next) queued++;
     for (kvo_job *j = e->inflight; j; j = j->next) inflight++;
-    PyObject *out = Py_BuildValue(
-        "{s:L,s:L,s:L,s:L,s:L,s:L,s:i,s:i}", "submitted", (long long)e->submitted, "completed",
-        (long long)e->completed, "failed", (long long)e->failures, "parts",
-        (long long)e->native_parts, "queued", queued, "in_flight", inflight, "closed", e->closing,
-        "batch_copies", e->d.batch != NULL);
+    submitted = e->submitted;
+    completed = e->completed;
+    failures = e->failures;
+    parts = e->native_parts;
+    closing = e->closing;
     pthread_mutex_unlock(&e->mu);
-    return out;
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:i,s:i}", "submitted", submitted,
+                         "completed", completed, "failed", failures, "parts", parts, "queued",
+                         queued, "in_flight", inflight, "closed", closing, "batch_copies",
+                         e->d.batch != NULL);
 }
 
 static PyMethodDef engine_methods[] = {
@@ -312,7 +326,12 @@ static PyMethodDef engine_methods[] = {
 /* -- Job --------------------------------------------------------------------------------------- */
 
 static void job_dealloc(JobObject *self) {
-    if (self->job != NULL) kvo_job_release(self->owner->e, self->job);
+    if (self->job != NULL) {
+        kvo_engine *e = self->owner->e;
+        kvo_job *job = self->job;
+        Py_BEGIN_ALLOW_THREADS kvo_job_release(e, job); /* see LOCKING */
+        Py_END_ALLOW_THREADS
+    }
     Py_XDECREF(self->owner);
     PyObject_Free(self);
 }
@@ -337,20 +356,33 @@ static PyObject *job_error(JobObject *self, PyObject *noargs) {
     (void)noargs;
     kvo_job *j = self->job;
     kvo_engine *e = self->owner->e;
+    /* copied under the lock, built after it: building objects may run the garbage collector,
+     * whose Job deallocations take the same lock */
+    char message[sizeof j->message];
+    int done, failed, code, step, cancelled;
+    long long chunk, desc;
+    Py_BEGIN_ALLOW_THREADS /* never wait for the lock holding the GIL: see LOCKING */
     pthread_mutex_lock(&e->mu);
-    int done = j->state >= KVO_INFLIGHT, failed = j->failed; /* the message is final */
-    PyObject *out = done && failed
-                        ? Py_BuildValue("(iiLLsi)", j->code, j->step, (long long)j->chunk,
-                                        (long long)j->desc, j->message, j->cancelled)
-                        : NULL;
+    done = j->state >= KVO_INFLIGHT; /* the message is final */
+    failed = j->failed;
+    code = j->code;
+    step = j->step;
+    cancelled = j->cancelled;
+    chunk = j->chunk;
+    desc = j->desc;
+    memcpy(message, j->message, sizeof message);
     pthread_mutex_unlock(&e->mu);
-    if (done && failed) return out;
+    Py_END_ALLOW_THREADS
+    if (done && failed)
+        return Py_BuildValue("(iiLLsi)", code, step, chunk, desc, message, cancelled);
     Py_RETURN_NONE;
 }
 
 static PyObject *job_cancel(JobObject *self, PyObject *noargs) {
     (void)noargs;
-    return PyBool_FromLong(kvo_job_cancel(self->owner->e, self->job));
+    int ok;
+    Py_BEGIN_ALLOW_THREADS ok = kvo_job_cancel(self->owner->e, self->job); /* see LOCKING */
+    Py_END_ALLOW_THREADS return PyBool_FromLong(ok);
 }
 
 /* wait_on(stream, layer=-1, timeout): make `stream` wait on the GPU for the job (or for the
@@ -418,11 +450,17 @@ static PyObject *job_wait_on(JobObject *self, PyObject *args) {
 static PyObject *job_times(JobObject *self, PyObject *noargs) {
     (void)noargs;
     kvo_job *j = self->job;
+    double t[5];
+    Py_BEGIN_ALLOW_THREADS /* copied under the lock, built after it: see LOCKING */
     pthread_mutex_lock(&self->owner->e->mu);
-    PyObject *out = Py_BuildValue("(ddddd)", j->t_submit, j->t_start, j->t_enqueued,
-                                  j->t_first_slice, j->t_done);
+    t[0] = j->t_submit;
+    t[1] = j->t_start;
+    t[2] = j->t_enqueued;
+    t[3] = j->t_first_slice;
+    t[4] = j->t_done;
     pthread_mutex_unlock(&self->owner->e->mu);
-    return out;
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(ddddd)", t[0], t[1], t[2], t[3], t[4]);
 }
 
 static PyObject *job_get_id(JobObject *self, void *c) {
