@@ -8,8 +8,10 @@ the bytes that land, against the host backend, and the Python path's calls side 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,21 @@ def staged(pair: Pair, **config: Any) -> Any:
     backend: Any = make_staged(pair.kv, pair.arena, StagedConfig(**fields))
     backend.min_slice_transfer_bytes = 1  # the Python path's per-instance knob
     return backend
+
+
+@contextlib.contextmanager
+def engine_on(model: str, layout: str, **config: Any) -> Iterator[tuple[Pair, Any]]:
+    """A ``Pair`` and the ``staged`` backend over it (``staged``'s test settings), both closed
+    after."""
+    pair = Pair(model, layout)
+    try:
+        backend = staged(pair, **config)
+        try:
+            yield pair, backend
+        finally:
+            backend.close()
+    finally:
+        pair.close()
 
 
 def round_trips(pair: Pair, backend: Any, seed: int, rounds: int = 2) -> None:
@@ -103,9 +120,7 @@ def test_the_engine_moves_the_oracles_bytes_with_the_python_paths_copies(
 
 @needs_engine
 def test_loads_are_sliced_by_layer_and_a_layer_wait_needs_only_its_slice(fake_cuda: Calls) -> None:
-    pair = Pair("llama3-8b", "kv_split")
-    backend = staged(pair)
-    try:
+    with engine_on("llama3-8b", "kv_split") as (pair, backend):
         slots = np.arange(8)
         assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
         pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
@@ -120,9 +135,6 @@ def test_loads_are_sliced_by_layer_and_a_layer_wait_needs_only_its_slice(fake_cu
         pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])
         pair.oracle.copy([TransferSpec.of("load", np.arange(8, 16), slots)])
         pair.check()
-    finally:
-        backend.close()
-        pair.close()
 
 
 @needs_engine
@@ -151,9 +163,7 @@ def test_loads_are_sliced_by_layer_and_a_layer_wait_needs_only_its_slice(fake_cu
 def test_a_refused_submit_changes_nothing_and_says_what_was_expected(
     fake_cuda: Calls, spec: TransferSpec, message: str
 ) -> None:
-    pair = Pair("llama3-8b", "page")
-    backend = staged(pair)
-    try:
+    with engine_on("llama3-8b", "page") as (pair, backend):
         good = TransferSpec.of("store", [5, 6], [7, 8])
         before = len(fake_cuda.log)
         with pytest.raises(ValueError, match=message):
@@ -161,9 +171,6 @@ def test_a_refused_submit_changes_nothing_and_says_what_was_expected(
         assert len(fake_cuda.log) == before
         assert backend.stats()["submitted"] == 0
         pair.check()  # nothing moved
-    finally:
-        backend.close()
-        pair.close()
 
 
 @needs_engine
@@ -172,59 +179,56 @@ def test_close_with_jobs_in_flight_settles_every_job_and_frees_everything(
 ) -> None:
     """The first job's gather is held inside the fake driver: later jobs wait in the queue. close()
     cancels them (never run: their memory untouched), finishes the one in hand, frees the rest."""
-    pair = Pair("llama3-8b", "page")
-    backend = staged(pair, native_inline_bytes=0)  # every job to the worker thread
-    gate, entered, launch = hold_launches(fake_cuda)
-    first = [TransferSpec.of("store", [1, 2], [3, 4])]
-    queued = [[TransferSpec.of("store", [5], [10 + k])] for k in range(3)]
-    try:
-        p0 = backend.submit(first)
-        assert entered.wait(10)
-        later = [backend.submit(s) for s in queued]
-        closer = threading.Thread(target=backend.close)
-        closer.start()
-        closer.join(0.2)
-        assert closer.is_alive()  # waits for the job in flight
-        gate.set()
-        closer.join(10)
-        assert not closer.is_alive()
-        assert p0.done() and p0.error() is None
-        for p in later:
-            assert p.done() and p.cancel()
-            assert "did not run" in str(p.error())
-        pair.oracle.copy(first)
-        pair.check()  # the cancelled stores wrote nothing
-        with pytest.raises(ValueError, match="closed"):
-            backend.submit(first)
-        del p0, later
-        assert not fake_cuda.memory
-    finally:
-        gate.set()
-        swap_launch(fake_cuda, launch)
-        backend.close()
-        pair.close()
+    with engine_on("llama3-8b", "page", native_inline_bytes=0) as (
+        pair,
+        backend,
+    ):  # every job to the worker thread
+        gate, entered, launch = hold_launches(fake_cuda)
+        first = [TransferSpec.of("store", [1, 2], [3, 4])]
+        queued = [[TransferSpec.of("store", [5], [10 + k])] for k in range(3)]
+        try:
+            p0 = backend.submit(first)
+            assert entered.wait(10)
+            later = [backend.submit(s) for s in queued]
+            closer = threading.Thread(target=backend.close)
+            closer.start()
+            closer.join(0.2)
+            assert closer.is_alive()  # waits for the job in flight
+            gate.set()
+            closer.join(10)
+            assert not closer.is_alive()
+            assert p0.done() and p0.error() is None
+            for p in later:
+                assert p.done() and p.cancel()
+                assert "did not run" in str(p.error())
+            pair.oracle.copy(first)
+            pair.check()  # the cancelled stores wrote nothing
+            with pytest.raises(ValueError, match="closed"):
+                backend.submit(first)
+            del p0, later
+            assert not fake_cuda.memory
+        finally:
+            gate.set()
+            swap_launch(fake_cuda, launch)
 
 
 @needs_engine
 def test_a_queued_job_can_be_cancelled_and_never_runs(fake_cuda: Calls) -> None:
-    pair = Pair("llama3-8b", "page")
-    backend = staged(pair, native_inline_bytes=0)
-    gate, entered, launch = hold_launches(fake_cuda)
-    try:
-        running = backend.submit([TransferSpec.of("store", [1], [2])])
-        assert entered.wait(10)
-        assert not running.cancel()  # started: cannot be recalled
-        queued = backend.submit([TransferSpec.of("store", [3], [4])])
-        assert queued.cancel() and queued.done()
-        gate.set()
-        assert running.wait(10) and running.error() is None
-        pair.oracle.copy([TransferSpec.of("store", [1], [2])])
-        pair.check()
-    finally:
-        gate.set()
-        swap_launch(fake_cuda, launch)
-        backend.close()
-        pair.close()
+    with engine_on("llama3-8b", "page", native_inline_bytes=0) as (pair, backend):
+        gate, entered, launch = hold_launches(fake_cuda)
+        try:
+            running = backend.submit([TransferSpec.of("store", [1], [2])])
+            assert entered.wait(10)
+            assert not running.cancel()  # started: cannot be recalled
+            queued = backend.submit([TransferSpec.of("store", [3], [4])])
+            assert queued.cancel() and queued.done()
+            gate.set()
+            assert running.wait(10) and running.error() is None
+            pair.oracle.copy([TransferSpec.of("store", [1], [2])])
+            pair.check()
+        finally:
+            gate.set()
+            swap_launch(fake_cuda, launch)
 
 
 @needs_engine
@@ -232,49 +236,46 @@ def test_a_queued_job_can_be_cancelled_and_never_runs(fake_cuda: Calls) -> None:
 def test_small_jobs_are_enqueued_by_the_caller_when_the_direction_is_idle(
     fake_cuda: Calls, inline: int
 ) -> None:
-    pair = Pair("llama3-8b", "page")
-    backend = staged(pair, native_inline_bytes=inline)
-    threads: set[str] = set()
-    launch = fake_cuda_launch(fake_cuda)
+    with engine_on("llama3-8b", "page", native_inline_bytes=inline) as (pair, backend):
+        threads: set[str] = set()
+        launch = fake_cuda_launch(fake_cuda)
 
-    def named(*args: Any) -> int:
-        threads.add(threading.current_thread().name)
-        return int(launch(*args))
+        def named(*args: Any) -> int:
+            threads.add(threading.current_thread().name)
+            return int(launch(*args))
 
-    swap_launch(fake_cuda, named)
-    try:
-        for k in range(3):
-            assert backend.submit([TransferSpec.of("store", [k], [k])]).wait(10)
-        here = threading.current_thread().name
-        assert threads == ({here} if inline else threads - {here}) and threads
-        for k in range(3):
-            pair.oracle.copy([TransferSpec.of("store", [k], [k])])
-        pair.check()
-    finally:
-        swap_launch(fake_cuda, launch)
-        backend.close()
-        pair.close()
+        swap_launch(fake_cuda, named)
+        try:
+            for k in range(3):
+                assert backend.submit([TransferSpec.of("store", [k], [k])]).wait(10)
+            here = threading.current_thread().name
+            assert threads == ({here} if inline else threads - {here}) and threads
+            for k in range(3):
+                pair.oracle.copy([TransferSpec.of("store", [k], [k])])
+            pair.check()
+        finally:
+            swap_launch(fake_cuda, launch)
 
 
 @needs_engine
 def test_eight_threads_submitting_at_once_each_get_their_bytes(fake_cuda: Calls) -> None:
-    pair = Pair("llama3-8b", "page")
-    backend = staged(pair)
-    errors: list[BaseException] = []
-    specs = [[TransferSpec.of("store", [k, (k + 8) % POOL], [3 * k, 3 * k + 1])] for k in range(8)]
-    start = threading.Barrier(8)
+    with engine_on("llama3-8b", "page") as (pair, backend):
+        errors: list[BaseException] = []
+        specs = [
+            [TransferSpec.of("store", [k, (k + 8) % POOL], [3 * k, 3 * k + 1])] for k in range(8)
+        ]
+        start = threading.Barrier(8)
 
-    def run(k: int) -> None:
-        try:
-            start.wait()
-            for _ in range(5):
-                p = backend.submit(specs[k])
-                assert p.wait(10) and p.error() is None
-        except BaseException as err:  # noqa: BLE001 (collected and re-raised below)
-            errors.append(err)
+        def run(k: int) -> None:
+            try:
+                start.wait()
+                for _ in range(5):
+                    p = backend.submit(specs[k])
+                    assert p.wait(10) and p.error() is None
+            except BaseException as err:  # noqa: BLE001 (collected and re-raised below)
+                errors.append(err)
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
-    try:
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
         for t in threads:
             t.start()
         for t in threads:
@@ -284,57 +285,49 @@ def test_eight_threads_submitting_at_once_each_get_their_bytes(fake_cuda: Calls)
             pair.oracle.copy(s)
         pair.check()
         assert backend.stats()["submitted"] == 40 == backend.stats()["completed"]
-    finally:
-        backend.close()
-        pair.close()
 
 
 @needs_engine
 def test_a_copy_the_driver_refuses_fails_the_job_naming_its_descriptor(fake_cuda: Calls) -> None:
-    pair = Pair("llama3-8b", "kv_split")
-    backend = staged(pair, depth=1, first_chunk_bytes=1 << 30)  # one chunk: one batch
-    try:
-        fake_cuda.fail_batch_at = 2
-        pending = backend.submit([TransferSpec.of("store", [1, 2, 3, 4], [4, 9, 6, 11])])
-        assert pending.wait(10)
-        error = pending.error()
-        assert isinstance(error, CudaCopyError)
-        assert error.index == 2 and "descriptor 2" in str(error)
-        assert "FAKE_ERROR_1" in str(error)  # the driver's name for the code
-        fake_cuda.fail_batch_at = None
-        ok = backend.submit([TransferSpec.of("store", [5], [12])])  # the engine goes on
-        assert ok.wait(10) and ok.error() is None
-    finally:
-        fake_cuda.fail_batch_at = None
-        backend.close()
-        pair.close()
+    with engine_on("llama3-8b", "kv_split", depth=1, first_chunk_bytes=1 << 30) as (
+        _pair,
+        backend,
+    ):  # one chunk: one batch
+        try:
+            fake_cuda.fail_batch_at = 2
+            pending = backend.submit([TransferSpec.of("store", [1, 2, 3, 4], [4, 9, 6, 11])])
+            assert pending.wait(10)
+            error = pending.error()
+            assert isinstance(error, CudaCopyError)
+            assert error.index == 2 and "descriptor 2" in str(error)
+            assert "FAKE_ERROR_1" in str(error)  # the driver's name for the code
+            fake_cuda.fail_batch_at = None
+            ok = backend.submit([TransferSpec.of("store", [5], [12])])  # the engine goes on
+            assert ok.wait(10) and ok.error() is None
+        finally:
+            fake_cuda.fail_batch_at = None
 
 
 @needs_engine
 def test_a_completion_event_that_cannot_be_recorded_fails_the_job_without_a_hang(
     fake_cuda: Calls,
 ) -> None:
-    pair = Pair("llama3-8b", "page")
-    backend = staged(pair)
-    try:
-        tail = backend.spec.dmas[0][0]
-        fake_cuda.fail_record_on = tail
-        pending = backend.submit([TransferSpec.of("store", [1], [2])])
-        assert pending.wait(10)
-        assert "cuEventRecord" in str(pending.error())
-        with pytest.raises(RuntimeError, match="cuEventRecord"):
-            pending.wait_on(5)
-    finally:
-        fake_cuda.fail_record_on = None
-        backend.close()
-        pair.close()
+    with engine_on("llama3-8b", "page") as (_pair, backend):
+        try:
+            tail = backend.spec.dmas[0][0]
+            fake_cuda.fail_record_on = tail
+            pending = backend.submit([TransferSpec.of("store", [1], [2])])
+            assert pending.wait(10)
+            assert "cuEventRecord" in str(pending.error())
+            with pytest.raises(RuntimeError, match="cuEventRecord"):
+                pending.wait_on(5)
+        finally:
+            fake_cuda.fail_record_on = None
 
 
 @needs_engine
 def test_every_copy_waits_for_the_callers_stream(fake_cuda: Calls) -> None:
-    pair = Pair("llama3-8b", "page")
-    backend = staged(pair)
-    try:
+    with engine_on("llama3-8b", "page") as (_pair, backend):
         start = len(fake_cuda.log)
         assert backend.submit([TransferSpec.of("store", [1], [2])], order_after=99).wait(10)
         log = fake_cuda.log[start:]
@@ -348,16 +341,11 @@ def test_every_copy_waits_for_the_callers_stream(fake_cuda: Calls) -> None:
         first_copy = next(i for i, e in enumerate(log) if e[0] in ("copy", "batch"))
         assert first_launch < first_copy
         assert backend.submit([TransferSpec.of("store", [1], [3])], order_after=None).wait(10)
-    finally:
-        backend.close()
-        pair.close()
 
 
 @needs_engine
 def test_finished_jobs_are_drained_from_the_native_queue(fake_cuda: Calls) -> None:
-    pair = Pair("llama3-8b", "page")
-    backend = staged(pair)
-    try:
+    with engine_on("llama3-8b", "page") as (_pair, backend):
         assert backend.drain_finished() == []  # tracking starts here
         ps = [backend.submit([TransferSpec.of("store", [k], [k])]) for k in range(4)]
         for p in ps:
@@ -365,9 +353,6 @@ def test_finished_jobs_are_drained_from_the_native_queue(fake_cuda: Calls) -> No
         ids = sorted(i for p in ps for i in p.ids)
         assert sorted(backend.drain_finished()) == ids
         assert backend.drain_finished() == []
-    finally:
-        backend.close()
-        pair.close()
 
 
 def test_without_the_extension_staged_runs_its_python_path_and_says_why(

@@ -142,7 +142,6 @@ class NativeStagedBackend(CopyBackend):
 
                 launcher = CopyLauncher()
             groups = tuple(self._group(g, launcher, bases["store"][0]) for g in layout.groups)
-            self.layer_slices = [g.plans for g in groups]
             handle = {d: [int(s.cuda_stream) for s in ss] for d, ss in self._streams.items()}
             self.spec = EngineSpec(
                 num_slots=arena.num_slots,
@@ -239,10 +238,6 @@ class NativeStagedBackend(CopyBackend):
 
     def submit_checked(self, specs: Sequence[TransferSpec], **kw: Any) -> Pending:
         return self.submit(specs, **kw)  # the engine's checks cost O(n) in C: nothing to skip
-
-    def validate(self, specs: Sequence[TransferSpec]) -> None:
-        for spec in specs:  # the engine checks the same; this is for callers that ask first
-            spec.validate(self.layout, self.arena.num_slots)
 
     def drain_finished(self) -> list[int]:
         """Ids of the engine jobs finished since the last call (``NativePending.ids``)."""

@@ -24,18 +24,7 @@ DRIVER_FIELDS = (
     *("event_query", "event_sync", "ctx_get", "ctx_set", "mem_alloc", "mem_free"),
     *("host_alloc", "host_free", "stream_sync", "error_name"),
 )
-STEPS = {
-    1: "cuLaunchKernel",
-    2: "copy",
-    3: "cuEventRecord",
-    4: "cuStreamWaitEvent",
-    5: "allocation",
-    6: "kernel argument",
-    7: "cuEventQuery",
-    8: "cancel",
-    9: "close",
-}
-STEP_COPY = 2
+STEP_COPY = 2  # a copy the driver refused (native/kvo.h's step codes)
 
 _reason: str | None = None
 
