@@ -20,7 +20,7 @@ import pytest
 from kvoffload.transfer.cuda import native
 from kvoffload.transfer.cuda.driver import CudaCopyError
 from kvoffload.transfer.spec import TransferSpec
-from tests.fake_cuda import Calls, fake_cuda
+from tests.fake_cuda import Calls, fake_cuda, hold_stream
 from tests.test_cuda_backends_on_cpu import POOL, Pair
 
 __all__ = ["fake_cuda"]  # the fixture, used by name
@@ -119,22 +119,130 @@ def test_the_engine_moves_the_oracles_bytes_with_the_python_paths_copies(
 
 
 @needs_engine
-def test_loads_are_sliced_by_layer_and_a_layer_wait_needs_only_its_slice(fake_cuda: Calls) -> None:
+def test_a_layer_wait_is_one_flag_wait_enqueued_at_once_and_released_when_it_lands(
+    fake_cuda: Calls,
+) -> None:
+    """The load's streams are held (a GPU still busy): wait_on returns at once, having enqueued
+    one wait per call on the engine's stream, which goes on only once the copy's flag writes
+    land; the job is reported done only then."""
     with engine_on("llama3-8b", "kv_split") as (pair, backend):
         slots = np.arange(8)
         assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
+        release = hold_stream(fake_cuda, backend.spec.gather[1])
         pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
         layer_slice = pending.layer_slice
         assert layer_slice is not None and layer_slice.max() == 3  # max_layer_slices=4
         assert list(layer_slice) == sorted(layer_slice)
-        for layer in (0, len(layer_slice) - 1, None, 10_000):
-            pending.wait_on(123, layer)  # a raw stream handle
-        waits = [e for e in fake_cuda.log if e[0] == "wait" and e[1] == 123]
-        assert len(waits) == 4 and len({w[2] for w in waits}) == 3  # slice 0, 3, whole (x2)
+        before = fake_cuda.memops
+        for layer in (0, len(layer_slice) - 1, None):
+            pending.wait_on(123, layer)  # a raw stream handle: returns without the copy
+        assert fake_cuda.memops == before + 3
+        assert fake_cuda.stream_held(123) and not pending.done()
+        with pytest.raises(ValueError, match="layer"):
+            backend.layer_gate(0)
+        release()
+        assert not fake_cuda.stream_held(123)
         assert pending.wait(10) and pending.error() is None
+        pending.wait_on(123, 0)  # landed: nothing more to enqueue
+        assert fake_cuda.memops == before + 3  # no wait enqueued for a layer that landed
         pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])
         pair.oracle.copy([TransferSpec.of("load", np.arange(8, 16), slots)])
         pair.check()
+
+
+@needs_engine
+@pytest.mark.parametrize("where", ["launch", "flags"])
+def test_a_load_that_fails_mid_way_still_writes_every_flag_and_reports_failed(
+    fake_cuda: Calls, where: str
+) -> None:
+    """A scatter refused at the second slice (or every flag write refused): the job fails, every
+    flag word a wait could name is written anyway (no stream is left waiting), wait_on says so,
+    and the next load runs."""
+    with engine_on("llama3-8b", "kv_split") as (pair, backend):
+        slots = np.arange(8)
+        assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
+        gate = backend.layer_gate(4)
+        gate.wait(77, 3)  # an engine stream waiting on the gate of a layer never loaded
+        launch = fake_cuda_launch(fake_cuda)
+        count = [0]
+
+        def second_fails(*args: Any) -> int:
+            count[0] += 1
+            return 700 if count[0] == 2 else int(launch(*args))
+
+        if where == "launch":
+            swap_launch(fake_cuda, second_fails)
+        else:
+            fake_cuda.fail_flags_on = backend.spec.gather[1]
+        try:
+            pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
+            gate.open(77, [pending])
+        finally:
+            swap_launch(fake_cuda, launch)
+            fake_cuda.fail_flags_on = None
+        assert pending.wait(10)
+        assert "FAKE_ERROR_700" in str(pending.error()) if where == "launch" else pending.error()
+        with pytest.raises(RuntimeError):
+            pending.wait_on(123, 3)  # the engine recomputes: the stream does not wait
+        assert not any(fake_cuda.held.values())  # the gate opened, nothing held
+        again = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
+        assert again.wait(10) and again.error() is None
+        pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])
+        pair.oracle.copy([TransferSpec.of("load", np.arange(8, 16), slots)])
+        pair.check()
+
+
+@needs_engine
+def test_a_gate_opens_each_step_once_the_listed_loads_landed_and_closes_as_it_is_passed(
+    fake_cuda: Calls,
+) -> None:
+    with engine_on("llama3-8b", "kv_split") as (_pair, backend):
+        slots = np.arange(8)
+        assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
+        gate = backend.layer_gate(32)
+        for bad in (-1, 32, True):
+            with pytest.raises(ValueError, match=r"layer in \[0, 32\)"):
+                gate.wait(77, bad)
+        # step 1: a load in flight (its streams held); the replay waits for layers 0 and 31
+        release = hold_stream(fake_cuda, backend.spec.gather[1])
+        pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
+        gate.open(77, [pending])
+        gate.wait(77, 0)
+        gate.wait(77, 31)
+        assert fake_cuda.stream_held(77)
+        release()
+        assert not fake_cuda.stream_held(77)
+        # step 2: no load; the gate was closed by step 1's waits, and opens at once
+        gate.wait(77, 0)
+        assert fake_cuda.stream_held(77)
+        gate.open(78, [])  # another stream's open does not reach a replay ahead of it on 77 ...
+        gate.open(77, [])
+        assert not fake_cuda.stream_held(77)
+        assert pending.wait(10) and pending.error() is None
+
+
+@needs_engine
+def test_close_with_waits_enqueued_waits_for_the_copies_then_frees_the_flags(
+    fake_cuda: Calls,
+) -> None:
+    with engine_on("llama3-8b", "kv_split") as (_pair, backend):
+        slots = np.arange(4)
+        assert backend.submit([TransferSpec.of("store", np.arange(4), slots)]).wait(10)
+        release = hold_stream(fake_cuda, backend.spec.gather[1])
+        pending = backend.submit([TransferSpec.of("load", np.arange(8, 12), slots)])
+        pending.wait_on(123, 1)
+        gate = backend.layer_gate(2)
+        gate.wait(124, 0)  # a replay waiting on a gate nobody will open
+        closer = threading.Thread(target=backend.close)
+        closer.start()
+        closer.join(0.2)
+        assert closer.is_alive()  # the load is still in flight
+        release()
+        closer.join(10)
+        assert not closer.is_alive()
+        assert not any(fake_cuda.held.values())  # close opened the gate, the load landed
+        assert pending.done() and pending.error() is None
+        pending.wait_on(123, 1)  # after close: nothing to wait for, no flag memory touched
 
 
 @needs_engine
@@ -390,7 +498,7 @@ def test_a_malformed_engine_spec_is_refused() -> None:
         engine.Engine(native.address(table), np.zeros(3, dtype=np.int64))
     bad_abi = np.zeros(40, dtype=np.int64)
     bad_abi[0] = 99
-    with pytest.raises(ValueError, match="ABI 1, got 99"):
+    with pytest.raises(ValueError, match=f"ABI {native.ABI}, got 99"):
         engine.Engine(native.address(table), bad_abi)
 
 

@@ -10,8 +10,11 @@ to C as one frozen ``EngineSpec``.
 
 ``NativePending`` is the ``Pending`` of one submit (one engine job per direction): ``done``,
 ``wait``, ``wait_on(stream, layer)`` and ``cancel`` are single native calls that never hold the
-GIL while they wait. Ordering, layer slices and the reuse rule for memory of a timed-out
-transfer are those of ``base.py``'s module docstring.
+GIL while they wait. ``wait_on`` enqueues one GPU-side wait on a flag word the copy writes once
+that layer has landed and returns at once: the engine's thread never waits for the copy.
+``NativeGate`` is the engine's ``LayerGate`` (a forward captured whole in a CUDA graph). Ordering
+and the reuse rule for memory of a timed-out transfer are those of ``base.py``'s module
+docstring.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.backend import CopyBackend, Pending
+from kvoffload.transfer.backend import CopyBackend, LayerGate, Pending
 from kvoffload.transfer.cuda import native
 from kvoffload.transfer.cuda.base import _current_stream, check_cuda_pair
 from kvoffload.transfer.cuda.chunks import (
@@ -119,9 +122,13 @@ class NativeStagedBackend(CopyBackend):
         with torch.cuda.device(self.device):
             self._keep: list[Any] = []  # device memory the engine uses by address
             self._streams = {
-                d: [torch.cuda.Stream(self.device) for _ in range(1 + config.dma_streams)]  # type: ignore[no-untyped-call]
+                d: [
+                    torch.cuda.Stream(self.device, priority=config.copy_priority)  # type: ignore[no-untyped-call]
+                    for _ in range(1 + config.dma_streams)
+                ]
                 for d in ("store", "load")
             }
+            self._gate_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             rings = {
                 d: torch.empty(
                     config.depth * self.area_bytes, dtype=torch.uint8, device=self.device
@@ -154,6 +161,7 @@ class NativeStagedBackend(CopyBackend):
                 inline_bytes=config.native_inline_bytes,
                 gather=(handle["store"][0], handle["load"][0]),
                 dmas=(tuple(handle["store"][1:]), tuple(handle["load"][1:])),
+                gate=int(self._gate_stream.cuda_stream),
                 bases=(bases["store"], bases["load"]),
                 groups=groups,
             )
@@ -239,6 +247,12 @@ class NativeStagedBackend(CopyBackend):
     def submit_checked(self, specs: Sequence[TransferSpec], **kw: Any) -> Pending:
         return self.submit(specs, **kw)  # the engine's checks cost O(n) in C: nothing to skip
 
+    def layer_gate(self, layers: int) -> LayerGate:
+        """A gate of flag words in the engine (at most 8 per engine)."""
+        if self._closed:
+            raise ValueError(f"layer_gate: expected an open {self.name} backend, got a closed one")
+        return NativeGate(self._engine, layers)
+
     def drain_finished(self) -> list[int]:
         """Ids of the engine jobs finished since the last call (``NativePending.ids``)."""
         return list(self._engine.finished())
@@ -255,6 +269,7 @@ class NativeStagedBackend(CopyBackend):
         for ss in self._streams.values():
             for s in ss:
                 s.synchronize()
+        self._gate_stream.synchronize()
         self._keep.clear()
 
     def _order(self, order_after: Any) -> int | None:
@@ -314,6 +329,9 @@ class NativePending(Pending):
         return all([j.cancel() for j in self.jobs])
 
     def wait_on(self, stream: object = None, layer: int | None = None) -> None:
+        """One GPU-side wait per job, enqueued at once (the host waits only for a job still
+        queued behind another); raises the copy's error where it failed while being enqueued (the
+        stream then does not wait for it: the engine recomputes)."""
         handle = _handle(stream)
         for j in self.jobs:
             at = -1 if layer is None or j.direction != "load" else int(layer)
@@ -329,17 +347,32 @@ class NativePending(Pending):
 
     @property
     def enqueue_seconds(self) -> float:
-        """Host time of the engine's enqueue (its worker threads), summed over directions."""
+        """Host time of the engine's enqueue (the caller's or a worker's), summed over
+        directions."""
         times = [j.times() for j in self.jobs]
         return float(sum(float(t[2]) - float(t[1]) for t in times if t[2] >= t[1] > 0))
 
-    @property
-    def first_slice_seconds(self) -> float:
-        for j in self.jobs:
-            t = j.times()
-            if j.direction == "load" and t[3] > 0:
-                return float(t[3]) - float(t[1])
-        return 0.0
+
+class NativeGate(LayerGate):
+    """``LayerGate`` on the engine's flag words: ``wait`` is one captured stream memory operation
+    (wait until 1, write 0), ``open`` one batch of them on the engine's gate stream."""
+
+    def __init__(self, engine: Any, layers: int) -> None:
+        super().__init__(layers)
+        self._engine = engine
+        self.index = int(engine.gate(layers))
+
+    def wait(self, stream: object, layer: int) -> None:
+        self.check(layer)
+        self._engine.gate_wait(self.index, _handle(stream), layer)
+
+    def open(self, stream: object, pendings: Sequence[Pending]) -> None:
+        jobs: list[Any] = []
+        for p in pendings:
+            if not isinstance(p, NativePending):
+                raise ValueError(f"expected this engine's transfers, got {type(p).__name__}")
+            jobs += p.jobs
+        self._engine.gate_open(self.index, _handle(stream), jobs, ENQUEUE_TIMEOUT)
 
 
 class _Nothing(Pending):

@@ -41,9 +41,15 @@ class StagedConfig:
     first_slice_bytes: int = 0
     # Run on the native engine where it is built; False (or ``KVOFFLOAD_NATIVE=0``): Python path.
     native: bool = True
-    # Native engine: transfers up to this size are enqueued by the caller (GIL released) when
-    # their direction is idle; a thread wake-up costs more than their whole enqueue.
-    native_inline_bytes: int = 32 << 20
+    # Native engine: transfers up to this size are enqueued whole by the caller (GIL released)
+    # when their direction is idle, so no thread of ours makes driver calls while the engine then
+    # launches its forward (such calls slowed a launch-bound step by 13-160%, docs/transfer.md,
+    # "Quiet beside the forward"); larger ones go to the direction's worker thread. Default: all.
+    native_inline_bytes: int = 1 << 62
+    # CUDA priority of the copy streams (torch.cuda.Stream(priority=...); lower is more urgent,
+    # 0 is the default and lowest): the gather/scatter kernels queue behind the model's or ahead
+    # of them (docs/transfer.md, "Stream priority").
+    copy_priority: int = 0
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -63,6 +69,10 @@ class StagedConfig:
         if not isinstance(self.native_inline_bytes, int) or self.native_inline_bytes < 0:
             raise ValueError(
                 f"StagedConfig: expected native_inline_bytes >= 0, got {self.native_inline_bytes!r}"
+            )
+        if isinstance(self.copy_priority, bool) or not isinstance(self.copy_priority, int):
+            raise ValueError(
+                f"StagedConfig: expected copy_priority as an int, got {self.copy_priority!r}"
             )
         if not isinstance(self.first_slice_bytes, int) or self.first_slice_bytes < 0:
             raise ValueError(
