@@ -13,9 +13,10 @@ transfers of one direction run in submission order; a submit holding both direct
 event recorded after both. Completion: the returned ``CudaPending`` carries that one event;
 ``wait_on(stream, layer)`` makes a stream wait for the whole transfer whatever the layer.
 
-Errors: a copy the driver refuses while it is enqueued is the transfer's ``error()`` (the event is
-still recorded after what was enqueued, so ``done()`` turns True and no memory it writes is reused
-early; see ``pending.py``), and ``wait_on`` raises it. ``submit`` raises ValueError, enqueueing
+Errors: a copy the driver refuses while it is enqueued is the transfer's ``error()``, and
+``wait_on`` raises it; ``submit`` then waits for what was already enqueued (a rare path) and still
+records the event after it, so ``done()`` turns True only once no memory the transfer writes can
+change (see ``pending.py``). ``submit`` raises ValueError, enqueueing
 nothing, for specs that do not fit the layout or arena; ``submit_checked`` (for specs a paired
 ``TransferWorker``'s ``Offloader`` validated) checks only the ranges of block and slot ids.
 """
@@ -94,9 +95,10 @@ class CudaBackend(CopyBackend):
         return self._submit(specs, order_after)
 
     def close(self) -> None:
-        if self._closed:
-            return
+        """Wait for every transfer enqueued, then free what they held; submits refused after."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             for s in self.streams.values():
                 s.synchronize()
@@ -166,6 +168,8 @@ class CudaBackend(CopyBackend):
                         kept.append(self._enqueue(spec, stream))
             except Exception as err:  # noqa: BLE001 (the transfer's error, reported by its Pending)
                 error = err
+                for s in self.streams.values():  # what was enqueued reads nothing freed after
+                    s.synchronize()
             try:
                 self._record_done(pending.event, used)
             except RuntimeError as err:  # no event to wait on: wait here, then report it
