@@ -219,6 +219,25 @@ def test_the_ids_a_kernel_reads_are_held_until_its_transfer_is_done(
         pair.close()
 
 
+def test_a_bad_order_after_is_refused_before_anything_is_enqueued(fake_cuda: Calls):
+    pair = Pair("llama3-8b", "page")
+    backend = make("dma", pair.kv, pair.arena)
+    try:
+        before = len(fake_cuda.log)
+        with pytest.raises(ValueError, match="expected order_after to be 'current', None"):
+            backend.submit([TransferSpec.of("store", [1], [1])], order_after="soon")
+        assert len(fake_cuda.log) == before
+        pair.check()
+        store = [TransferSpec.of("store", [1], [1])]
+        assert backend.submit(store, order_after=None).wait(10)  # ordered after nothing
+        assert not any(e[0] == "wait" for e in fake_cuda.log[before:])
+        pair.oracle.copy(store)
+        pair.check()
+    finally:
+        backend.close()
+        pair.close()
+
+
 def test_a_closed_backend_refuses_submits(fake_cuda: Calls):
     pair = Pair("llama3-8b", "page")
     backend = make("dma", pair.kv, pair.arena)

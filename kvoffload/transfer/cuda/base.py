@@ -120,27 +120,13 @@ class CudaBackend(CopyBackend):
     def _submit(self, specs: list[TransferSpec], order_after: Any) -> CudaPending:
         import torch
 
-        order = self._order_stream(order_after)  # ValueError before anything is enqueued
+        order = order_stream(order_after, self.device.index)  # ValueError before any enqueue
         if not cu.current_context():  # a thread that has not touched CUDA yet
             torch.cuda.set_device(self.device)  # makes the device's primary context current
         if torch.cuda.current_device() == self.device.index:  # the usual case: skip the switch
             return self._run(specs, order)
         with torch.cuda.device(self.device):
             return self._run(specs, order)
-
-    def _order_stream(self, order_after: Any) -> int | None:
-        if order_after is None:
-            return None
-        if isinstance(order_after, str) and order_after == "current":
-            return _current_stream(self.device.index)
-        if isinstance(order_after, int) and not isinstance(order_after, bool):
-            return order_after
-        if hasattr(order_after, "cuda_stream"):
-            return int(order_after.cuda_stream)
-        raise ValueError(
-            "expected order_after to be 'current', None, a torch.cuda.Stream or a stream "
-            f"handle, got {order_after!r}"
-        )
 
     def _run(self, specs: list[TransferSpec], order: int | None) -> CudaPending:
         with self._lock:
@@ -206,6 +192,23 @@ def upload(driver: cu.CudaDriver, values: np.ndarray, device: Any, stream: Any) 
         int(host.data_ptr()), int(dev.data_ptr()), 8 * len(values), int(stream.cuda_stream)
     )
     return host, dev
+
+
+def order_stream(order_after: Any, device: int) -> int | None:
+    """The stream handle a copy is ordered after (``submit``'s ``order_after``: ``"current"``,
+    None, a ``torch.cuda.Stream`` or a raw handle); ValueError for anything else."""
+    if order_after is None:
+        return None
+    if isinstance(order_after, str) and order_after == "current":
+        return _current_stream(device)
+    if isinstance(order_after, int) and not isinstance(order_after, bool):
+        return order_after
+    if hasattr(order_after, "cuda_stream"):
+        return int(order_after.cuda_stream)
+    raise ValueError(
+        "expected order_after to be 'current', None, a torch.cuda.Stream or a stream "
+        f"handle, got {order_after!r}"
+    )
 
 
 def check_cuda_pair(name: str, layout: KVLayout, arena: HostArena) -> None:
