@@ -59,14 +59,14 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def staged_enqueue() -> str:
-    """Which path the ``staged`` backend runs: the native engine (the compiled extension) or the
-    Python path, and why."""
+    """Which path the ``staged`` backend runs: the native engine (the compiled extension) or, where
+    it is unavailable, the ``dma`` backend, and why."""
     from kvoffload.transfer.cuda import native
 
     module = native.module()
     if module is not None:
         return f"native engine ({module.__file__}, built at install)"
-    return f"Python path: {native.unavailable()}"
+    return f"dma fallback: {native.unavailable()}"
 
 
 def run(args: argparse.Namespace) -> int:

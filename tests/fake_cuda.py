@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.transfer.cuda import base, driver, engine, native, pending
+from kvoffload.transfer.cuda import base, driver, engine, native
 from kvoffload.transfer.layout import KVLayout
 
 _ids = itertools.count(16)
@@ -103,8 +103,7 @@ class FakeDriver:
 
     def table(self) -> int:
         """The address of a ``kvo_driver`` table (native/kvo.h) whose entry points are ctypes
-        callbacks doing what the Python fake does, with the same log entries (so the native
-        engine's calls and the Python path's compare)."""
+        callbacks doing what the Python fake does, with the same log entries."""
         if not hasattr(self, "_table"):
             self._callbacks = _entry_callbacks(self.calls)
             addresses = [
@@ -493,7 +492,6 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
 
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.Tensor, "to", to)
-    monkeypatch.setattr(pending, "ENQUEUE_TIMEOUT", 10.0)
     fake = FakeDriver(calls)
     monkeypatch.setattr(engine, "_driver_table", fake.table)
     real_zeros = torch.zeros

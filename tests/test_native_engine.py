@@ -3,7 +3,7 @@
 The compiled extension runs for real: its worker and completion threads call the fake driver's
 entry points (``tests/fake_cuda.py``: ctypes callbacks that move real bytes), so these tests check
 what the C code computes (chunks, staging offsets, descriptors, kernel arguments, slice events) by
-the bytes that land, against the host backend, and the Python path's calls side by side.
+the bytes that land, against the host backend, and how it fails.
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ def staged(pair: Pair, **config: Any) -> Any:
         "layer_slice_transfer_bytes": 1,
     }
     fields.update(config)
-    backend: Any = make_staged(pair.kv, pair.arena, StagedConfig(**fields))
-    backend.min_slice_transfer_bytes = 1  # the Python path's per-instance knob
-    return backend
+    return make_staged(pair.kv, pair.arena, StagedConfig(**fields))
 
 
 @contextlib.contextmanager
@@ -80,41 +78,13 @@ def round_trips(pair: Pair, backend: Any, seed: int, rounds: int = 2) -> None:
                 pair.check()
 
 
-def moves(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """The launches (with their block counts) and data copies of a log, streams renamed by first
-    appearance: what both paths must do in the same order. Copies on the kernels' stream are
-    block-id uploads (the engine skips them for small jobs: its kernels read those ids from
-    pinned host memory), not data."""
-    names: dict[Any, int] = {}
-    out: list[tuple[Any, ...]] = []
-    kernels = {stream for op, stream, _ in log if op == "launch"}
-    for op, stream, arg in log:
-        if op in ("batch", "copy") and stream not in kernels:
-            out.append(("copy", names.setdefault(stream, len(names))))
-        elif op == "launch":
-            out.append(("launch", names.setdefault(stream, len(names)), arg))
-    return out
-
-
 @needs_engine
 @pytest.mark.parametrize("model", ["llama3-8b", "llama3-70b-tp8-fp8", "deepseek-v2-lite-mla"])
 @pytest.mark.parametrize("layout", ["kv_split", "page", "cross_layer"])
-def test_the_engine_moves_the_oracles_bytes_with_the_python_paths_copies(
-    fake_cuda: Calls, model: str, layout: str
-) -> None:
-    logs = {}
-    for use_native in (True, False):
-        pair = Pair(model, layout)
-        backend = staged(pair, native=use_native)
-        try:
-            assert backend.path == ("native" if use_native else "python")
-            start = len(fake_cuda.log)
-            round_trips(pair, backend, seed=6)
-            logs[use_native] = moves(fake_cuda.log[start:])
-        finally:
-            backend.close()
-            pair.close()
-    assert logs[True] == logs[False]
+def test_the_engine_moves_the_oracles_bytes(fake_cuda: Calls, model: str, layout: str) -> None:
+    with engine_on(model, layout) as (pair, backend):
+        assert backend.path == "native"
+        round_trips(pair, backend, seed=6)
     assert not fake_cuda.memory  # the engine's id buffers were freed at close
 
 
@@ -463,16 +433,25 @@ def test_finished_jobs_are_drained_from_the_native_queue(fake_cuda: Calls) -> No
         assert backend.drain_finished() == []
 
 
-def test_without_the_extension_staged_runs_its_python_path_and_says_why(
-    fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch
+def test_without_the_extension_staged_falls_back_to_dma_and_says_why(
+    fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from kvoffload.transfer.cuda import engine
+
     monkeypatch.setenv("KVOFFLOAD_NATIVE", "0")
+    monkeypatch.setattr(engine, "_warned", set())
     native.reset()
     pair = Pair("llama3-8b", "page")
     try:
-        backend = staged(pair)
-        assert backend.path == "python"
+        with caplog.at_level("WARNING", logger=engine.__name__):
+            backend = staged(pair)
+            again = staged(pair)
+        again.close()
+        assert backend.name == "dma"
         assert backend.path_reason == "disabled by KVOFFLOAD_NATIVE=0"
+        logged = [r.getMessage() for r in caplog.records]
+        reason = "disabled by KVOFFLOAD_NATIVE=0"
+        assert logged == [f"kvoffload: the staged backend is unavailable, using dma: {reason}"]
         round_trips(pair, backend, seed=7, rounds=1)
         backend.close()
     finally:

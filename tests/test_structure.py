@@ -5,6 +5,9 @@
    to hold both files of a circle at once whichever way it is imported.
 2. Nothing outside ``kvoffload/bench/`` imports ``kvoffload.bench``: the library never depends on
    its benchmarks. ``kvoffload/cli.py`` routes ``kvoffload bench <what>`` to the bench modules.
+3. The staged pipeline lives in C only (``kvoffload/transfer/cuda/native/``): no Python module or
+   definition of a staging ring, submitter threads or a per-transfer chunk plan (issue 26).
+4. No Python module over ``MAX_LINES`` lines.
 
 ``docs/structure.md`` describes the layout these rules keep.
 """
@@ -22,6 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 KNOWN_CYCLES: set[frozenset[str]] = set()
 KNOWN_BENCH_IMPORTS: set[tuple[str, str]] = set()
 BENCH_ROUTER = "kvoffload.cli"
+# The Python copy of the staged pipeline that issue 26 removed: its modules and its definitions.
+PIPELINE_MODULES = {"staged.py", "buffers.py", "submitter.py"}
+PIPELINE_NAMES = {"chunk_sizes", "chunk_blocks", "StagedBackend", "BufferRing", "Submitter"}
+MAX_LINES = 500
 
 
 def modules(root: Path, package: str = "kvoffload") -> dict[str, tuple[Path, bool]]:
@@ -163,3 +170,58 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
         frozenset({"kvoffload.sub.a", "kvoffload.sub.b"}),
         frozenset({"kvoffload.c", "kvoffload.d", "kvoffload.e"}),
     }
+
+
+def python_pipeline(root: Path, package: str = "kvoffload") -> list[str]:
+    """Where a Python staged pipeline shows under ``root/package``: modules named as its parts,
+    functions or classes with its names."""
+    found = []
+    for path in sorted((root / package).rglob("*.py")):
+        where = str(path.relative_to(root))
+        if path.name in PIPELINE_MODULES:
+            found.append(where)
+        for node in ast.walk(ast.parse(path.read_text(), where)):
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and node.name in PIPELINE_NAMES
+            ):
+                found.append(f"{where}: {node.name}")
+    return found
+
+
+def long_modules(root: Path, package: str = "kvoffload") -> list[str]:
+    return [
+        f"{path.relative_to(root)}: {n} lines"
+        for path in sorted((root / package).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    ]
+
+
+def test_the_staged_pipeline_is_not_in_python():
+    found = python_pipeline(ROOT)
+    assert not found, (
+        "the staged pipeline lives in C only (kvoffload/transfer/cuda/native/); where the "
+        f"extension is absent staged falls back to dma: {found}"
+    )
+
+
+def test_no_module_is_over_the_line_limit():
+    found = long_modules(ROOT)
+    assert not found, f"modules over {MAX_LINES} lines (split them by concept): {found}"
+
+
+def test_the_pipeline_and_length_checks_see_what_they_refuse(tmp_path):
+    pkg = tmp_path / "kvoffload"
+    (pkg / "transfer").mkdir(parents=True)
+    (pkg / "transfer" / "buffers.py").write_text("x = 1\n")
+    (pkg / "transfer" / "plan.py").write_text(
+        "def chunk_sizes():\n    pass\n\n\nclass Submitter:\n    pass\n"
+    )
+    (pkg / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (pkg / "short.py").write_text("x = 1\n" * MAX_LINES)
+    assert python_pipeline(tmp_path) == [
+        "kvoffload/transfer/buffers.py",
+        "kvoffload/transfer/plan.py: chunk_sizes",
+        "kvoffload/transfer/plan.py: Submitter",
+    ]
+    assert long_modules(tmp_path) == [f"kvoffload/long.py: {MAX_LINES + 1} lines"]

@@ -16,7 +16,7 @@ from kvoffload.transfer.registry import make_backend
 
 # Backends that copy between a GPU and host memory: refused for CPU tensors before anything is
 # built (they would fail later, importing Triton or the CUDA driver).
-CUDA_BACKENDS = ("staged", "staged-python", "dma", "sm")
+CUDA_BACKENDS = ("staged", "dma", "sm")
 
 
 @dataclass

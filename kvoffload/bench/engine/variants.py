@@ -8,11 +8,12 @@ time of prefill. ``docs/e2e.md`` reports what it found.
 
 Variants: the modes (``recompute``, ``gpu``, ``gpu_all``), and kvoffload with one thing changed:
 ``evict`` / ``behind`` (when blocks are stored), ``none`` (nothing stored: lookups only),
-``blocking`` (the whole load before prefill), ``*-inline`` (the CUDA backend enqueues every copy
-in the caller's thread: ``submit_thread=False``), ``*-thread`` (every copy is enqueued by the
-backend's thread: ``inline_bytes=0``), ``*-poller`` (a thread that wakes every 100 us and takes
-the GIL, as the CUDA backends' submitter threads did after each job until the data plane stopped
-polling: what such a thread costs the engine).
+``blocking`` (the whole load before prefill), ``*-inline`` (the native ``staged`` engine enqueues
+every copy in the caller's thread, the GIL released: ``native_inline_bytes`` unbounded),
+``*-thread`` (every copy is enqueued by the engine's thread: ``native_inline_bytes=0``),
+``*-poller`` (a thread that wakes every 100 us and takes the GIL, as the former Python submitter
+threads did after each job until the data plane stopped polling: what such a thread costs the
+engine). ``dma`` always enqueues in the caller's thread: it takes neither -inline nor -thread.
 """
 
 from __future__ import annotations
@@ -63,10 +64,8 @@ class Variant:
     poller: bool  # a GIL-taking polling thread runs beside the engine
 
 
-SUBMISSION: dict[str, dict[str, Any]] = {
-    "inline": {"submit_thread": False},
-    "thread": {"inline_bytes": 0},
-}
+# the native engine's ``native_inline_bytes`` per submission flag
+SUBMISSION: dict[str, int] = {"inline": 1 << 62, "thread": 0}
 
 
 def parse_variant(name: str, backend: str) -> Variant:
@@ -85,21 +84,24 @@ def parse_variant(name: str, backend: str) -> Variant:
 
 
 def _submission(backend: str, how: str) -> str:
-    """Register ``<backend>-<how>``: the CUDA backend built with ``SUBMISSION[how]``."""
+    """Register ``staged-<how>``: the native engine built with ``SUBMISSION[how]``."""
+    if backend != "staged":
+        raise ValueError(
+            f"expected backend 'staged' for -{how} (its engine's threads), got {backend!r}"
+        )
     name = f"{backend}-{how}"
     if name not in BACKENDS:
-        from kvoffload.transfer.cuda.dma import DmaBackend
-        from kvoffload.transfer.cuda.staged import StagedBackend
+        from kvoffload.transfer.cuda.engine import make_staged
+        from kvoffload.transfer.cuda.staged_config import StagedConfig
 
-        cls = {"staged": StagedBackend, "dma": DmaBackend}[backend]
-        kwargs = SUBMISSION[how]
-        register_backend(name, lambda layout, arena: cls(layout, arena, **kwargs))
+        config = StagedConfig(native_inline_bytes=SUBMISSION[how])
+        register_backend(name, lambda layout, arena: make_staged(layout, arena, config))
     return name
 
 
 @contextmanager
 def poller(enabled: bool) -> Iterator[None]:
-    """A thread that looks at an empty queue every 100 us (the old submitter's poll loop)."""
+    """A thread that looks at an empty queue every 100 us (the former submitter's poll loop)."""
     if not enabled:
         yield
         return

@@ -50,27 +50,29 @@ ENQUEUE_TIMEOUT = 30.0
 
 
 class NativeUnavailable(RuntimeError):
-    """The native engine cannot run this layout here (the factory falls back to Python)."""
+    """The native engine cannot run this layout here (the factory falls back to ``dma``)."""
 
 
 def make_staged(
     layout: KVLayout, arena: HostArena, config: StagedConfig | None = None
 ) -> CopyBackend:
-    """The ``staged`` backend: on the native engine where it can run, else the Python path,
-    which says why (``path_reason``; logged once per reason)."""
-    from kvoffload.transfer.cuda.staged import StagedBackend
+    """The ``staged`` backend on the native engine where it can run. Elsewhere (the extension not
+    built, ``KVOFFLOAD_NATIVE=0``, a layout or Triton it cannot drive) the ``dma`` backend, which
+    says why (``path_reason``; logged once per reason): the staged pipeline exists in C only, and
+    ``dma`` is a different, simpler path (one batch of descriptors per transfer, no staging), as
+    vLLM falls back to batch DMA."""
+    from kvoffload.transfer.cuda.dma import DmaBackend
 
-    config = config or StagedConfig()
-    reason = "StagedConfig(native=False)"
-    if config.native:
-        try:
-            return NativeStagedBackend(layout, arena, config=config)
-        except NativeUnavailable as err:
-            reason = str(err)
-            if reason not in _warned:
-                _warned.add(reason)
-                log.warning("kvoffload: the staged backend runs its Python path: %s", reason)
-    return StagedBackend(layout, arena, config=config, path_reason=reason)
+    try:
+        return NativeStagedBackend(layout, arena, config=config or StagedConfig())
+    except NativeUnavailable as err:
+        reason = str(err)
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("kvoffload: the staged backend is unavailable, using dma: %s", reason)
+    backend = DmaBackend(layout, arena)
+    backend.path_reason = reason
+    return backend
 
 
 _warned: set[str] = set()

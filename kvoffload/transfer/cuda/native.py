@@ -4,8 +4,8 @@ is there, and why not.
 The extension is compiled when the package is installed (``setup.py``: plain C, no CUDA toolkit;
 the driver is resolved from ``libcuda.so.1`` at run time), never at run time. Where it is missing
 (an install without a C compiler) or disabled (``KVOFFLOAD_NATIVE=0``), ``module()`` returns None,
-``unavailable()`` says why, and the ``staged`` backend runs its pure-Python path
-(``kvoffload.transfer.cuda.staged``), which moves the same bytes in the same order.
+``unavailable()`` says why, and ``make_staged`` returns the ``dma`` backend instead (a different,
+simpler path: the staged pipeline exists in C only).
 """
 
 from __future__ import annotations
