@@ -381,6 +381,23 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         _memops(calls, stream, ops)
         return 0
 
+    def copy2d(desc, stream):
+        # CUDA_MEMCPY2D: srcDevice at 32, srcPitch at 48, dstDevice at 88, dstPitch at 104,
+        # WidthInBytes at 112, Height at 120 (memory types UNIFIED: addresses are pointers)
+        def field(at: int) -> int:
+            return int(ctypes.c_uint64.from_address(desc + at).value)
+
+        for at, want in ((16, 4), (72, 4)):  # CU_MEMORYTYPE_UNIFIED on both sides
+            if ctypes.c_int32.from_address(desc + at).value != want:
+                raise ValueError(f"expected memory type {want} at offset {at}")
+        src, src_pitch, dst, dst_pitch = field(32), field(48), field(88), field(104)
+        width, height = field(112), field(120)
+        for row in range(height):
+            ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+        calls.descriptors += 1
+        calls.log.append(("copy2d", stream, height))
+        return 0
+
     def host_dptr(out, host, flags):
         ctypes.c_uint64.from_address(out).value = host
         return 0
@@ -428,6 +445,7 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         "memops": ctypes.CFUNCTYPE(ctypes.c_int, _P, _U, _P, _U)(guarded(memops)),
         "host_dptr": ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _U)(guarded(host_dptr)),
         "ctx_sync": ctypes.CFUNCTYPE(ctypes.c_int)(guarded(ctx_sync)),
+        "copy2d": ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)(guarded(copy2d)),
     }
 
 

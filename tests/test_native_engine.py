@@ -621,3 +621,26 @@ def test_jobs_beyond_the_id_buffers_first_capacity_grow_them(fake_cuda: Calls) -
         backend.close()
         arena.close()
         arena_oracle.close()
+
+
+@needs_engine
+@pytest.mark.parametrize("layout", ["kv_split", "page", "cross_layer"])
+def test_runs_of_consecutive_slots_load_as_one_pitched_copy_per_slice(
+    fake_cuda: Calls, layout: str
+) -> None:
+    """Slots 2..7 ascending (a run), then 12, 0, 1 (a single and a run of two): each run of a
+    layer slice moves as one 2D copy, the singles by descriptor; bytes match the oracle."""
+    with engine_on("llama3-70b-tp8-fp8", layout) as (pair, backend):
+        slots = [2, 3, 4, 5, 6, 7, 12, 0, 1]
+        blocks = [20, 3, 9, 14, 1, 17, 8, 22, 5]
+        store = [TransferSpec.of("store", blocks, slots)]
+        assert backend.submit(store).wait(10)
+        load = [TransferSpec.of("load", [0, 4, 6, 10, 11, 13, 15, 19, 23], slots)]
+        start = len(fake_cuda.log)
+        pending = backend.submit(load)
+        assert pending.wait(10) and pending.error() is None
+        rows = [e[2] for e in fake_cuda.log[start:] if e[0] == "copy2d"]
+        assert rows and all(2 <= r <= 6 for r in rows)  # runs, cut at chunk boundaries
+        pair.oracle.copy(store)
+        pair.oracle.copy(load)
+        pair.check()

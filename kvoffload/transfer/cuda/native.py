@@ -23,7 +23,7 @@ DRIVER_FIELDS = (
     *("launch", "batch", "copy", "record", "wait", "event_create", "event_destroy"),
     *("event_query", "event_sync", "ctx_get", "ctx_set", "mem_alloc", "mem_free"),
     *("host_alloc", "host_free", "stream_sync", "error_name"),
-    *("write32", "wait32", "memops", "host_dptr", "ctx_sync"),
+    *("write32", "wait32", "memops", "host_dptr", "ctx_sync", "copy2d"),
 )
 STEP_COPY = 2  # a copy the driver refused (native/job.h's step codes)
 

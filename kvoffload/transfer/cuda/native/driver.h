@@ -32,9 +32,10 @@ typedef struct {
     int (*memops)(kvo_stream, unsigned, void *, unsigned);        /* cuStreamBatchMemOp */
     int (*host_dptr)(kvo_dptr *, void *, unsigned);               /* cuMemHostGetDevicePointer */
     int (*ctx_sync)(void);                                        /* cuCtxSynchronize */
+    int (*copy2d)(const void *, kvo_stream);                      /* cuMemcpy2DAsync_v2 */
 } kvo_driver;
 
-#define KVO_DRIVER_FIELDS 22
+#define KVO_DRIVER_FIELDS 23
 
 /* Resolve libcuda.so.1's entry points into d: KVO_OK, or KVO_FAILED and why in msg. */
 kvo_status kvo_resolve(kvo_driver *d, char *msg);
