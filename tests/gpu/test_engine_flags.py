@@ -70,10 +70,14 @@ def as_bytes(got: torch.Tensor, block_dim: int, n: int) -> np.ndarray:
 
 
 def held_load(backend, tensors, block_dim, dest, slots):
-    """Poison ``dest``, then submit its load behind ~100 ms of GPU sleep."""
+    """Poison ``dest``, then submit its load behind ~100 ms of GPU sleep. The kernels the test
+    launches later are launched once first: a kernel's first launch loads its module, which
+    waits for the device to go idle (here: for the sleep)."""
     index = torch.tensor(dest, device="cuda")
     for t in tensors:  # -1 never occurs in the arena's bytes (1..255 each)
         t.index_fill_(block_dim, index, -1)
+        t.index_select(block_dim, index)
+    torch.cuda.synchronize()
     late = torch.cuda.Stream()
     with torch.cuda.stream(late):
         torch.cuda._sleep(SLEEP_CYCLES)
