@@ -131,7 +131,7 @@ def test_two_engines_with_one_id_in_every_opening_order(
             a, b = (token(answers[engine, r]) for r in (0, 1))
             assert a == b, f"{order}: engine {engine} split over two regions"
         assert len(started) <= 1, f"{order}: two engines ran on one engine id"
-        for key, answer in answers.items():
+        for answer in answers.values():
             if answer.startswith("refused"):
                 assert "its own engine_id" in answer, answer
             else:
