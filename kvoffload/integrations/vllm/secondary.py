@@ -44,7 +44,6 @@ import tempfile
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
-from urllib.parse import urlsplit, urlunsplit
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -73,6 +72,7 @@ from kvoffload.integrations.vllm.row_identity import model_identity, row_fingerp
 from kvoffload.integrations.vllm.tier_events import Residency
 from kvoffload.offload.tiers import TierMover, TierOp, TierResult, build_tiers
 from kvoffload.store.tiers.disk import DiskTier
+from kvoffload.store.tiers.endpoint import redact_url
 from kvoffload.store.tiers.valkey import ValkeyTier
 
 log = logging.getLogger(__name__)
@@ -290,7 +290,7 @@ class _KVOffloadTier(SecondaryTierManager):
 
     def config_info(self) -> dict[str, str | int | float | bool]:
         config = self.options.config
-        location = config.disk_path or _redact(config.valkey_url or "")
+        location = config.disk_path or redact_url(config.valkey_url or "")
         return {
             "kvoffload_model_id": config.model_id,
             "kvoffload_fingerprint": self.fingerprint,
@@ -406,12 +406,3 @@ def _touch_disk(tier: DiskTier, keys: list[OffloadKey]) -> None:
         for key in keys:
             if key in where:
                 where.move_to_end(key)
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + netloc))
