@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import tempfile
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -71,7 +71,7 @@ from kvoffload.integrations.vllm.region import RowArena
 from kvoffload.integrations.vllm.row_identity import model_identity, row_fingerprint, spec_fact
 from kvoffload.integrations.vllm.tier_events import Residency
 from kvoffload.offload.tiers import TierMover, TierOp, TierResult, build_tiers
-from kvoffload.store.tiers.disk import DiskTier
+from kvoffload.store.tiers.disk import DiskTier, make_private_dirs
 from kvoffload.store.tiers.endpoint import redact_url
 from kvoffload.store.tiers.valkey import ValkeyTier
 
@@ -99,7 +99,7 @@ EVENTS_KEY = "enable_kv_events"
 def check_disk_path(path: str) -> None:
     """ValueError unless ``path`` is (or can be made) a directory this process can write in."""
     try:
-        os.makedirs(path, exist_ok=True)
+        make_private_dirs(Path(path))  # 0700: the tier's blocks hold the users' prompts
     except OSError as e:
         raise ValueError(
             f"expected disk_path to be a directory kvoffload can create, got {path!r}: "
