@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -283,3 +284,15 @@ def test_a_killed_opener_is_really_killed(spawn: Callable[..., Opener], tmp_path
     dying = spawn(kill_at="create:sized")
     assert dying.open(tmp_path, "e", MIB, 2, 0) == ""
     assert dying.proc.wait(10) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("mask", [0o000, 0o777])
+def test_region_files_are_0600_whatever_the_umask(tmp_path: Path, mask: int) -> None:
+    old = os.umask(mask)
+    try:
+        one = SharedRegion("e", MIB, tmp_path, mappers=2, role=0)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes == {"kvoffload_e.id": 0o600, "kvoffload_e.kv": 0o600}
+    one.close()

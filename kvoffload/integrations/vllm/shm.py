@@ -40,16 +40,22 @@ digest of it when it is long or holds characters a file name cannot):
   Each joiner marks its role and counts in; the one that completes the count unlinks the name,
   so from then on the memory goes with the last mapping, however the processes end.
 
-Where ``O_TMPFILE`` is refused (some file systems), the region is built under a temporary name
-``kvoffload_N.<token>.tmp`` instead and linked to its final name; one left by a killed creator is
-removed by the next open of any id, as it is never in use once the id lock is free.
+Where ``O_TMPFILE`` is refused (some file systems, no ``/proc``), the region is built under a
+temporary name ``kvoffload_N.<token>.tmp`` instead and linked to its final name; one left by a
+killed creator is removed by the next open of any id, as it is never in use once the id lock is
+free.
 
 Reclaim (``reclaim_stale``, at every open): an id file whose lock is free and that nobody holds
 ``LOCK_SH`` on belongs to no live process; its region name, temporary files and the id file go.
-A region file of an older kvoffload (no current header) goes once nobody holds ``flock`` on it:
-older versions held it while mapping. So a SIGKILL at any step of creating or joining leaves at
-most names that no process can use, the next open on the host removes them, and the next start
-with the same id works at once (``tests/test_region_identity.py`` kills at every step).
+A region file without an id file (an older kvoffload's; with or without a header) goes once
+nobody holds ``flock`` on it: older versions held it while mapping. So a SIGKILL at any step of
+creating or joining leaves at most names that no process can use, the next open on the host
+removes them, and the next start with the same id works at once
+(``tests/test_region_identity.py`` kills an opener at every step).
+
+The token is not how processes find the region (the name is): it names one region for checks
+and tests (``SharedRegion.token`` is equal in every process that maps it). Files are ``0600``
+whatever the umask.
 
 The count must be right: ``expected`` is every local process that maps the region (the spec passes
 world size + 1), and each passes its own ``role`` in ``range(expected)``.
@@ -208,10 +214,10 @@ def _open_locked(path: Path, lock_fd: int, nbytes: int, expected: int, role: int
 
 def _create(path: Path, nbytes: int, expected: int, role: int) -> tuple[int, bytes]:
     token = os.urandom(TOKEN_BYTES)
-    tmp = None if USE_TMPFILE else path.with_name(f"{id_path(path).stem}.{token.hex()}{TMP_SUFFIX}")
-    fd = _new_file(path.parent, tmp)
+    fd, tmp = _new_file(path, token)
     try:
         _kill_point("create:open")
+        os.fchmod(fd, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)
         os.posix_fallocate(fd, 0, nbytes + expected + HEADER.size)
         _kill_point("create:sized")
@@ -337,6 +343,8 @@ def _lock_id(lock_path: Path) -> int:
     deadline = time.monotonic() + LOCK_TIMEOUT_S
     while True:
         fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+        if os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)  # whatever the umask: every process of the engine opens it
         while not _try_lock(fd):
             if time.monotonic() > deadline:
                 os.close(fd)
@@ -372,10 +380,17 @@ def _try_flock(fd: int, mode: int) -> bool:
     return True
 
 
-def _new_file(directory: Path, tmp: Path | None) -> int:
-    if tmp is None:
-        return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
-    return os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+def _new_file(path: Path, token: bytes) -> tuple[int, Path | None]:
+    """A new file for the region ``path``: unnamed (``O_TMPFILE``) where the file system allows,
+    else under a temporary name (returned)."""
+    if USE_TMPFILE:
+        try:
+            return os.open(path.parent, os.O_TMPFILE | os.O_RDWR, 0o600), None
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    tmp = path.with_name(f"{id_path(path).stem}.{token.hex()}{TMP_SUFFIX}")
+    return os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), tmp
 
 
 def _link(fd: int, tmp: Path | None, path: Path) -> None:
