@@ -26,10 +26,14 @@ def check_block_ids(raw: np.ndarray, where: str) -> None:
         raise ValueError(f"{where}: expected engine block ids in [0, 2**63), got {int(raw.max())}")
 
 
-def not_held(index: BlockIndex, keys: Sequence[BlockKey], where: str) -> ValueError:
+def not_held(
+    index: BlockIndex, keys: Sequence[BlockKey], where: str, refused: ValueError
+) -> ValueError:
     """The refusal of a load asking for ``keys`` of which some are not held on host (never
-    stored, evicted, or still being stored)."""
+    stored, evicted, or still being stored); the index's own ``refused`` for anything else."""
     absent = [i for i, key in enumerate(keys) if index.state(key) != READABLE]
+    if not absent:
+        return ValueError(f"{where}: {refused}")
     first = absent[0]
     return ValueError(
         f"{where}: expected keys held on host (as many as lookup(keys) returned), got "

@@ -134,8 +134,8 @@ class Offloader:
             blocks_arr = self._engine_blocks(req_id, keys, blocks, group, "load")
             try:
                 slots = self.index.prepare_load(keys)
-            except ValueError:
-                raise not_held(self.index, keys, "schedule_load") from None
+            except ValueError as err:
+                raise not_held(self.index, keys, "schedule_load", err) from None
             return self._job(req_id, "load", keys, TransferSpec("load", blocks_arr, slots, group))
 
     def schedule_store(
