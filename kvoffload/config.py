@@ -84,6 +84,12 @@ class OffloadConfig:
     valkey_tls_cert_file: str | None = None
     valkey_tls_key_file: str | None = None
 
+    def __new__(cls, *args: Any, **options: Any) -> OffloadConfig:
+        # The generated __init__ raises TypeError on a misspelt option; the README promises a
+        # ValueError naming it (and a refused call builds nothing).
+        _check_known(cls, options)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_blocks is not None:
             raise ValueError(
@@ -181,12 +187,7 @@ class OffloadConfig:
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> OffloadConfig:
         """Build from user options (JSON, a CLI); unknown keys raise ValueError naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown kvoffload option(s) {unknown}; expected some of {sorted(known)}"
-            )
+        _check_known(cls, options)
         return cls(**dict(options))
 
 
@@ -199,6 +200,13 @@ def physical_ram_bytes() -> int | None:
 
 
 # -- checks shared by the options above (each ValueError names the key) ------------------------
+
+
+def _check_known(cls: type[OffloadConfig], options: Mapping[str, Any]) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown kvoffload option(s) {unknown}; expected some of {sorted(known)}")
 
 
 def _check_int(config: OffloadConfig, name: str, minimum: int) -> None:

@@ -220,10 +220,12 @@ class TransferWorker:
         ``layer``: wait only for that layer of the job's layer group (an index into
         ``LayerGroup.layer_starts``: by default one per tensor given to ``KVLayout.from_tensors``),
         so layer i's attention can start while later layers are still loading. ValueError for a
-        layer the group does not have.
+        layer the group does not have, and for a job id its Offloader never handed out.
         """
         with self._lock:
             run = self._running.get(job_id)
+        if run is None and not self._ledger.handed_out(job_id):
+            raise ValueError(f"wait_on: expected a job id its Offloader handed out, got {job_id!r}")
         if run is None:
             return
         if layer is not None:

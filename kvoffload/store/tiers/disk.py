@@ -42,6 +42,16 @@ the blocks it had (misses from then on) and reopens: it recreates the directory,
 again and grows new slabs (``reconnects`` counts it). Where the directory cannot be recreated or
 is locked by another process by then, the tier stays empty and read-only, which its log line
 says. The reopen waits for a moment with no read or write in flight.
+
+Who may see the KV: the blocks encode the users' prompts, so every directory the tier creates is
+``0700`` and every file ``0600`` (set with ``chmod`` after creating, so whatever the umask), and
+its own files and fingerprint directory left more open by an older kvoffload are narrowed at
+start. Before opening, ``check_private_dirs`` refuses (ValueError) a ``disk_path`` or fingerprint
+directory that other users can write into without the sticky bit (they could plant blocks, which
+would be served as KV, or replace the tier's files), and a fingerprint directory another user
+owns; it warns about a sticky one (they cannot touch our files but can fill it) and about one
+they can read (they can list it; the files stay 0600). ``docs/tiers.md`` says how to share a disk
+tier on purpose.
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -77,6 +88,79 @@ _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 CHECK_FILES_EVERY_S = 1.0
 
 
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, each ``0700`` whatever the umask; OSError as
+    ``os.makedirs`` raises it (NotADirectoryError for a file there)."""
+    missing, parent = [], path
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = parent.parent
+    for directory in reversed(missing):
+        os.mkdir(directory, 0o700)
+        os.chmod(directory, 0o700)
+    if not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+
+
+def check_private_dirs(root: Path, tier_dir: Path) -> None:
+    """ValueError for a ``root`` (disk_path) or ``tier_dir`` (its fingerprint directory) other
+    users can write into (no sticky bit) and for a ``tier_dir`` another user owns; a WARNING for
+    one they can read or (sticky) write; ``tier_dir`` of ours is narrowed to ``0700``."""
+    for directory in (root, tier_dir):
+        try:
+            st = os.stat(directory)
+        except OSError:
+            continue  # made by the tier (0700), or reported when it cannot be
+        mode = stat.S_IMODE(st.st_mode)
+        if directory == tier_dir and st.st_uid != os.geteuid():
+            raise ValueError(
+                f"expected the disk tier's directory {directory} to be owned by this process's "
+                f"user (uid {os.geteuid()}), got uid {st.st_uid}: that user could replace its "
+                "files; remove it or use another disk_path (docs/tiers.md, sharing a disk tier)"
+            )
+        if mode & 0o022 and not mode & stat.S_ISVTX:
+            raise ValueError(
+                f"expected disk_path directory {directory} to be writable by its owner only, got "
+                f"mode {mode:#o} ({_who(mode, 0o020, 0o002)} can write into it): they could "
+                "plant blocks there, served as KV, or replace the tier's files; run chmod go-w "
+                f"{directory} (docs/tiers.md, sharing a disk tier)"
+            )
+        if directory == tier_dir and mode & 0o077:
+            os.chmod(directory, 0o700)  # made by an older kvoffload: ours, narrowed
+            continue
+        if mode & 0o022:
+            log.warning(
+                "disk tier: %s (mode %#o) is writable by %s (sticky: our files stay ours, but "
+                "they can fill it)",
+                directory,
+                mode,
+                _who(mode, 0o020, 0o002),
+            )
+        elif mode & 0o044:
+            log.warning(
+                "disk tier: %s (mode %#o) is readable by %s: they can list the tier's files "
+                "(not read them: 0600); chmod go-rwx %s to hide them",
+                directory,
+                mode,
+                _who(mode, 0o040, 0o004),
+                directory,
+            )
+
+
+def _who(mode: int, group_bit: int, other_bit: int) -> str:
+    return " and ".join(
+        name for name, bit in (("its group", group_bit), ("other users", other_bit)) if mode & bit
+    )
+
+
+def _narrow(fd: int, path: Path) -> None:
+    """A file of ours left more open by an older kvoffload becomes ``0600``."""
+    st = os.fstat(fd)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+        os.fchmod(fd, 0o600)
+        log.info("disk tier: %s narrowed to 0600 (it held the KV of prompts)", path)
+
+
 def record_bytes_for(block_bytes: int) -> int:
     return -(-(HEAD_AREA + block_bytes) // ALIGN) * ALIGN
 
@@ -100,6 +184,7 @@ class DiskTier(Tier):
             1, min(self.capacity_records, SLAB_TARGET_BYTES // self.record_bytes)
         )
         self.dir = Path(path) / fingerprint
+        check_private_dirs(Path(path), self.dir)
         self._warn = RateLimitedLog(log)
         self._lock = threading.Lock()
         self._fds: list[int] = []  # one per slab, in slab order
@@ -254,7 +339,8 @@ class DiskTier(Tier):
             return
         path = self.dir / f"slab-{slab:05d}.kvs"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            os.fchmod(fd, 0o600)
         except OSError as e:
             self._can_grow = False
             self._warn.warn("grow", "disk tier: cannot create %s (%s)", path, e)
@@ -337,7 +423,7 @@ class DiskTier(Tier):
 
     def _open(self) -> None:
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(self.dir)
         except OSError as e:
             self._warn.warn("open", "disk tier: cannot create %s (%s)", self.dir, e)
         if not self._take_lock():
@@ -365,7 +451,8 @@ class DiskTier(Tier):
         path = self.dir / "LOCK"
         for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
             try:
-                self._lock_fd = os.open(path, flags, 0o644)
+                self._lock_fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
+                _narrow(self._lock_fd, path)
                 break
             except OSError:
                 continue
@@ -387,7 +474,9 @@ class DiskTier(Tier):
     def _open_slab(self, path: Path) -> int | None:
         if self._writable:
             try:
-                return os.open(path, os.O_RDWR)
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+                _narrow(fd, path)
+                return fd
             except OSError as e:
                 if e.errno not in _READ_ONLY_ERRNOS:
                     self._warn.warn("open", "disk tier: cannot open %s (%s)", path, e)
