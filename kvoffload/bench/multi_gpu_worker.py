@@ -64,11 +64,13 @@ class Worker:
         shape = MODELS[spec.model]
         pool = 2 * spec.blocks
         gen = torch.Generator(device=spec.device).manual_seed(spec.rank)
-        dtype = torch.uint8 if shape.dtype_bytes == 1 else torch.int16  # bf16's bytes
 
-        def alloc(s: tuple[int, ...]) -> torch.Tensor:
-            low, high = (0, 256) if dtype == torch.uint8 else (-(1 << 15), 1 << 15)
-            return torch.randint(low, high, s, device=spec.device, generator=gen, dtype=dtype)
+        def alloc(s: tuple[int, ...]) -> torch.Tensor:  # as transfer_kv.SyntheticKV does
+            if shape.dtype_bytes == 1:
+                return torch.randint(
+                    0, 256, s, device=spec.device, generator=gen, dtype=torch.uint8
+                )
+            return torch.randn(s, device=spec.device, generator=gen, dtype=torch.bfloat16)
 
         self.tensors, self.block_dim = engine_tensors(
             shape, spec.layout, pool, spec.block_size, alloc
