@@ -82,6 +82,7 @@ def test_n_processes_move_real_bytes_placed_and_not(tmp_path):
     argv += ["--host-mib", "8", "--host-reps", "2", "--sysfs", str(sysfs), "--out", str(out)]
     assert main(argv) == 0
     r = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
     assert r["benchmark"] == "multi_gpu" and r["date"] and r["host"]["cores"]
     assert r["topology"]["numa_nodes"] == {"0": {"cpus": [0], "mem_total_bytes": 64 << 30}}
     assert [w["device"] for w in r["topology"]["workers"]] == ["cpu", "cpu"]
@@ -119,7 +120,7 @@ def test_n_processes_move_real_bytes_placed_and_not(tmp_path):
 def test_a_worker_that_fails_stops_the_run_with_its_error(tmp_path):
     argv = ["bench", "multi-gpu", "--device", "cpu", "--gpus", "1", "--numa", "1023"]
     argv += ["--seconds", "0.1", "--blocks", "2", "--link-mib", "1", "--host-mib", "1"]
-    argv += ["--host-reps", "1", "--out", str(tmp_path / "r.json")]
+    argv += ["--host-reps", "1", "--no-plot", "--out", str(tmp_path / "r.json")]
     with pytest.raises(RuntimeError, match=r"worker rank 0 on cpu:\n(.|\n)*expected numa_node in"):
         main(argv)
     assert not (tmp_path / "r.json").exists()

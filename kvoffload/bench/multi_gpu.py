@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-bind-cpus", action="store_true", help="leave CPU affinity alone")
     p.add_argument("--sysfs", default="/sys", help="sysfs root (tests give a fake topology)")
     p.add_argument("--out", type=Path, default=None, help="JSON result path")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG beside the JSON")
 
 
 def devices(args: argparse.Namespace) -> list[str]:
@@ -253,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or default_out("multi_gpu", devs[0] if not cuda else f"{len(devs)}gpu")
     _print(result)
     console.print(f"wrote {write_json(out, result)}")
+    if not args.no_plot:
+        from kvoffload.bench.multi_gpu_plot import plot
+
+        console.print(f"wrote {plot(result, out.with_suffix('.png'))}")
     if not all(w["exact"] for r in result["runs"] for w in r["workloads"]):
         console.print("a window's bytes differ from their source: see 'exact' in the JSON")
         return 1

@@ -220,6 +220,8 @@ def serve(spec: WorkerSpec, conn: Connection) -> None:
     worker = None
     try:
         worker = Worker(spec)
+        for workload in ("link", "kv"):  # compile and first-touch before any window
+            worker.step(workload)
         conn.send(("ready", worker.info()))
         while True:
             msg = conn.recv()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 import platform
@@ -175,9 +176,14 @@ def _syscall(name: str) -> tuple[Any, int]:
             f"expected a machine of {sorted(SYSCALLS)} for NUMA placement, "
             f"got {platform.machine()!r}"
         )
+    return _libc_syscall(), numbers[name]
+
+
+@functools.cache
+def _libc_syscall() -> Any:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    return libc.syscall, numbers[name]
+    return libc.syscall
 
 
 def _mask(node: int) -> ctypes.Array[ctypes.c_ulong]:
