@@ -210,3 +210,10 @@ def test_doctor_says_where_the_arena_landed():
     assert "expected numa_node 'auto', 'off' or a node id >= 0, got 'near'" in numa_line(
         "near", "cpu"
     )
+
+
+def test_vllm_says_its_shared_region_is_not_placed():
+    from kvoffload.integrations.vllm.options import parse_options
+
+    with pytest.raises(ValueError, match=r"\['numa_node'\] are not supported with vLLM \(the "):
+        parse_options({"cpu_bytes_to_use": 1 << 30, "numa_node": 0})
