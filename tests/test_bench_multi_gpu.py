@@ -136,6 +136,12 @@ def test_a_worker_that_fails_stops_the_run_with_its_error(tmp_path):
             "--numa: expected numa_node 'auto', 'off' or a node id >= 0, got 'near'",
         ),
         ("--gpus", "-1", "--gpus: expected a number of processes > 0, got -1"),
+        (
+            "--layout",
+            "rows",
+            "--layout: expected a name from ['cross_layer', 'kv_pair', "
+            "'kv_split', 'page'], got 'rows'",
+        ),
     ],
 )
 def test_bad_arguments_say_what_was_expected(flag, value, said):

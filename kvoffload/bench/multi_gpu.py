@@ -39,7 +39,9 @@ def _csv(text: str) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=0, help="processes: 0 means every GPU (2 on CPU)")
     p.add_argument("--same-gpu", action="store_true", help="put every process on GPU 0")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda")
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if present"
+    )
     p.add_argument(
         "--numa",
         type=_csv,
@@ -54,7 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=None, help="blocks each way (256; 16 on CPU)")
     p.add_argument("--method", default=None, help="copy backend (staged; host on CPU)")
     p.add_argument("--link-mib", type=int, default=None, help="MiB each way (256; 16 on CPU)")
-    p.add_argument("--host-mib", type=int, default=1024, help="MiB of the host memory probe")
+    p.add_argument(
+        "--host-mib",
+        type=int,
+        default=None,
+        help="MiB the host memory probe copies (default: 64 per core, at least 1024, so that "
+        "each thread's copy outlasts starting it)",
+    )
     p.add_argument("--host-reps", type=int, default=5, help="timed host memory probe copies")
     p.add_argument("--no-bind-cpus", action="store_true", help="leave CPU affinity alone")
     p.add_argument("--sysfs", default="/sys", help="sysfs root (tests give a fake topology)")
@@ -91,7 +99,12 @@ def devices(args: argparse.Namespace) -> list[str]:
 
 def _check(args: argparse.Namespace) -> None:
     from kvoffload.store.numa import check_setting
+    from kvoffload.transfer.shapes import LAYOUTS, MODELS
 
+    if args.model not in MODELS:
+        raise SystemExit(f"--model: expected a name from {sorted(MODELS)}, got {args.model!r}")
+    if args.layout not in LAYOUTS:
+        raise SystemExit(f"--layout: expected a name from {sorted(LAYOUTS)}, got {args.layout!r}")
     for w in args.workloads:
         if w not in WORKLOADS:
             raise SystemExit(f"--workloads: expected names from {list(WORKLOADS)}, got {w!r}")
@@ -101,7 +114,7 @@ def _check(args: argparse.Namespace) -> None:
             check_setting(args.numa[i])
         except ValueError as err:
             raise SystemExit(f"--numa: {err}") from err
-    if args.seconds <= 0 or args.host_mib <= 0 or args.host_reps <= 0:
+    if args.seconds <= 0 or (args.host_mib or 1) <= 0 or args.host_reps <= 0:
         raise SystemExit("--seconds, --host-mib and --host-reps must be positive")
 
 
@@ -219,8 +232,9 @@ def run(args: argparse.Namespace) -> int:
     cuda = devs[0].startswith("cuda")
     cores = len(os.sched_getaffinity(0))
     threads = sorted({1, max(1, cores // 2), cores})
-    console.print(f"host memory: {args.host_mib} MiB copies on {threads} threads")
-    host = probe(args.host_mib << 20, threads, args.host_reps)
+    host_mib = args.host_mib or max(1024, 64 * cores)
+    console.print(f"host memory: {host_mib} MiB copies on {threads} threads")
+    host = probe(host_mib << 20, threads, args.host_reps)
     base = WorkerSpec(
         rank=0,
         device=devs[0],
