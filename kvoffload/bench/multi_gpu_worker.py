@@ -59,10 +59,19 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.cuda = spec.device.startswith("cuda")
-        if self.cuda:
-            torch.cuda.set_device(torch.device(spec.device))
         shape = MODELS[spec.model]
         pool = 2 * spec.blocks
+        slot = shape.block_bytes(spec.block_size)
+        slots = max(pool, -(-2 * spec.link_bytes // slot))
+        # placement and CPU affinity first: threads started later (CUDA's, the backend's) inherit it
+        topology = Topology(Path(spec.sysfs))
+        placement = arena_placement(spec.numa_node, spec.device, slots * slot, topology)
+        self.cpus: list[int] | None = None
+        if spec.bind_cpus and placement.node is not None:
+            self.cpus = topology.cpus(placement.node)
+            os.sched_setaffinity(0, self.cpus)
+        if self.cuda:
+            torch.cuda.set_device(torch.device(spec.device))
         gen = torch.Generator(device=spec.device).manual_seed(spec.rank)
 
         def alloc(s: tuple[int, ...]) -> torch.Tensor:  # as transfer_kv.SyntheticKV does
@@ -78,20 +87,14 @@ class Worker:
         self.kv = KVLayout.from_tensors(
             self.tensors, block_size=spec.block_size, block_dim=self.block_dim
         )
-        slot = self.kv.slot_bytes
-        slots = max(pool, -(-2 * spec.link_bytes // slot))
-        topology = Topology(Path(spec.sysfs))
-        placement = arena_placement(spec.numa_node, spec.device, slots * slot, topology)
+        if self.kv.slot_bytes != slot:
+            raise RuntimeError(f"expected {slot}-byte slots, got {self.kv.slot_bytes}")
         pin = None
         if self.cuda:
             from kvoffload.transfer.pinning import cuda_pin
 
             pin = cuda_pin
         self.arena = HostArena(slots, slot, pin=pin, placement=placement)
-        self.cpus: list[int] | None = None
-        if spec.bind_cpus and self.arena.placement.node is not None:
-            self.cpus = topology.cpus(self.arena.placement.node)
-            os.sched_setaffinity(0, self.cpus)
         # every slot distinct (its index in its first 8 bytes), so a load from a wrong slot shows
         self.arena.slots[:] = np.random.default_rng(spec.rank).integers(0, 256, slot, np.uint8)
         ids = np.arange(slots, dtype="<u8").view(np.uint8).reshape(slots, 8)
