@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.store.arena import slots_for_capacity
+from kvoffload.store.numa import check_setting as check_numa_setting
 from kvoffload.store.policies import POLICIES
 from kvoffload.transfer.registry import BACKENDS
 
@@ -37,6 +38,10 @@ class OffloadConfig:
     backend: str = "auto"
     # Page-lock the host arena: None pins it when the engine's KV is on a CUDA device.
     pin_memory: bool | None = None
+    # NUMA node of the host arena: "auto" (the node nearest the KV's GPU, where the host has
+    # several; placed nowhere otherwise, with the reason logged), "off", or a node id (bound
+    # strictly; an error where it cannot be). docs/transfer.md, "NUMA and many GPUs".
+    numa_node: int | str = "auto"
     # Seconds a load may take before it is reported failed (the engine recomputes those blocks);
     # its engine blocks stay in use until the copy really ends (docs/api.md, "Load deadline").
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
@@ -108,6 +113,7 @@ class OffloadConfig:
         if self.pin_memory:
             _check_cuda_for_pinning()
         _check_seconds(self, "load_timeout_s")
+        check_numa_setting(self.numa_node)
         self._check_valkey_access()  # first: its messages never show a password from the URL
         self._check_tiers()
 
