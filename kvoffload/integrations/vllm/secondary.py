@@ -71,8 +71,9 @@ from kvoffload.integrations.vllm.region import RowArena
 from kvoffload.integrations.vllm.row_identity import model_identity, row_fingerprint, spec_fact
 from kvoffload.integrations.vllm.tier_events import Residency
 from kvoffload.offload.tiers import TierMover, TierOp, TierResult, build_tiers
-from kvoffload.store.tiers.disk import DiskTier, make_private_dirs
+from kvoffload.store.tiers.disk import DiskTier
 from kvoffload.store.tiers.endpoint import redact_url
+from kvoffload.store.tiers.private import make_private_dirs
 from kvoffload.store.tiers.valkey import ValkeyTier
 
 log = logging.getLogger(__name__)
