@@ -100,9 +100,16 @@ def staged_enqueue() -> str:
     from kvoffload.transfer.cuda import native
 
     module = native.module()
-    if module is not None:
-        return f"native engine ({module.__file__}, built at install)"
-    return f"dma fallback: {native.unavailable()}"
+    if module is None:
+        return f"dma fallback: {native.unavailable()}"
+    try:
+        module.cuda_driver()  # every entry point, stream memory operations included
+    except RuntimeError as err:
+        return f"dma fallback: the driver cannot run the native engine here ({err})"
+    return (
+        f"native engine ({module.__file__}, built at install; readiness on the GPU: stream "
+        "memory operations)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
