@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Container
 from pathlib import Path
 
@@ -225,3 +226,43 @@ def test_the_pipeline_and_length_checks_see_what_they_refuse(tmp_path):
         "kvoffload/transfer/plan.py: Submitter",
     ]
     assert long_modules(tmp_path) == [f"kvoffload/long.py: {MAX_LINES + 1} lines"]
+
+
+NATIVE = ROOT / "kvoffload" / "transfer" / "cuda" / "native"
+
+
+def c_includes(path: Path) -> set[str]:
+    return set(re.findall(r'^#include "([^"]+)"', path.read_text(), re.M))
+
+
+def test_the_native_engine_has_one_owner_per_concept():
+    """Every C file is under the line limit; the binding includes only engine.h's API (never the
+    engine's state or lock); the pipeline knows nothing of threads or the engine; the headers
+    include each other without a circle; the ABI number is defined once."""
+    files = sorted(NATIVE.glob("*.[ch]"))
+    long = [f"{f.name}: {n}" for f in files if (n := len(f.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"native files over {MAX_LINES} lines: {long}"
+    for binding in ("module.c", "module_job.c", "binding.h"):
+        text = (NATIVE / binding).read_text()
+        assert "engine_state.h" not in c_includes(NATIVE / binding), binding
+        for private in ("pthread_", "->mu", "->lane", "->flags", "->inflight", "->spec"):
+            assert private not in text, f"{binding} names the engine's {private}"
+    for pure in ("pipeline.c", "pipeline.h", "flags.c", "job.c"):
+        text = (NATIVE / pure).read_text()
+        assert "pthread" not in text and "engine" not in c_includes(NATIVE / pure), pure
+    graph = {f.name: c_includes(f) for f in files if f.suffix == ".h"}
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert state.get(name) != 1, f"include circle: {' -> '.join((*path, name))}"
+        if state.get(name) == 2:
+            return
+        state[name] = 1
+        for dep in graph.get(name, ()):
+            visit(dep, (*path, name))
+        state[name] = 2
+
+    for name in graph:
+        visit(name, ())
+    defined = [f.name for f in files if re.search(r"#define KVO_ABI\b", f.read_text())]
+    assert defined == ["kvo.h"], defined
