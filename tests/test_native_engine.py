@@ -110,9 +110,13 @@ def test_a_layer_wait_is_one_flag_wait_enqueued_at_once_and_released_when_it_lan
         assert fake_cuda.stream_held(123) and not pending.done()
         with pytest.raises(ValueError, match="layer"):
             backend.layer_gate(0)
+        waiter = pending.layer_waiter(124)  # bound once, one flag wait per call
+        waiter(2)
+        assert fake_cuda.memops == before + 4 and fake_cuda.stream_held(124)
         release()
-        assert not fake_cuda.stream_held(123)
+        assert not fake_cuda.stream_held(123) and not fake_cuda.stream_held(124)
         assert pending.wait(10) and pending.error() is None
+        before += 1
         pending.wait_on(123, 0)  # landed: nothing more to enqueue
         assert fake_cuda.memops == before + 3  # no wait enqueued for a layer that landed
         pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])

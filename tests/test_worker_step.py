@@ -88,3 +88,28 @@ def test_a_layer_gate_on_a_cpu_backend_waits_for_the_listed_jobs_whole() -> None
         assert np.array_equal(kv[0][:, 9], kv[0][:, 0])
     finally:
         local.close()
+
+
+def test_a_layer_waiter_checks_layers_and_waits_for_the_load() -> None:
+    kv = make_kv(4)
+    local = build_local(layout_of(kv), OffloadConfig(host_capacity_blocks=8))
+    try:
+        off, worker = local.offloader, local.worker
+        keys = prefix_block_keys(list(range(64)), 16)
+        store = must(off.schedule_store("r", [keys[0]], [2]))
+        worker.submit(store)
+        off.complete(collect(worker, {store.job_id}))
+        load = must(off.schedule_load("q", [keys[0]], [11]))
+        worker.submit(load)
+        waiter = worker.layer_waiter(load.job_id)
+        waiter(1)  # on a CPU backend: the host waits for the whole copy
+        assert same(block(kv, 11), block(kv, 2))
+        for bad in (2, -1, True):
+            with pytest.raises(ValueError, match=r"layer in \[0, 2\)"):
+                waiter(bad)
+        with pytest.raises(ValueError, match="handed out"):
+            worker.layer_waiter(10_000)
+        off.complete(collect(worker, {load.job_id}))
+        worker.layer_waiter(load.job_id)(0)  # finished: only the layer is checked
+    finally:
+        local.close()

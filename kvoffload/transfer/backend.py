@@ -57,6 +57,12 @@ class Pending(ABC):
         if error is not None:
             raise error
 
+    def layer_waiter(self, stream: object = None) -> Callable[[int], None]:
+        """``wait_on`` bound to ``stream``, for an engine that waits once per layer: the stream is
+        resolved once, each call then costs what the backend's wait costs (``layer`` checked by
+        the caller, as for ``wait_on``)."""
+        return lambda layer: self.wait_on(stream, layer)
+
 
 class LayerGate:
     """Per-layer readiness at fixed places, for an engine whose whole forward is one CUDA graph.

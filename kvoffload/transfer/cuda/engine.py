@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -339,6 +339,21 @@ class NativePending(Pending):
             at = -1 if layer is None or j.direction != "load" else int(layer)
             if not j.wait_on(handle, at, ENQUEUE_TIMEOUT):
                 raise _exception(j.error())
+
+    def layer_waiter(self, stream: object = None) -> Callable[[int], None]:
+        handle = _handle(stream)
+        loads = [j for j in self.jobs if j.direction == "load"]
+        whole = [j for j in self.jobs if j.direction != "load"]
+        for j in whole:  # a store has no layers: its wait is enqueued once, here
+            if not j.wait_on(handle, -1, ENQUEUE_TIMEOUT):
+                raise _exception(j.error())
+
+        def wait(layer: int) -> None:
+            for j in loads:
+                if not j.wait_on(handle, layer, ENQUEUE_TIMEOUT):
+                    raise _exception(j.error())
+
+        return wait
 
     @property
     def layer_slice(self) -> np.ndarray | None:
