@@ -268,4 +268,5 @@ class LowerTiers:
 
     def snapshot(self) -> dict[str, Any]:
         tiers = {name: t.stats.snapshot() for name, t in self.mover.tiers.items()}
-        return {"flow": asdict(self.stats), "tiers": tiers}
+        reads = {name: h.snapshot() for name, h in self.mover.read_seconds.items()}
+        return {"flow": asdict(self.stats), "tiers": tiers, "read_seconds": reads}
