@@ -18,7 +18,7 @@ python3 -m venv .venv-wheel
 wheel=$(ls dist/kvoffload-*.whl)
 .venv-wheel/bin/python -m pip install -q "$wheel[dev,bench,tiers]"
 work=$(mktemp -d)
-cp -r tests docs pyproject.toml "$work"/
+cp -r tests docs dashboards pyproject.toml "$work"/
 cd "$work"
 "$repo/.venv-wheel/bin/python" -c "import kvoffload, kvoffload.transfer.cuda.native as n; \
 print('installed:', kvoffload.__file__); print('native engine:', n.module() or n.unavailable())"

@@ -97,6 +97,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Every counter of a lower tier (docs/tiers.md): puts, put_bytes, put_failures, "
         "put_skipped, gets, get_bytes, misses, corrupt, errors, evictions, reconnects",
     ),
+    "tier_up": (
+        "gauge",
+        ("tier",),
+        "1 while a lower tier is usable (valkey: its server answers; disk: its directory can be "
+        "written), else 0",
+    ),
     "tier_flow": (
         "counter",
         ("counter",),
@@ -156,6 +162,8 @@ class OffloadCollector:
                 families["tier"].add_metric([tier, counter], value)
         for counter, value in off["tiers"].get("flow", {}).items():
             families["tier_flow"].add_metric([counter], value)
+        for tier, up in off["tiers"].get("up", {}).items():
+            families["tier_up"].add_metric([tier], float(up))
         for tier, hist in off["tiers"].get("read_seconds", {}).items():
             _add_histogram(families["tier_read_seconds"], [tier], hist)
         if off["prefill_tokens_saved"] is not None:

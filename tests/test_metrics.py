@@ -119,6 +119,7 @@ def test_metrics_over_http(tmp_path):
         assert value("tier_total", tier="disk", counter="puts") == 3  # written down behind
         assert value("tier_flow_total", counter="written") == 3
         assert value("hit_blocks_total", tier="disk") == 0
+        assert value("tier_up", tier="disk") == 1
         # one store and one load job, both successful: one observation each, in a finite bucket
         for direction in ("store", "load"):
             count = value("transfer_duration_seconds_count", direction=direction)
