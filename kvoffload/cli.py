@@ -76,9 +76,12 @@ def describe(module: Any) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvoffload import __version__
+
     parser = argparse.ArgumentParser(
         prog="kvoffload", description=plain(__doc__.splitlines()[0]), formatter_class=HelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"kvoffload {__version__}")
     tops = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
     for path, (module_name, help_text) in COMMANDS.items():
