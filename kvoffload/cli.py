@@ -8,7 +8,7 @@ shows its module docstring's first paragraph, and every option's help with its d
 Every error a command line gets is one line in one form, ``kvoffload bench store --resident:
 expected comma-separated integers, got 'abc'``: argparse's own messages are rewritten so
 (``one_form``), and a command's ``SystemExit("--flag: expected X, got Y")`` gets the command's name
-in front. ``int_list`` and ``name_list`` parse comma-separated option values in that form.
+in front. ``int_list`` parses comma-separated integers in that form.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import importlib
 import re
 import sys
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 # command path -> (module, one-line help)
@@ -125,21 +125,6 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
-
-
-def name_list(known: Collection[str]) -> Callable[[str], list[str]]:
-    """An option's ``a,b``: names from ``known``, comma separated."""
-
-    def parse(text: str) -> list[str]:
-        names = text.split(",")
-        bad = [n for n in names if n not in known]
-        if bad:
-            raise argparse.ArgumentTypeError(
-                f"expected names from {sorted(known)}, comma separated, got {bad[0]!r}"
-            )
-        return names
-
-    return parse
 
 
 def describe(module: Any) -> str:

@@ -1,0 +1,219 @@
+"""Fills the measured figures of README.md and docs/*.md from the committed result files.
+
+A figure is a block of markdown between two markers, written by a function of ``FIGURES`` from
+files under ``benchmarks/results/``::
+
+    <!-- figure:e2e_h100_final -->
+    | mode | p50 | ...
+    <!-- /figure:e2e_h100_final -->
+
+``python benchmarks/figures.py`` rewrites every block in place; ``--check`` rewrites nothing and
+exits 1 naming each block that no longer matches its files (``tests/test_figures.py`` runs it, so a
+figure typed by hand, or a result file changed without its figure, fails the tests).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(
+    r"(<!-- figure:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figure:(?P=name) -->)", re.S
+)
+
+H100 = "nvidia-h100-80gb-hbm3"
+FINAL = [f"e2e_llama3-8b_{H100}_2026-11-23_final{i}.json" for i in (1, 2)]
+NATIVE = [f"e2e_{m}_{H100}_2026-11-25_native.json" for m in ("llama3-8b", "qwen2.5-7b")]
+COMMANDS = "readme_commands_cpu-amd-epyc_2026-11-25.json"
+COSTS = {
+    "fits: turns/s cost": "`fits` turns/s",
+    "fits: p99 cost": "`fits` TTFT p99",
+    "zero reuse: turns/s cost": "zero-reuse turns/s",
+}
+MODEL_NAMES = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B"}
+
+
+@cache
+def result(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((RESULTS / name).read_text())
+    return data
+
+
+def _both(values: list[float], fmt: str = ".1f") -> str:
+    return " / ".join(f"{v:{fmt}}" for v in values)
+
+
+def _chat_modes(name: str) -> dict[str, Any]:
+    modes: dict[str, Any] = result(name)["results"]["workloads"]["chat"]["modes"]
+    return modes
+
+
+def readme_e2e_h100() -> str:
+    """The README's TTFT table of the two final H100 runs, and the ratios under it."""
+    runs = [_chat_modes(f) for f in FINAL]
+    labels = {
+        "recompute": "recompute (no prefix cache)",
+        "gpu": "gpu (the GPU prefix cache alone)",
+        "gpu_all": "gpu_all (a GPU pool big enough for every history: the ideal)",
+        "kvoffload": "**kvoffload** (GPU cache + host tier)",
+    }
+    lines = ["| mode | p50 | p90 | p99 | turns/s |", "|---|---|---|---|---|"]
+    for mode, label in labels.items():
+        cells = [_both([r[mode]["ttft_ms_returning"][q] for r in runs]) for q in ("p50", "p90")]
+        cells.append(_both([r[mode]["ttft_ms_returning"]["p99"] for r in runs]))
+        if mode == "kvoffload":
+            cells = [f"**{c}**" for c in cells]
+        cells.append(_both([r[mode]["turns_per_s"] for r in runs], ".2f"))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    def ratio(num: str, den: str, q: str) -> str:
+        vals = [r[num]["ttft_ms_returning"][q] / r[den]["ttft_ms_returning"][q] for r in runs]
+        return " / ".join(f"{v:.1f}x" for v in vals)
+
+    lines += [
+        "",
+        f"- Against recompute: {ratio('recompute', 'kvoffload', 'p50')} at p50, "
+        f"{ratio('recompute', 'kvoffload', 'p99')} at p99. Against the GPU cache alone: "
+        f"{ratio('gpu', 'kvoffload', 'p50')} at p50.",
+    ]
+    return "\n".join(lines)
+
+
+def e2e_h100_final() -> str:
+    """docs/e2e.md: the same runs with the hit ratios."""
+    runs = [_chat_modes(f) for f in FINAL]
+    lines = [
+        "| mode | p50 | p90 | p99 | turns/s | GPU hit | host hit |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode in ("recompute", "gpu", "gpu_all", "kvoffload"):
+        t = [r[mode]["ttft_ms_returning"] for r in runs]
+        cells = [_both([x[q] for x in t]) for q in ("p50", "p90", "p99")]
+        if mode == "kvoffload":
+            cells[:2] = [f"**{c}**" for c in cells[:2]]
+        cells.append(_both([r[mode]["turns_per_s"] for r in runs], ".2f"))
+        hits = runs[0][mode]["hit_ratio"]
+        cells += [f"{100 * hits['gpu']:.0f}%", f"{100 * hits['host']:.0f}%"]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def e2e_h100_native() -> str:
+    """The native engine's H100 runs: per model and workload, TTFT and the targets' ratios."""
+    lines = [
+        "| model, workload | recompute p50 / p99 | gpu_all p50 / p99 | kvoffload p50 / p99 | "
+        "restored p50 / gpu_all | recompute / kvoffload p50, p99 | attention waited, load hidden |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in NATIVE:
+        data = result(name)
+        res = data["results"]
+        target = {t["name"]: t["value"] for t in res["targets"]}
+        for kind in ("chat", "docs"):
+            modes = res["workloads"][kind]["modes"]
+            ttft = [
+                _both([modes[m]["ttft_ms_returning"][q] for q in ("p50", "p99")])
+                for m in ("recompute", "gpu_all", "kvoffload")
+            ]
+            ov = modes["kvoffload"]["overlap"]
+            lines.append(
+                f"| {MODEL_NAMES[data['config']['model']]}, {kind} | "
+                + " | ".join(ttft)
+                + f" | {target[f'{kind}: restored p50 / gpu_all']:.2f}x"
+                + f" | {target[f'{kind}: recompute / kvoffload p50']:.2f}x, "
+                f"{target[f'{kind}: recompute / kvoffload p99']:.2f}x"
+                + f" | {ov['median_per_request_ms']['exposed']:.1f} ms, "
+                f"{100 * ov['hidden_share']:.0f}% |"
+            )
+    return "\n".join(lines)
+
+
+def e2e_h100_native_checks() -> str:
+    """The same runs' bit-exact checks and cost targets, one line."""
+    parts, costs = [], []
+    for name in NATIVE:
+        data = result(name)
+        model = MODEL_NAMES[data["config"]["model"]]
+        target = {t["name"]: t for t in data["results"]["targets"]}
+        exact = target["bit-exact sampled turns"]
+        parts.append(f"{model} {exact['value']:.0f}/{exact['limit']:.0f}")
+        for key, label in COSTS.items():
+            if target[key]["value"] is not None:
+                costs.append(f"{model} {label} {100 * target[key]['value']:+.1f}%")
+    return (
+        f"Bit-exact sampled turns (KV, first-token logits, 16 greedy tokens): {', '.join(parts)}. "
+        f"Cost of kvoffload against `gpu` (negative: kvoffload faster): {', '.join(costs)}."
+    )
+
+
+def readme_commands() -> str:
+    """The README's two commands as measured on the CI machine type (``COMMANDS``)."""
+    m = result(COMMANDS)
+    install, main, tests = m["install"], m["main_job"], m["tests"]
+    return (
+        f"Measured {m['date']} on a {m['machine']['cores']}-core {m['machine']['cpu']} VM of this "
+        f"project's CI type, in {m['how']} (`benchmarks/results/{COMMANDS}`):\n\n"
+        f"- the install took {install['wall_s']:.0f} s ({install['what']}).\n"
+        f"- the main job took {main['wall_s']:.0f} s ({main['what']}; the model ran in "
+        f"{main['dtype']}: {main['note']}; its JSON: `{main['result']}`).\n"
+        f"- the test command collects {tests['collected']:,} tests ({tests['how']}); "
+        f"{tests['note']}"
+    )
+
+
+FIGURES: dict[str, Callable[[], str]] = {
+    "readme_e2e_h100": readme_e2e_h100,
+    "e2e_h100_final": e2e_h100_final,
+    "e2e_h100_native": e2e_h100_native,
+    "e2e_h100_native_checks": e2e_h100_native_checks,
+    "readme_commands": readme_commands,
+}
+
+
+def fill(text: str) -> tuple[str, list[str]]:
+    """``text`` with every figure block rewritten, and the names of those that changed."""
+    changed: list[str] = []
+
+    def one(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in FIGURES:
+            raise ValueError(f"expected a figure in {sorted(FIGURES)}, got {name!r}")
+        body = FIGURES[name]() + "\n"
+        if body != match["body"]:
+            changed.append(name)
+        return match[1] + body + match[4]
+
+    return BLOCK.sub(one, text), changed
+
+
+def main(argv: list[str]) -> int:
+    check = argv == ["--check"]
+    if argv and not check:
+        print("usage: python benchmarks/figures.py [--check]", file=sys.stderr)
+        return 2
+    stale = []
+    for path in DOCS:
+        text = path.read_text()
+        new, changed = fill(text)
+        rel = path.relative_to(ROOT)
+        stale += [f"{rel}: figure {name}" for name in changed]
+        if changed and not check:
+            path.write_text(new)
+            print(f"rewrote {rel}: {', '.join(changed)}")
+    if check and stale:
+        listed = "\n  ".join(stale)
+        print(f"stale figures (python benchmarks/figures.py rewrites them):\n  {listed}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
