@@ -116,6 +116,11 @@ def test_every_column_has_a_legend(tmp_path, capsys):
     text = capsys.readouterr().out
     for column in ("case", "slot", "pieces/block", "piece", "blocks per transfer", "~s"):
         assert f"{column}: " in text, column
+    argv = ["bench", "transfer", "--models", "qwen2.5-7b", "--layouts", "page", "--blocks", "3"]
+    assert main([*argv, "--reps", "1", "--out", str(tmp_path / "t.json")]) == 0
+    text = capsys.readouterr().out
+    for column in ("blocks", "piece", "store", "load", "(%)"):
+        assert f"{column}: " in text, column
 
 
 def test_every_error_is_one_line_in_one_form(capsys):

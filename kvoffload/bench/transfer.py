@@ -259,6 +259,11 @@ def _print(rows: list[dict[str, Any]], limit: float) -> None:
             f"{r['load_GBps']:.2f} ({r['load_of_memcpy']:.0%})",
         )
     console.print(table)
+    console.print(
+        "blocks: blocks per transfer; piece: bytes of each contiguous region of a block; store: "
+        "engine tensors to the host arena, load: back; (%): that GB/s as a share of the "
+        f"contiguous memcpy's {limit:.1f} GB/s"
+    )
 
 
 def run_gpu(args: argparse.Namespace) -> int:
