@@ -412,8 +412,8 @@ def _describe(cfg: Any) -> str:
     lines = [f"e2e: {cfg.model} ({cfg.dtype}) on {cfg.device}, blocks of {cfg.block_size} tokens"]
     for r in cfg.workloads:
         lines.append(
-            f"  {r.workload.describe()}; {r.workload.distinct_blocks(cfg.block_size)} blocks, "
-            f"GPU pool {r.gpu_blocks}, host {r.host_blocks}; modes {','.join(r.modes)}"
+            f"  {r.workload.describe()}; {r.workload.distinct_blocks(cfg.block_size)} distinct "
+            f"blocks, GPU pool {r.gpu_blocks}, host {r.host_blocks}; modes {','.join(r.modes)}"
             + (f"; {r.rounds} rounds" if r.rounds > 1 else "")
         )
     return "\n".join(lines)
