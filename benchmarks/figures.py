@@ -215,6 +215,61 @@ def e2e_h100_native_checks() -> str:
     )
 
 
+TRANSFER_NATIVE = [f"transfer_{H100}_2026-11-25_native{i}.json" for i in (0, 1, 2)]
+TRANSFER_METHODS = ("staged", "staged-python", "dma", "vllm-triton")
+# (label, model, blocks per transfer, layout or None for every layout), block size 16
+TRANSFER_CASES = [
+    ("16 blocks of 2 MiB, store / load", "llama3-8b", 16, "page"),
+    ("16 blocks fp8 TP8 (2 KiB pieces)", "llama3-70b-tp8-fp8", 16, "kv_split"),
+    ("1,000 blocks fp8 TP8", "llama3-70b-tp8-fp8", 1000, "kv_split"),
+    ("1,000 blocks MLA (K-only latent)", "deepseek-v2-lite-mla", 1000, None),
+]
+
+
+def _transfer_rows(method: str, model: str, blocks: int, layout: str | None) -> list[Any]:
+    """(row, the run's link GB/s) of every run's rows of that case, block size 16."""
+    out = []
+    for name in TRANSFER_NATIVE:
+        data = result(name)
+        for row in data["rows"]:
+            if (row["method"], row["model"], row["blocks"], row["block_size"]) == (
+                method,
+                model,
+                blocks,
+                16,
+            ) and layout in (None, row["layout"]):
+                out.append((row, data["link"]["GBps"]))
+    return out
+
+
+def transfer_h100_native() -> str:
+    """The native engine against its Python path and vLLM's copies, three H100 runs: 1-block
+    latency (p50 of store and of load), then GB/s as a share of the link measured in the same run
+    (store: device to host, load: host to device), min-max over runs (and layouts)."""
+    lines = [
+        "| case | native engine | Python path | vLLM's `dma` | vLLM's Triton kernel |",
+        "|---|---|---|---|---|",
+    ]
+    cells = []
+    for method in TRANSFER_METHODS:
+        rows = _transfer_rows(method, "llama3-8b", 1, "page")
+        us = [r[k] for r, _ in rows for k in ("store_p50_us", "load_p50_us")]
+        cells.append(f"{_span(us, '.0f')} µs")
+    lines.append("| 1 block of 2 MiB (Llama-3-8B), p50 | " + " | ".join(cells) + " |")
+    for label, model, blocks, layout in TRANSFER_CASES:
+        cells = []
+        for method in TRANSFER_METHODS:
+            rows = _transfer_rows(method, model, blocks, layout)
+            if not rows:
+                cells.append("-")
+                continue
+            store = [r["store_GBps"] / link["d2h"]["median"] for r, link in rows]
+            load = [r["load_GBps"] / link["h2d"]["median"] for r, link in rows]
+            cells.append(f"{_span(store, '.2f')} / {_span(load, '.2f')}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def readme_commands() -> str:
     """The README's two commands as measured on the CI machine type (``COMMANDS``)."""
     m = result(COMMANDS)
@@ -237,6 +292,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "e2e_h100_native": e2e_h100_native,
     "e2e_h100_native_checks": e2e_h100_native_checks,
     "readme_commands": readme_commands,
+    "transfer_h100_native": transfer_h100_native,
 }
 
 
