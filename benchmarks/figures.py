@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from functools import cache
@@ -270,6 +271,42 @@ def transfer_h100_native() -> str:
     return "\n".join(lines)
 
 
+TRANSFER_FINAL = [f"transfer_{H100}_2026-11-23_final{i}.json" for i in (1, 2)]
+SHAPES = {
+    "llama3-8b": "Llama-3-8B (16-64 KiB pieces)",
+    "qwen2.5-7b": "Qwen2.5-7B",
+    "llama3-70b-tp8": "Llama-3-70B TP8, bf16",
+    "llama3-70b-tp8-fp8": "Llama-3-70B TP8, fp8 (2-4 KiB pieces)",
+    "deepseek-v2-lite-mla": "DeepSeek-V2-Lite MLA (K-only latent)",
+}
+
+
+def transfer_h100_final() -> str:
+    """``staged`` (Python path) in the two final H100 runs: share of the link measured in the same
+    run, per shape; the median over layouts and block sizes of transfers of 256-2,048 blocks per
+    run, and [the range over both runs]."""
+    lines = ["| shape | store | load |", "|---|---|---|"]
+    for model, label in SHAPES.items():
+        cells = []
+        for direction, link_key in (("store", "d2h"), ("load", "h2d")):
+            medians, every = [], []
+            for name in TRANSFER_FINAL:
+                data = result(name)
+                link = data["link"]["GBps"][link_key]["median"]
+                shares = [
+                    r[f"{direction}_GBps"] / link
+                    for r in data["rows"]
+                    if r["model"] == model
+                    and r["method"] == "staged"
+                    and 256 <= r["blocks"] <= 2048
+                ]
+                medians.append(statistics.median(shares))
+                every += shares
+            cells.append(f"{_both(medians, '.2f')} [{min(every):.2f}-{max(every):.2f}]")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def readme_commands() -> str:
     """The README's two commands as measured on the CI machine type (``COMMANDS``)."""
     m = result(COMMANDS)
@@ -293,6 +330,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "e2e_h100_native_checks": e2e_h100_native_checks,
     "readme_commands": readme_commands,
     "transfer_h100_native": transfer_h100_native,
+    "transfer_h100_final": transfer_h100_final,
 }
 
 
