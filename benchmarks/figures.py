@@ -307,6 +307,26 @@ def transfer_h100_final() -> str:
     return "\n".join(lines)
 
 
+def readme_cpu() -> str:
+    """The README's CPU line: the host backend and the control plane on the CI machine type."""
+    t, st = result("transfer_cpu_2026-11-22.json"), result("store_cpu_2026-11-22.json")
+    gbps = [r[k] for r in t["rows"] for k in ("store_GBps", "load_GBps")]
+    share = [100 * r[k] for r in t["rows"] for k in ("store_of_memcpy", "load_of_memcpy")]
+    lookup = [r["lookup_2048_us"] / 2048 for r in st["rows"]]
+    store = [r["store_512_us"] / 1e3 for r in st["rows"]]
+    memory = [r["bytes_per_block"] for r in st["rows"]]
+    return (
+        f"CPU (`host` backend, the CI machine type, {t['date'][:10]}): {_span(gbps)} GB/s across "
+        f"shapes and layouts, {_span(share, '.0f')}% of one contiguous 512 MiB memcpy "
+        f"({t['memcpy_GBps']:.1f} GB/s) in the same run. Control plane (`kvoffload bench store`, "
+        f"same CPU): a lookup costs {_span(lookup, '.2f')} µs per block at "
+        f"{' and '.join(f'{r:,}' for r in sorted({r['resident'] for r in st['rows']}))} resident "
+        f"blocks, storing 512 new blocks {_span(store)} ms, {_span(memory, '.0f')} bytes of "
+        "Python memory per block (`benchmarks/results/transfer_cpu_2026-11-22.json`, "
+        "`store_cpu_2026-11-22.json`)."
+    )
+
+
 def readme_commands() -> str:
     """The README's two commands as measured on the CI machine type (``COMMANDS``)."""
     m = result(COMMANDS)
@@ -331,6 +351,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "readme_commands": readme_commands,
     "transfer_h100_native": transfer_h100_native,
     "transfer_h100_final": transfer_h100_final,
+    "readme_cpu": readme_cpu,
 }
 
 
