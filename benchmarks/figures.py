@@ -281,6 +281,21 @@ SHAPES = {
 }
 
 
+def transfer_h100_link() -> str:
+    """The link of the two final H100 runs, as the README's data-plane paragraph states it."""
+    links = [result(f)["link"] for f in TRANSFER_FINAL]
+    gib = links[0]["bytes"] / (1 << 30)
+    n = links[0]["GBps"]["h2d"]["n"]
+
+    def both(key: str) -> str:
+        return _both([link["GBps"][key]["median"] for link in links])
+
+    return (
+        f"The link, {gib:g} GiB pinned copies after a warm-up, medians of {n}: {both('h2d')} GB/s "
+        f"host-to-device, {both('d2h')} device-to-host, {both('both')} both at once."
+    )
+
+
 def transfer_h100_final() -> str:
     """``staged`` (Python path) in the two final H100 runs: share of the link measured in the same
     run, per shape; the median over layouts and block sizes of transfers of 256-2,048 blocks per
@@ -351,6 +366,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "readme_commands": readme_commands,
     "transfer_h100_native": transfer_h100_native,
     "transfer_h100_final": transfer_h100_final,
+    "transfer_h100_link": transfer_h100_link,
     "readme_cpu": readme_cpu,
 }
 
