@@ -167,6 +167,7 @@ class _KVOffloadTier(SecondaryTierManager):
         self._probe_wanted: dict[OffloadKey, None] = {}  # ordered set, sent at the step's end
         self._probing: set[OffloadKey] = set()
         self._reported = dict.fromkeys(COUNTERS, 0)
+        self._counters_sent = False  # the first get_stats sends every counter, zeros included
         self._read_seconds: list[float] = []  # read ops finished since the last get_stats
 
     # -- lookups (never block) ----------------------------------------------------------------
@@ -287,9 +288,10 @@ class _KVOffloadTier(SecondaryTierManager):
         now = self.tier.stats.snapshot()
         for name in COUNTERS:
             delta = now[name] - self._reported[name]
-            if delta:
+            if delta or not self._counters_sent:  # a series at 0 from the start (Prometheus)
                 stats.increase_counter(f"vllm:kvoffload_{self.short}_{name}", delta)
                 self._reported[name] = now[name]
+        self._counters_sent = True
         for seconds in self._read_seconds:
             stats.observe_histogram(f"vllm:kvoffload_{self.short}_read_seconds", seconds)
         self._read_seconds.clear()
