@@ -346,14 +346,19 @@ def readme_commands() -> str:
     """The README's two commands as measured on the CI machine type (``COMMANDS``)."""
     m = result(COMMANDS)
     install, main, tests = m["install"], m["main_job"], m["tests"]
+    runs = "; ".join(
+        f"{r['wall_s']:.0f} s at a load average of {r['load_average']} (`{r['result']}`)"
+        for r in main["runs"]
+    )
     return (
         f"Measured {m['date']} on a {m['machine']['cores']}-core {m['machine']['cpu']} VM of this "
-        f"project's CI type, in {m['how']} (`benchmarks/results/{COMMANDS}`):\n\n"
+        f"project's CI type, in {m['how']} (`benchmarks/results/{COMMANDS}`); none of these is an "
+        "idle-machine time:\n\n"
         f"- the install took {install['wall_s']:.0f} s ({install['what']}).\n"
-        f"- the main job took {main['wall_s']:.0f} s ({main['what']}; the model ran in "
-        f"{main['dtype']}: {main['note']}; its JSON: `{main['result']}`).\n"
+        f"- the main job ({main['what']}; the model ran in {main['dtype']}: {main['note']}) took "
+        f"{runs}.\n"
         f"- the test command collects {tests['collected']:,} tests ({tests['how']}); "
-        f"{tests['note']}"
+        f"{tests['modules_skipped_at_import']} of {tests['note']}"
     )
 
 
