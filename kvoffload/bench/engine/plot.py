@@ -29,7 +29,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         _ttft_by_turn(left, run["modes"])
         left.set_title(
             f"{kind}: {cfg['model']} on {result['device']['name']}, GPU pool {run['gpu_blocks']} "
-            f"blocks (workload {run['distinct_blocks']})",
+            f"blocks (the workload's distinct blocks: {run['distinct_blocks']})",
             fontsize=9,
         )
         restored = [

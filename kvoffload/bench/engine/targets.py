@@ -50,8 +50,24 @@ class Target:
         else:
             want, got = f"{sign} {self.limit:g}x", f"{self.value or 0:.2f}x"
         state = {True: "reached", False: "NOT reached", None: "not measured"}[self.reached]
+        if self.reached is None:
+            state += f" ({measured_by(self.name)})"
         shown = got if self.value is not None else "-"
         return f"{self.name}: {shown} (target {want}): {state}"
+
+
+def measured_by(name: str) -> str:
+    """The flags of ``kvoffload bench e2e`` that measure target ``name``."""
+    kind = name.split(":")[0]
+    if kind == "fits":
+        return "add fits to --workloads"
+    if kind == "zero reuse":
+        return "--zero-reuse-rounds > 0"
+    if name.startswith("bit-exact"):
+        return "--verify > 0"
+    if "gpu_all" in name:
+        return f"{kind} in --workloads, kvoffload and gpu_all in --modes"
+    return f"{kind} in --workloads, recompute and kvoffload in --modes"
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
