@@ -36,10 +36,20 @@ def extensions(setup_py: Path) -> dict[str, list[str]]:
         sources_node = node.args[1] if len(node.args) > 1 else args["sources"]
         name = ast.literal_eval(name_node)
         code = compile(ast.Expression(sources_node), str(setup_py), "eval")
-        out[name] = list(eval(code, {"__builtins__": {}, **consts}))  # setup.py's own text
+        names = {"__builtins__": {}, "sorted": sorted, "glob": _glob_under(setup_py.parent)}
+        out[name] = list(eval(code, {**names, **consts}))  # setup.py's own text
     if not out:
         raise ValueError(f"expected Extension(...) calls in {setup_py}, got none")
     return out
+
+
+def _glob_under(root: Path):  # type: ignore[no-untyped-def]
+    """setup.py's ``glob``, relative to the project root as setup.py runs it."""
+
+    def glob(pattern: str) -> list[str]:
+        return [str(p.relative_to(root)) for p in root.glob(pattern)]
+
+    return glob
 
 
 def missing_in_wheel(names: list[str], wheel_files: list[str]) -> list[str]:
