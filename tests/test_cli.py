@@ -147,7 +147,8 @@ def test_every_error_is_one_line_in_one_form(capsys):
         ),
         (
             ["bench", "nope"],
-            "kvoffload bench: expected one of 'transfer', 'store', 'tiers', 'multi-gpu', 'e2e', got 'nope'",
+            "kvoffload bench: expected one of 'transfer', 'store', 'tiers', 'multi-gpu', 'e2e', "
+            "got 'nope'",
         ),
         (
             ["bench", "store", "--bogus", "1"],
