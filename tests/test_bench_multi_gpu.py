@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.host_memory import copy_rate
-from kvoffload.bench.multi_gpu import aggregate, bound
+from kvoffload.bench.multi_gpu.command import aggregate, bound
+from kvoffload.bench.multi_gpu.host_memory import copy_rate
 from kvoffload.cli import main
 from kvoffload.store.numa import Topology
 from kvoffload.transfer.shapes import MODELS
