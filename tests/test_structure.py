@@ -27,7 +27,9 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 KNOWN_BENCH_IMPORTS: set[tuple[str, str]] = set()
 BENCH_ROUTER = "kvoffload.cli"
 # The Python copy of the staged pipeline that issue 26 removed: its modules and its definitions.
-PIPELINE_MODULES = {"staged.py", "buffers.py", "submitter.py"}
+# (``transfer/cuda/staged.py`` is now the facade over the native core: the definitions below
+# are what the check refuses there.)
+PIPELINE_MODULES = {"buffers.py", "submitter.py"}
 PIPELINE_NAMES = {"chunk_sizes", "chunk_blocks", "StagedBackend", "BufferRing", "Submitter"}
 MAX_LINES = 500
 
@@ -235,21 +237,22 @@ def c_includes(path: Path) -> set[str]:
     return set(re.findall(r'^#include "([^"]+)"', path.read_text(), re.M))
 
 
-def test_the_native_engine_has_one_owner_per_concept():
-    """Every C file is under the line limit; the binding includes only engine.h's API (never the
-    engine's state or lock); the pipeline knows nothing of threads or the engine; the headers
+def test_the_native_core_has_one_owner_per_concept():
+    """Every C file is under the line limit; the binding includes only core.h's API (never the
+    core's state or lock); the pipeline knows nothing of threads or the core; the headers
     include each other without a circle; the ABI number is defined once."""
     files = sorted(NATIVE.glob("*.[ch]"))
     long = [f"{f.name}: {n}" for f in files if (n := len(f.read_text().splitlines())) > MAX_LINES]
     assert not long, f"native files over {MAX_LINES} lines: {long}"
     for binding in ("module.c", "module_job.c", "binding.h"):
         text = (NATIVE / binding).read_text()
-        assert "engine_state.h" not in c_includes(NATIVE / binding), binding
+        assert "core_state.h" not in c_includes(NATIVE / binding), binding
         for private in ("pthread_", "->mu", "->lane", "->flags", "->inflight", "->spec"):
-            assert private not in text, f"{binding} names the engine's {private}"
+            assert private not in text, f"{binding} names the core's {private}"
     for pure in ("pipeline.c", "pipeline.h", "flags.c", "job.c"):
         text = (NATIVE / pure).read_text()
-        assert "pthread" not in text and "engine" not in c_includes(NATIVE / pure), pure
+        core = {"core.h", "core_state.h"} & c_includes(NATIVE / pure)
+        assert "pthread" not in text and not core, pure
     graph = {f.name: c_includes(f) for f in files if f.suffix == ".h"}
     state: dict[str, int] = {}
 

@@ -183,7 +183,7 @@ def test_methods_by_name():
 
     assert transfer_methods.path_of(Native()) == {"path": "native", "path_reason": None}
 
-    class Fallback:  # ``staged`` where the native engine cannot run
+    class Fallback:  # ``staged`` where the native core cannot run
         name, path_reason = "dma", "disabled by KVOFFLOAD_NATIVE=0"
 
     assert transfer_methods.path_of(Fallback()) == {

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvoffload.bench.tiers.common import Fatal, lat
-from kvoffload.bench.tiers.fleet_process import EngineSpec, serve
+from kvoffload.bench.tiers.fleet_process import FleetProcessSpec, serve
 
 NODE_TIMEOUT_MS = 1000  # cluster-node-timeout of a cluster started here: failover in ~2-3 s
 KILL_AT = 0.3  # the primary dies at this fraction of the fleet's window
@@ -59,8 +59,8 @@ class FleetParams:
     fresh_blocks: int = 2
     timeout_s: float = 0.5  # valkey_timeout_s, the library's default
 
-    def spec(self, url: str, seconds: float) -> EngineSpec:
-        return EngineSpec(
+    def spec(self, url: str, seconds: float) -> FleetProcessSpec:
+        return FleetProcessSpec(
             url=url,
             namespace="bench-fleet-" + secrets.token_hex(4),
             block_bytes=self.block_bytes,
@@ -147,7 +147,9 @@ def one_run(
     return out
 
 
-def _main(spec: EngineSpec, proc: int, procs: int, start: Any, done: Any, results: Any) -> None:
+def _main(
+    spec: FleetProcessSpec, proc: int, procs: int, start: Any, done: Any, results: Any
+) -> None:
     try:
         results.put(serve(spec, proc, procs, start, done))
     except BaseException as e:  # reported to the parent, which reports it in the result

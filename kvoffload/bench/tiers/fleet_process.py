@@ -37,7 +37,7 @@ MODEL = "bench/fleet@1"
 
 
 @dataclass(frozen=True)
-class EngineSpec:
+class FleetProcessSpec:
     """What every process of one run is given (picklable: processes are spawned)."""
 
     url: str
@@ -94,21 +94,21 @@ class Engine:
             t[:, :blocks] = 0
 
 
-def shared_keys(prefix: int, spec: EngineSpec) -> list[bytes]:
+def shared_keys(prefix: int, spec: FleetProcessSpec) -> list[bytes]:
     from kvoffload.store.keys import prefix_block_keys
 
     tokens = np.arange(spec.prefix_blocks * BS, dtype=np.int64) + prefix * 1_000_000
     return prefix_block_keys(tokens, BS, salt=b"fleet")
 
 
-def fresh_keys(parent: bytes, proc: int, request: int, spec: EngineSpec) -> list[bytes]:
+def fresh_keys(parent: bytes, proc: int, request: int, spec: FleetProcessSpec) -> list[bytes]:
     from kvoffload.store.keys import prefix_block_keys
 
     tokens = np.arange(spec.fresh_blocks * BS, dtype=np.int64) + (proc << 40) + (request << 20)
     return prefix_block_keys(tokens, BS, salt=b"fleet", parent=parent)
 
 
-def serve(spec: EngineSpec, proc: int, procs: int, start: Any, done: Any) -> dict[str, Any]:
+def serve(spec: FleetProcessSpec, proc: int, procs: int, start: Any, done: Any) -> dict[str, Any]:
     """Prefill, wait at ``start``, serve until the window closes, wait at ``done``, clean up.
     Returns what the parent summarises (timestamps are ``time.monotonic``, shared by all
     processes of the machine)."""
@@ -148,7 +148,7 @@ class Requests:
     """One process's requests and what they measured."""
 
     def __init__(
-        self, local: Any, engine: Engine, oracle: Oracle, spec: EngineSpec, proc: int
+        self, local: Any, engine: Engine, oracle: Oracle, spec: FleetProcessSpec, proc: int
     ) -> None:
         self.local, self.engine, self.oracle = local, engine, oracle
         self.spec, self.proc = spec, proc

@@ -22,7 +22,7 @@ CASES = (
     "llama3-8b:cross_layer:16,deepseek-v2-lite-mla:page:8"
 )
 GPU_BLOCKS = (1, 16, 37, 64, 1000, 2048)  # the counts issue 21's targets name
-# Methods side by side: ``staged`` (the native engine where it runs, else the ``dma`` fallback;
+# Methods side by side: ``staged`` (the native core where it runs, else the ``dma`` fallback;
 # each row records the path), ``dma`` (one descriptor per piece, as vLLM's
 # cuMemcpyBatchAsync path), ``sm`` (our Triton copy with vLLM's constants), ``auto`` (the
 # planner, as users get it), ``vllm-triton`` (vLLM's own Triton kernel, reproduced in

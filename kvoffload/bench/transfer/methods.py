@@ -1,6 +1,6 @@
 """The methods ``kvoffload bench transfer`` compares, built by name (torch-free at import).
 
-``staged`` is the library's default backend: the native engine where it runs, the ``dma``
+``staged`` is the library's default backend: the native core where it runs, the ``dma``
 backend where not; the JSON records which (``path_of``). ``vllm-triton`` is vLLM's own Triton
 copy kernel reproduced by ``transfer.vllm_triton`` (imported only when asked for; without
 that module the method is skipped with a note).

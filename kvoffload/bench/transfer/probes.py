@@ -47,7 +47,7 @@ def measure_first_layer(
         side.synchronize()
         if not p.wait(30) or p.error() is not None:
             raise RuntimeError(f"a first-layer probe load failed: {p.error()}")
-        owner = getattr(p, "layer_slice", None)  # the native engine's layer -> slice
+        owner = getattr(p, "layer_slice", None)  # the native core's layer -> slice
         slices = 0 if owner is None else int(owner.max()) + 1
         if i:
             out["layer0_ms"].append(start.elapsed_time(first))

@@ -4,7 +4,7 @@ reached and, where not, what the machine allowed in the same run (the best metho
 case, the copies alone). Ratios are against the link measured in the same run. Reported, never
 asserted: speed is not a pass/fail test.
 
-The method under test is ``staged`` (the native engine where it runs; each row records its path).
+The method under test is ``staged`` (the native core where it runs; each row records its path).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class Variant:
     poller: bool  # a GIL-taking polling thread runs beside the engine
 
 
-# the native engine's settings per flag (StagedConfig fields)
+# the native core's settings per flag (StagedConfig fields)
 SETTINGS: dict[str, dict[str, int]] = {
     "inline": {"native_inline_bytes": 1 << 62},
     "thread": {"native_inline_bytes": 0},
@@ -93,7 +93,7 @@ def parse_variant(name: str, backend: str) -> Variant:
 
 
 def _configured(backend: str, flags: list[str]) -> str:
-    """Register ``staged-<flags>``: the native engine built with those flags' settings."""
+    """Register ``staged-<flags>``: the native core built with those flags' settings."""
     if backend != "staged":
         raise ValueError(
             f"expected backend 'staged' for -{'-'.join(flags)} (its engine's settings), got "
@@ -101,7 +101,7 @@ def _configured(backend: str, flags: list[str]) -> str:
         )
     name = "-".join([backend, *flags])
     if name not in BACKENDS:
-        from kvoffload.transfer.cuda.engine import make_staged
+        from kvoffload.transfer.cuda.staged import make_staged
         from kvoffload.transfer.cuda.staged_config import StagedConfig
 
         fields: dict[str, int] = {}

@@ -1,6 +1,6 @@
-"""One frozen description of what the native engine moves, packed for C (``spec.c`` parses it).
+"""One frozen description of what the native core moves, packed for C (``spec.c`` parses it).
 
-Built once per backend by ``engine.NativeStagedBackend`` from the layout, the arena, the staging
+Built once per backend by ``staged.NativeStagedBackend`` from the layout, the arena, the staging
 ring and the compiled copy-kernel variants; every transfer afterwards passes only its block and
 slot ids. ``pack()`` writes the fields in the order ``kvo_spec_parse`` reads them.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffload.transfer.cuda.native import ABI
+from kvoffload.transfer.cuda.extension import ABI
 
 MAX_DMAS = 4
 
@@ -38,7 +38,7 @@ class GroupSpec:
 
 
 @dataclass(frozen=True)
-class EngineSpec:
+class CoreSpec:
     num_slots: int
     arena_base: int
     arena_slot_bytes: int

@@ -1,18 +1,18 @@
-"""The ``staged`` backend on the native transfer engine: a thin facade over ``_engine.Engine``.
+"""The ``staged`` backend on the native transfer core: a thin facade over ``_core.Core``.
 
 Everything that runs per transfer after ``submit`` is compiled code on native threads
 (``native/``: validation, the chunk plan, descriptors, the staging ring, the copy-kernel launches
 by handle, DMA, events per layer slice, completion detection): ``submit`` hands the specs over in
-one call (the id arrays by pointer; the GIL is released while the engine validates, copies the ids
+one call (the id arrays by pointer; the GIL is released while the core validates, copies the ids
 and records the order event) and returns. The Python here runs once per backend: it builds the
 device side (streams, staging ring, region tables, the compiled kernel variants) and describes it
-to C as one frozen ``EngineSpec``.
+to C as one frozen ``CoreSpec``.
 
-``NativePending`` is the ``Pending`` of one submit (one engine job per direction): ``done``,
+``NativePending`` is the ``Pending`` of one submit (one core job per direction): ``done``,
 ``wait``, ``wait_on(stream, layer)`` and ``cancel`` are single native calls that never hold the
 GIL while they wait. ``wait_on`` enqueues one GPU-side wait on a flag word the copy writes once
 that layer has landed and returns at once: the engine's thread never waits for the copy.
-``NativeGate`` is the engine's ``LayerGate`` (a forward captured whole in a CUDA graph). Ordering
+``NativeGate`` is the core's ``LayerGate`` (a forward captured whole in a CUDA graph). Ordering
 and the reuse rule for memory of a timed-out transfer are those of ``base.py``'s module
 docstring.
 """
@@ -28,7 +28,7 @@ import numpy as np
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import CopyBackend, LayerGate, Pending
-from kvoffload.transfer.cuda import native
+from kvoffload.transfer.cuda import extension
 from kvoffload.transfer.cuda.base import _current_stream, check_cuda_pair
 from kvoffload.transfer.cuda.chunks import (
     first_slice_layers,
@@ -36,8 +36,8 @@ from kvoffload.transfer.cuda.chunks import (
     slice_count,
     tile,
 )
+from kvoffload.transfer.cuda.core_spec import CoreSpec, GroupSpec, Part
 from kvoffload.transfer.cuda.driver import CudaCopyError
-from kvoffload.transfer.cuda.engine_spec import EngineSpec, GroupSpec, Part
 from kvoffload.transfer.cuda.sm import check_words
 from kvoffload.transfer.cuda.staged_config import StagedConfig
 from kvoffload.transfer.descriptors import region_arrays
@@ -50,13 +50,13 @@ ENQUEUE_TIMEOUT = 30.0
 
 
 class NativeUnavailable(RuntimeError):
-    """The native engine cannot run this layout here (the factory falls back to ``dma``)."""
+    """The native core cannot run this layout here (the factory falls back to ``dma``)."""
 
 
 def make_staged(
     layout: KVLayout, arena: HostArena, config: StagedConfig | None = None
 ) -> CopyBackend:
-    """The ``staged`` backend on the native engine where it can run. Elsewhere (the extension not
+    """The ``staged`` backend on the native core where it can run. Elsewhere (the extension not
     built, ``KVOFFLOAD_NATIVE=0``, a layout or Triton it cannot drive) the ``dma`` backend, which
     says why (``path_reason``; logged once per reason): the staged pipeline exists in C only, and
     ``dma`` is a different, simpler path (one batch of descriptors per transfer, no staging), as
@@ -80,9 +80,9 @@ _warned: set[str] = set()
 
 def _driver_table() -> int:
     """The CUDA driver's entry points, resolved by the extension (RuntimeError saying why not)."""
-    module = native.module()
+    module = extension.module()
     if module is None:
-        raise NativeUnavailable(native.unavailable() or "the native engine is unavailable")
+        raise NativeUnavailable(extension.unavailable() or "the native core is unavailable")
     try:
         return int(module.cuda_driver())
     except RuntimeError as err:
@@ -105,9 +105,9 @@ class NativeStagedBackend(CopyBackend):
     ) -> None:
         """``driver_table``: address of a ``kvo_driver`` (tests pass fakes); 0 resolves the CUDA
         driver. ``launcher``: the copy kernel's launcher (``kernels.CopyLauncher``)."""
-        engine = native.module()
-        if engine is None:
-            raise NativeUnavailable(native.unavailable() or "the native engine is unavailable")
+        core = extension.module()
+        if core is None:
+            raise NativeUnavailable(extension.unavailable() or "the native core is unavailable")
         check_cuda_pair(self.name, layout, arena)
         check_words(layout)
         super().__init__(layout, arena)
@@ -115,14 +115,14 @@ class NativeStagedBackend(CopyBackend):
 
         self.config = config = config or StagedConfig()
         if config.dma_streams > 4:
-            raise NativeUnavailable(f"the engine runs 1-4 DMA streams, got {config.dma_streams}")
+            raise NativeUnavailable(f"the core runs 1-4 DMA streams, got {config.dma_streams}")
         index = torch.device(layout.device).index
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         area = max(config.staging_bytes // config.depth, layout.slot_bytes)
         self.area_bytes = (area + 255) // 256 * 256
         self._closed = False
         with torch.cuda.device(self.device):
-            self._keep: list[Any] = []  # device memory the engine uses by address
+            self._keep: list[Any] = []  # device memory the core uses by address
             self._streams = {
                 d: [
                     torch.cuda.Stream(self.device, priority=config.copy_priority)  # type: ignore[no-untyped-call]
@@ -144,7 +144,7 @@ class NativeStagedBackend(CopyBackend):
                 )
                 for d in rings
             }
-            if len({native.wide(b) for d in bases for b in bases[d]}) > 1:
+            if len({extension.wide(b) for d in bases for b in bases[d]}) > 1:
                 raise NativeUnavailable("staging areas on both sides of 2**31 (mixed widths)")
             if launcher is None:
                 from kvoffload.transfer.cuda.kernels import CopyLauncher  # imports Triton
@@ -152,7 +152,7 @@ class NativeStagedBackend(CopyBackend):
                 launcher = CopyLauncher()
             groups = tuple(self._group(g, launcher, bases["store"][0]) for g in layout.groups)
             handle = {d: [int(s.cuda_stream) for s in ss] for d, ss in self._streams.items()}
-            self.spec = EngineSpec(
+            self.spec = CoreSpec(
                 num_slots=arena.num_slots,
                 arena_base=arena.base_address,
                 arena_slot_bytes=arena.slot_bytes,
@@ -170,7 +170,7 @@ class NativeStagedBackend(CopyBackend):
             for ss in self._streams.values():  # the warm-up launches and the uploads are done
                 for s in ss:
                     s.synchronize()
-            self._engine = engine.Engine(driver_table or _driver_table(), self.spec.pack())
+            self._core = core.Core(driver_table or _driver_table(), self.spec.pack())
 
     def _group(self, g: LayerGroup, launcher: Any, area0: int) -> GroupSpec:
         """The group's parts (whole slot, then every load slice of every schedule), its region
@@ -221,7 +221,7 @@ class NativeStagedBackend(CopyBackend):
             )
             try:
                 info = launcher.native_kernel(store, True, jobs, words, config.num_warps, ints)
-            except ValueError as err:  # a Triton whose kernel ABI the engine does not know
+            except ValueError as err:  # a Triton whose kernel ABI the core does not know
                 raise NativeUnavailable(f"copy kernel: {err}") from None
             if info is None:
                 raise NativeUnavailable("the copy kernel's compiled variant is not available")
@@ -238,36 +238,36 @@ class NativeStagedBackend(CopyBackend):
 
     # -- the contract ----------------------------------------------------------------------------
     def submit(self, specs: Sequence[TransferSpec], *, order_after: Any = "current") -> Pending:
-        """Start copying ``specs`` (checked by the engine: ranges, distinct destinations; a
+        """Start copying ``specs`` (checked by the core: ranges, distinct destinations; a
         refused submit changes nothing). ``order_after`` as in ``base.CudaBackend.submit``."""
         if self._closed:
             raise ValueError(f"submit: expected an open {self.name} backend, got a closed one")
         if not specs:
             return _Nothing()
-        return NativePending(self._engine.submit(specs, self._order(order_after)))
+        return NativePending(self._core.submit(specs, self._order(order_after)))
 
     def submit_checked(self, specs: Sequence[TransferSpec], **kw: Any) -> Pending:
-        return self.submit(specs, **kw)  # the engine's checks cost O(n) in C: nothing to skip
+        return self.submit(specs, **kw)  # the core's checks cost O(n) in C: nothing to skip
 
     def layer_gate(self, layers: int) -> LayerGate:
-        """A gate of flag words in the engine (at most 8 per engine)."""
+        """A gate of flag words in the core (at most 8 per core)."""
         if self._closed:
             raise ValueError(f"layer_gate: expected an open {self.name} backend, got a closed one")
-        return NativeGate(self._engine, layers)
+        return NativeGate(self._core, layers)
 
     def drain_finished(self) -> list[int]:
-        """Ids of the engine jobs finished since the last call (``NativePending.ids``)."""
-        return list(self._engine.finished())
+        """Ids of the core jobs finished since the last call (``NativePending.ids``)."""
+        return list(self._core.finished())
 
     def stats(self) -> dict[str, int]:
-        return dict(self._engine.stats())
+        return dict(self._core.stats())
 
     def close(self) -> None:
-        """Cancel what has not started, wait for what is in flight, stop the engine's threads."""
+        """Cancel what has not started, wait for what is in flight, stop the core's threads."""
         if self._closed:
             return
         self._closed = True
-        self._engine.close()
+        self._core.close()
         for ss in self._streams.values():
             for s in ss:
                 s.synchronize()
@@ -290,7 +290,7 @@ class NativeStagedBackend(CopyBackend):
 
 
 class NativePending(Pending):
-    """One submit: one engine job per direction it holds."""
+    """One submit: one core job per direction it holds."""
 
     def __init__(self, jobs: Sequence[Any]) -> None:
         self.jobs = tuple(jobs)
@@ -302,7 +302,7 @@ class NativePending(Pending):
 
     @property
     def started_at(self) -> float:
-        """When the engine started enqueueing it (0 before)."""
+        """When the core started enqueueing it (0 before)."""
         return max(float(j.times()[1]) for j in self.jobs)
 
     @property
@@ -349,32 +349,32 @@ class NativePending(Pending):
 
     @property
     def enqueue_seconds(self) -> float:
-        """Host time of the engine's enqueue (the caller's or a worker's), summed over
+        """Host time of the core's enqueue (the caller's or a worker's), summed over
         directions."""
         times = [j.times() for j in self.jobs]
         return float(sum(float(t[2]) - float(t[1]) for t in times if t[2] >= t[1] > 0))
 
 
 class NativeGate(LayerGate):
-    """``LayerGate`` on the engine's flag words: ``wait`` is one captured stream memory operation
-    (wait until 1, write 0), ``open`` one batch of them on the engine's gate stream."""
+    """``LayerGate`` on the core's flag words: ``wait`` is one captured stream memory operation
+    (wait until 1, write 0), ``open`` one batch of them on the core's gate stream."""
 
-    def __init__(self, engine: Any, layers: int) -> None:
+    def __init__(self, core: Any, layers: int) -> None:
         super().__init__(layers)
-        self._engine = engine
-        self.index = int(engine.gate(layers))
+        self._core = core
+        self.index = int(core.gate(layers))
 
     def wait(self, stream: object, layer: int) -> None:
         self.check(layer)
-        self._engine.gate_wait(self.index, _handle(stream), layer)
+        self._core.gate_wait(self.index, _handle(stream), layer)
 
     def open(self, stream: object, pendings: Sequence[Pending]) -> None:
         jobs: list[Any] = []
         for p in pendings:
             if not isinstance(p, NativePending):
-                raise ValueError(f"expected this engine's transfers, got {type(p).__name__}")
+                raise ValueError(f"expected this core's transfers, got {type(p).__name__}")
             jobs += p.jobs
-        self._engine.gate_open(self.index, _handle(stream), jobs, ENQUEUE_TIMEOUT)
+        self._core.gate_open(self.index, _handle(stream), jobs, ENQUEUE_TIMEOUT)
 
 
 class _Nothing(Pending):
@@ -399,7 +399,7 @@ def _exception(info: Any) -> BaseException:
     code, step, _chunk, desc, message, cancelled = info
     if cancelled:
         return RuntimeError(f"the transfer did not run: {message}")
-    if step == native.STEP_COPY:
+    if step == extension.STEP_COPY:
         return CudaCopyError(message, int(code), int(desc) if desc >= 0 else None)
     return RuntimeError(str(message))
 

@@ -1,5 +1,5 @@
-/* The engine's lifecycle (engine.h): open, submit (validation, then the enqueue, here or by a
- * worker thread per direction), the completion thread, close. Its state is engine_state.h's.
+/* The core's lifecycle (core.h): open, submit (validation, then the enqueue, here or by a
+ * worker thread per direction), the completion thread, close. Its state is core_state.h's.
  *
  * Quiet beside the engine's forward: a job is enqueued whole at submit by the caller's thread
  * when its direction is idle (the GIL released), so no thread of ours makes a driver call while
@@ -14,7 +14,7 @@
 #include <sys/prctl.h>
 #include <time.h>
 
-#include "engine_state.h"
+#include "core_state.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define CPU_RELAX() __builtin_ia32_pause()
@@ -32,7 +32,7 @@
 #define SPIN_BELOW_S 10e-6       /* shorter pauses spin (a sleep that short overshoots) */
 #define EVENT_NO_TIMING 2        /* CU_EVENT_DISABLE_TIMING */
 
-void *kvo_ctx_enter(kvo_engine *e) {
+void *kvo_ctx_enter(kvo_core *e) {
     void *prev = NULL;
     if (e->ctx == NULL) return NULL;
     if (e->d.ctx_get(&prev) != 0) prev = NULL;
@@ -40,11 +40,11 @@ void *kvo_ctx_enter(kvo_engine *e) {
     return prev;
 }
 
-void kvo_ctx_leave(kvo_engine *e, void *prev) {
+void kvo_ctx_leave(kvo_core *e, void *prev) {
     if (e->ctx != NULL && prev != e->ctx) e->d.ctx_set(prev);
 }
 
-int kvo_timed_wait(kvo_engine *e, double deadline) {
+int kvo_timed_wait(kvo_core *e, double deadline) {
     if (deadline <= 0) return pthread_cond_wait(&e->changed, &e->mu);
     struct timespec ts;
     ts.tv_sec = (time_t)deadline;
@@ -54,14 +54,14 @@ int kvo_timed_wait(kvo_engine *e, double deadline) {
 
 /* -- events and job references (mu held) ------------------------------------------------------- */
 
-static kvo_event event_take(kvo_engine *e, int *err) {
+static kvo_event event_take(kvo_core *e, int *err) {
     kvo_event ev = NULL;
     if (e->pool_n > 0) return e->pool[--e->pool_n];
     *err = e->d.event_create(&ev, EVENT_NO_TIMING);
     return ev;
 }
 
-static void event_give(kvo_engine *e, kvo_event ev) {
+static void event_give(kvo_core *e, kvo_event ev) {
     if (ev == NULL) return;
     if (e->closing || (e->pool_n == e->pool_cap && e->pool_cap >= EVENT_POOL_MAX)) {
         e->d.event_destroy(ev);
@@ -80,23 +80,23 @@ static void event_give(kvo_engine *e, kvo_event ev) {
     e->pool[e->pool_n++] = ev;
 }
 
-static void job_drop(kvo_engine *e, kvo_job *job) {
+static void job_drop(kvo_core *e, kvo_job *job) {
     event_give(e, job->order);
     event_give(e, job->done_ev);
     kvo_job_free(job);
 }
 
-void kvo_unref(kvo_engine *e, kvo_job *job) {
+void kvo_unref(kvo_core *e, kvo_job *job) {
     if (--job->refs == 0) job_drop(e, job);
 }
 
-void kvo_job_release(kvo_engine *e, kvo_job *job) {
+void kvo_job_release(kvo_core *e, kvo_job *job) {
     pthread_mutex_lock(&e->mu);
     kvo_unref(e, job);
     pthread_mutex_unlock(&e->mu);
 }
 
-void kvo_finish(kvo_engine *e, kvo_job *job) {
+void kvo_finish(kvo_core *e, kvo_job *job) {
     job->t_done = kvo_now();
     __atomic_store_n(&job->state, KVO_DONE, __ATOMIC_RELEASE);
     e->completed++;
@@ -117,7 +117,7 @@ void kvo_finish(kvo_engine *e, kvo_job *job) {
 }
 
 /* After a job's enqueue (by a worker or inline by the caller): in flight. */
-static void settle(kvo_engine *e, kvo_job *job) {
+static void settle(kvo_core *e, kvo_job *job) {
     pthread_mutex_lock(&e->mu);
     job->t_enqueued = kvo_now();
     e->running[job->dir] = 0;
@@ -129,7 +129,7 @@ static void settle(kvo_engine *e, kvo_job *job) {
     pthread_mutex_unlock(&e->mu);
 }
 
-static void run(kvo_engine *e, kvo_job *job) {
+static void run(kvo_core *e, kvo_job *job) {
     kvo_pipeline_run(&e->pipe, &e->lane[job->dir], job);
     settle(e, job);
 }
@@ -137,7 +137,7 @@ static void run(kvo_engine *e, kvo_job *job) {
 /* -- submit ------------------------------------------------------------------------------------ */
 
 /* Range and distinct destinations of every spec; mu need not be held. */
-static kvo_status validate(kvo_engine *e, const kvo_input *in, int64_t n_in, char *msg) {
+static kvo_status validate(kvo_core *e, const kvo_input *in, int64_t n_in, char *msg) {
     const kvo_spec *s = &e->spec;
     for (int64_t i = 0; i < n_in; i++) {
         if (in[i].group < 0 || in[i].group >= s->n_groups)
@@ -178,21 +178,21 @@ static kvo_status validate(kvo_engine *e, const kvo_input *in, int64_t n_in, cha
     return rc;
 }
 
-static int take_events(kvo_engine *e, kvo_job *job, int has_order) { /* mu held */
+static int take_events(kvo_core *e, kvo_job *job, int has_order) { /* mu held */
     int err = 0;
     job->done_ev = event_take(e, &err);
     if (!err && has_order) job->order = event_take(e, &err);
     return err;
 }
 
-static void drop_all(kvo_engine *e, kvo_job **jobs) {
+static void drop_all(kvo_core *e, kvo_job **jobs) {
     pthread_mutex_lock(&e->mu);
     for (int d = 0; d < 2; d++)
         if (jobs[d]) job_drop(e, jobs[d]);
     pthread_mutex_unlock(&e->mu);
 }
 
-kvo_status kvo_engine_submit(kvo_engine *e, const kvo_input *in, int64_t n_in, kvo_stream order,
+kvo_status kvo_core_submit(kvo_core *e, const kvo_input *in, int64_t n_in, kvo_stream order,
                              int has_order, kvo_job **out, int *n_out, char *msg) {
     *n_out = 0;
     kvo_status rc = validate(e, in, n_in, msg);
@@ -206,7 +206,7 @@ kvo_status kvo_engine_submit(kvo_engine *e, const kvo_input *in, int64_t n_in, k
     }
     void *prev = kvo_ctx_enter(e); /* events and the order record need our context */
     pthread_mutex_lock(&e->mu);
-    if (e->closing) rc = kvo_say(msg, KVO_FAILED, "submit: expected an open native engine, got a closed one");
+    if (e->closing) rc = kvo_say(msg, KVO_FAILED, "submit: expected an open native core, got a closed one");
     for (int d = 0; d < 2 && rc == KVO_OK; d++) {
         int err = jobs[d] ? take_events(e, jobs[d], has_order) : 0;
         if (err) rc = kvo_say(msg, KVO_FAILED, "cuEventCreate failed: %s", kvo_error_name(&e->d, err));
@@ -233,7 +233,7 @@ kvo_status kvo_engine_submit(kvo_engine *e, const kvo_input *in, int64_t n_in, k
         if (job == NULL) continue;
         job->id = e->next_id++;
         job->t_submit = now;
-        job->refs = 2; /* the caller's, the engine's */
+        job->refs = 2; /* the caller's, the core's */
         e->submitted++;
         out[(*n_out)++] = job;
         if (e->queue_head[d] == NULL && !e->running[d] &&
@@ -259,11 +259,11 @@ kvo_status kvo_engine_submit(kvo_engine *e, const kvo_input *in, int64_t n_in, k
 
 /* -- threads ----------------------------------------------------------------------------------- */
 
-typedef struct { kvo_engine *e; int dir; } worker_arg;
+typedef struct { kvo_core *e; int dir; } worker_arg;
 
 static void *worker(void *p) {
     worker_arg *a = p;
-    kvo_engine *e = a->e;
+    kvo_core *e = a->e;
     int dir = a->dir;
     free(a);
     if (e->ctx) e->d.ctx_set(e->ctx);
@@ -289,7 +289,7 @@ static void *worker(void *p) {
 }
 
 /* 1 finished (0 ok or a device error code in *code), 0 still running. */
-static int check(kvo_engine *e, kvo_job *j, double now, int *code) {
+static int check(kvo_core *e, kvo_job *j, double now, int *code) {
     *code = 0;
     if (kvo_flag_reached(&e->flags, kvo_word_done(j->dir), j->seq)) return 1;
     if (j->done_ev == NULL || now - j->t_enqueued < KVO_ERROR_POLL_S ||
@@ -303,7 +303,7 @@ static int check(kvo_engine *e, kvo_job *j, double now, int *code) {
 }
 
 static void *completer(void *p) {
-    kvo_engine *e = p;
+    kvo_core *e = p;
     if (e->ctx) e->d.ctx_set(e->ctx);
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* 1 us: short sleeps stay short */
     kvo_job *batch[COMPLETER_BATCH];
@@ -356,7 +356,7 @@ static void *completer(void *p) {
 
 /* -- open and close ---------------------------------------------------------------------------- */
 
-static kvo_status start(kvo_engine *e, char *msg) {
+static kvo_status start(kvo_core *e, char *msg) {
     int64_t most_blocks = 1;
     for (int64_t g = 0; g < e->spec.n_groups; g++)
         if (e->spec.groups[g].num_blocks > most_blocks) most_blocks = e->spec.groups[g].num_blocks;
@@ -389,10 +389,10 @@ static kvo_status start(kvo_engine *e, char *msg) {
     return KVO_OK;
 }
 
-kvo_status kvo_engine_open(const kvo_driver *d, const int64_t *spec, int64_t n, kvo_engine **out,
+kvo_status kvo_core_open(const kvo_driver *d, const int64_t *spec, int64_t n, kvo_core **out,
                            char *msg) {
     *out = NULL;
-    kvo_engine *e = calloc(1, sizeof *e);
+    kvo_core *e = calloc(1, sizeof *e);
     if (e == NULL) return kvo_say(msg, KVO_FAILED, "out of host memory");
     e->d = *d;
     kvo_status rc = kvo_spec_parse(&e->spec, spec, n, msg);
@@ -411,7 +411,7 @@ kvo_status kvo_engine_open(const kvo_driver *d, const int64_t *spec, int64_t n, 
     pthread_condattr_destroy(&attr);
     rc = start(e, msg);
     if (rc != KVO_OK) {
-        kvo_engine_free(e);
+        kvo_core_free(e);
         return rc;
     }
     *out = e;
@@ -420,8 +420,8 @@ kvo_status kvo_engine_open(const kvo_driver *d, const int64_t *spec, int64_t n, 
 
 /* Stop taking jobs, cancel the queued ones, let the workers finish the one in hand, wait for
  * everything in flight; then open every gate (a graph replay still waiting is released), wait
- * for the context (streams that wait on our flag words), and free what the engine holds. */
-void kvo_engine_close(kvo_engine *e) {
+ * for the context (streams that wait on our flag words), and free what the core holds. */
+void kvo_core_close(kvo_core *e) {
     pthread_mutex_lock(&e->mu);
     if (e->closing) {
         pthread_mutex_unlock(&e->mu);
@@ -434,7 +434,7 @@ void kvo_engine_close(kvo_engine *e) {
             e->queue_head[d] = job->next;
             job->next = NULL;
             job->cancelled = 1;
-            kvo_job_fail(job, &e->d, 0, STEP_CLOSED, -1, -1, "the engine closed before it started");
+            kvo_job_fail(job, &e->d, 0, STEP_CLOSED, -1, -1, "the core closed before it started");
             kvo_finish(e, job);
         }
         e->queue_tail[d] = NULL;
@@ -468,9 +468,9 @@ void kvo_engine_close(kvo_engine *e) {
     kvo_ctx_leave(e, prev);
 }
 
-void kvo_engine_free(kvo_engine *e) {
+void kvo_core_free(kvo_core *e) {
     if (e == NULL) return;
-    kvo_engine_close(e);
+    kvo_core_close(e);
     kvo_spec_free(&e->spec);
     free(e->seen_slots);
     free(e->seen_blocks);

@@ -1,16 +1,16 @@
-/* The engine's state: private to its two halves, engine.c (lifecycle, submit, threads) and
+/* The core's state: private to its two halves, core.c (lifecycle, submit, threads) and
  * waits.c (waits, gates, reports). Locking: one mutex (mu) for queues, job states, the event
  * pool and the gates; `changed` is broadcast on every state change (waiters re-check). A thread
  * never calls into Python holding mu, and the binding releases the GIL before any call here. */
-#ifndef KVO_ENGINE_STATE_H
-#define KVO_ENGINE_STATE_H
+#ifndef KVO_CORE_STATE_H
+#define KVO_CORE_STATE_H
 
 #include <pthread.h>
 
-#include "engine.h"
+#include "core.h"
 #include "pipeline.h"
 
-struct kvo_engine {
+struct kvo_core {
     kvo_driver d;
     kvo_spec spec;
     kvo_flags flags;
@@ -37,11 +37,11 @@ struct kvo_engine {
     kvo_event gate_event[KVO_MAX_GATES];
 };
 
-void *kvo_ctx_enter(kvo_engine *e);
-void kvo_ctx_leave(kvo_engine *e, void *prev);
-void kvo_unref(kvo_engine *e, kvo_job *job); /* mu held */
+void *kvo_ctx_enter(kvo_core *e);
+void kvo_ctx_leave(kvo_core *e, void *prev);
+void kvo_unref(kvo_core *e, kvo_job *job); /* mu held */
 /* mu held: sleep on `changed` until deadline (absolute kvo_now() seconds; <= 0: no limit). */
-int kvo_timed_wait(kvo_engine *e, double deadline);
-void kvo_finish(kvo_engine *e, kvo_job *job); /* mu held; drops the engine's reference */
+int kvo_timed_wait(kvo_core *e, double deadline);
+void kvo_finish(kvo_core *e, kvo_job *job); /* mu held; drops the core's reference */
 
 #endif

@@ -1,4 +1,4 @@
-"""The native transfer engine's extension module (``kvoffload.transfer.cuda._engine``): whether it
+"""The native transfer core's extension module (``kvoffload.transfer.cuda._core``): whether it
 is there, and why not.
 
 The extension is compiled when the package is installed (``setup.py``: plain C, no CUDA toolkit;
@@ -39,15 +39,15 @@ def _load() -> tuple[ModuleType | None, str | None]:
     if disabled():
         return None, "disabled by KVOFFLOAD_NATIVE=0"
     try:
-        from kvoffload.transfer.cuda import _engine  # type: ignore[attr-defined]
+        from kvoffload.transfer.cuda import _core  # type: ignore[attr-defined]
     except ImportError as err:
         return None, (
-            f"the native engine extension is not built ({err}); reinstall kvoffload with a C "
+            f"the native core extension is not built ({err}); reinstall kvoffload with a C "
             "compiler present (gcc or clang) to build it"
         )
-    if _engine.ABI != ABI or len(DRIVER_FIELDS) != _engine.DRIVER_FIELDS:
-        return None, f"expected native engine ABI {ABI}, got {_engine.ABI} (a stale build)"
-    return _engine, None
+    if _core.ABI != ABI or len(DRIVER_FIELDS) != _core.DRIVER_FIELDS:
+        return None, f"expected native core ABI {ABI}, got {_core.ABI} (a stale build)"
+    return _core, None
 
 
 def module() -> ModuleType | None:
@@ -56,7 +56,7 @@ def module() -> ModuleType | None:
 
 
 def unavailable() -> str | None:
-    """Why the native engine is not in use (None: it is available)."""
+    """Why the native core is not in use (None: it is available)."""
     return _load()[1]
 
 
