@@ -1,4 +1,4 @@
-"""The native transfer engine, a C extension built at install (docs/transfer.md, "Native engine").
+"""The native transfer core, a C extension built at install (docs/transfer.md, "Native core").
 
 Plain C11 with pthreads and the Python C API; no CUDA toolkit: the driver's entry points are
 resolved from libcuda.so.1 at run time. ``optional=True``: where no C compiler exists the install
@@ -14,7 +14,7 @@ NATIVE = "kvoffload/transfer/cuda/native/"
 setup(
     ext_modules=[
         Extension(
-            "kvoffload.transfer.cuda._engine",
+            "kvoffload.transfer.cuda._core",
             sources=sorted(glob(NATIVE + "*.c")),
             depends=sorted(glob(NATIVE + "*.h")),
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],

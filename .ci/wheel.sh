@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The package as users install it: `python -m build` makes the sdist and the wheel (the wheel is
-# built from the sdist, so the native engine compiles from the shipped sources). The wheel must
+# built from the sdist, so the native core compiles from the shipped sources). The wheel must
 # hold every extension setup.py declares, and the sdist their sources (.ci/wheel_check.py); where
 # auditwheel can be installed it repairs the wheel for manylinux (dist/wheelhouse/) and the check
 # runs again on the repaired one. That wheel is installed (not editable) in a fresh venv,
@@ -37,8 +37,8 @@ version=$(basename "$wheel" | cut -d- -f2)
 work=$(mktemp -d)
 cp -r tests docs dashboards pyproject.toml "$work"/
 cd "$work"
-"$repo/.venv-wheel/bin/python" -c "import kvoffload, kvoffload.transfer.cuda.native as n; \
-print('installed:', kvoffload.__file__); print('native engine:', n.module() or n.unavailable())"
+"$repo/.venv-wheel/bin/python" -c "import kvoffload, kvoffload.transfer.cuda.extension as n; \
+print('installed:', kvoffload.__file__); print('native core:', n.module() or n.unavailable())"
 KVOFFLOAD_REQUIRE_NATIVE=1 CI="${CI:-1}" "$repo/.venv-wheel/bin/python" -m pytest -q \
   -p no:cacheprovider --ignore=tests/test_structure.py --ignore=tests/test_release.py \
   --ignore=tests/test_figures.py

@@ -1,4 +1,4 @@
-"""Developer probe of the native engine on a GPU: latency, GB/s and host time of ``staged``
+"""Developer probe of the native core on a GPU: latency, GB/s and host time of ``staged``
 (native) beside ``dma`` (its fallback) on a few shapes, bytes checked. The product's
 benchmark is ``kvoffload bench transfer``; this is the quick look used while building the engine.
 
@@ -44,8 +44,8 @@ def probe(model: str, layout: str, method: str, pool: int, counts: tuple[int, ..
     gpu = [t.cuda() for t in tensors]
     kv = KVLayout.from_tensors(gpu, block_size=16, block_dim=block_dim)
     arena = HostArena(pool, kv.slot_bytes, pin=cuda_pin)
-    if method in VARIANTS:  # the native engine with other settings
-        from kvoffload.transfer.cuda.engine import make_staged
+    if method in VARIANTS:  # the native core with other settings
+        from kvoffload.transfer.cuda.staged import make_staged
         from kvoffload.transfer.cuda.staged_config import StagedConfig
 
         backend: Any = make_staged(kv, arena, StagedConfig(**VARIANTS[method]))

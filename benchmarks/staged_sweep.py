@@ -11,10 +11,10 @@ Sections (each prints one JSON line per row, all go into OUT_JSON):
   e2e chat workload's restore): the time the engine waits beyond its own compute, per slice
   schedule (``--variants``) and ratio.
 - ``programs``: scatter/gather programs of the staged kernel: load GB/s and the slowdown of a
-  bf16 GEMM stream beside store+load (``transfer_interference.measure_gemm``).
+  bf16 GEMM stream beside store+load (``transfer.interference.measure_gemm``).
 - ``profile``: cProfile of 1-block and 16-block transfers enqueued in the caller's thread (the
-  native engine's inline submit: the Python around its one call).
-- ``enqueue``: the native engine against the ``dma`` fallback, on small and large transfers of
+  native core's inline submit: the Python around its one call).
+- ``enqueue``: the native core against the ``dma`` fallback, on small and large transfers of
   four shapes, with host CPU time per transfer and the launch-bound Python loop beside them (not
   in the default sections).
 
@@ -42,11 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvoffload.bench.transfer_interference import measure_gemm
-from kvoffload.bench.transfer_kv import SyntheticKV
+from kvoffload.bench.transfer.interference import measure_gemm
+from kvoffload.bench.transfer.kv import SyntheticKV
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.dma import DmaBackend
-from kvoffload.transfer.cuda.engine import NativeStagedBackend
+from kvoffload.transfer.cuda.staged import NativeStagedBackend
 from kvoffload.transfer.cuda.staged_config import StagedConfig
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.spec import Direction, TransferSpec
@@ -91,7 +91,7 @@ def first_layer(
     backend: NativeStagedBackend, load: list[TransferSpec], reps: int
 ) -> dict[str, float]:
     """GPU ms from submit on an idle GPU to layer 0's event and to the last; host us that
-    wait_on(layer=0) and wait_on() took after submit returned. (``transfer_gpu`` has the same
+    wait_on(layer=0) and wait_on() took after submit returned. (``transfer.gpu`` has the same
     probe, ``measure_first_layer``; this copy lets the script measure checkouts that predate it.)"""
     stream, side = torch.cuda.Stream(), torch.cuda.Stream()
     got: dict[str, list[float]] = {"layer0_ms": [], "whole_ms": [], "host0_us": [], "host_us": []}
@@ -243,7 +243,7 @@ def programs(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
     return out
 
 
-# The variants of the ``enqueue`` section: the native engine (its own threads for transfers above
+# The variants of the ``enqueue`` section: the native core (its own threads for transfers above
 # ``native_inline_bytes``) and the fallback where it cannot run (``dma``, the caller's thread).
 ENQUEUE: dict[str, Any] = {
     "native": lambda kv, arena: NativeStagedBackend(kv, arena),
@@ -252,11 +252,11 @@ ENQUEUE: dict[str, Any] = {
 
 
 def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
-    """The native engine against the ``dma`` fallback, side by side in one process: GB/s and
+    """The native core against the ``dma`` fallback, side by side in one process: GB/s and
     latency end to end (from ``submit`` on an idle GPU), the caller's submit time and the
     enqueue time per transfer, the host CPU time per transfer, and the launch-bound
-    Python loop beside 2-block transfers (``transfer_interference.measure_launch_stall``)."""
-    from kvoffload.bench.transfer_interference import measure_launch_stall
+    Python loop beside 2-block transfers (``transfer.interference.measure_launch_stall``)."""
+    from kvoffload.bench.transfer.interference import measure_launch_stall
 
     rows: list[dict[str, Any]] = []
     stalls: dict[str, Any] = {}
@@ -306,7 +306,7 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
 
 
 def profile(arena: HostArena) -> dict[str, str]:
-    """cProfile of submits the native engine enqueues in the caller's thread (every one:
+    """cProfile of submits the native core enqueues in the caller's thread (every one:
     ``native_inline_bytes`` unbounded)."""
     engine = SyntheticKV("llama3-8b", "page", 16, 64)
     backend = staged(engine, arena, native_inline_bytes=1 << 62)

@@ -31,23 +31,23 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "measure the copy backends on this GPU and cache the planner's table",
     ),
     ("bench", "transfer"): (
-        "kvoffload.bench.transfer",
+        "kvoffload.bench.transfer.command",
         "copy GB/s per model shape and layout (host backend on CPU; GPU backends on a GPU)",
     ),
     ("bench", "store"): (
-        "kvoffload.bench.store",
+        "kvoffload.bench.store.command",
         "control-plane cost: lookup, store and eviction at 10^4 and 10^6 resident blocks",
     ),
     ("bench", "tiers"): (
-        "kvoffload.bench.tiers",
+        "kvoffload.bench.tiers.command",
         "disk and Valkey tier MB/s and per-block latency; file-per-block vs slab; write policy",
     ),
     ("bench", "multi-gpu"): (
-        "kvoffload.bench.multi_gpu",
+        "kvoffload.bench.multi_gpu.command",
         "N processes (one per GPU) storing and loading at once, vs each link and host memory",
     ),
     ("bench", "e2e"): (
-        "kvoffload.bench.e2e",
+        "kvoffload.bench.e2e.command",
         "multi-turn chat TTFT: recompute vs GPU prefix cache vs kvoffload, on a model runner",
     ),
 }

@@ -2,7 +2,7 @@
 
 Prints the GPU, the CUDA driver version, whether ``cuMemcpyBatchAsync`` resolved (else the
 ``cuMemcpyAsync`` fallback is used), Triton's and cuda-python's status, the calibration table in
-use, which path the ``staged`` backend runs (the native engine or Python, and why), the link
+use, which path the ``staged`` backend runs (the native core or Python, and why), the link
 GB/s measured now (contiguous pinned copies after a warm-up), and where a host arena lands: the
 NUMA node chosen for GPU 0 (or why none) and the nodes of a probe arena's pages, read back.
 """
@@ -95,19 +95,19 @@ def numa_line(setting: str, device: str) -> str:
 
 
 def staged_enqueue() -> str:
-    """Which path the ``staged`` backend runs: the native engine (the compiled extension) or, where
+    """Which path the ``staged`` backend runs: the native core (the compiled extension) or, where
     it is unavailable, the ``dma`` backend, and why."""
-    from kvoffload.transfer.cuda import native
+    from kvoffload.transfer.cuda import extension
 
-    module = native.module()
+    module = extension.module()
     if module is None:
-        return f"dma fallback: {native.unavailable()}"
+        return f"dma fallback: {extension.unavailable()}"
     try:
         module.cuda_driver()  # every entry point, stream memory operations included
     except RuntimeError as err:
-        return f"dma fallback: the driver cannot run the native engine here ({err})"
+        return f"dma fallback: the driver cannot run the native core here ({err})"
     return (
-        f"native engine ({module.__file__}, built at install; readiness on the GPU: stream "
+        f"native core ({module.__file__}, built at install; readiness on the GPU: stream "
         "memory operations)"
     )
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.transfer.cuda import base, driver, engine, native
+from kvoffload.transfer.cuda import base, driver, extension, staged
 from kvoffload.transfer.layout import KVLayout
 
 _ids = itertools.count(16)
@@ -108,7 +108,7 @@ class FakeDriver:
             self._callbacks = _entry_callbacks(self.calls)
             addresses = [
                 ctypes.cast(self._callbacks[k], ctypes.c_void_p).value or 0
-                for k in native.DRIVER_FIELDS
+                for k in extension.DRIVER_FIELDS
             ]
             self._table = (ctypes.c_uint64 * len(addresses))(*addresses)
         return ctypes.addressof(self._table)
@@ -149,7 +149,7 @@ class FakeLauncher:
         FakeLauncher.calls.log.append(("launch", stream.cuda_stream, n_blocks))
         # "compiled": later launches of this variant may go through the C loop
         ints = (first, n_blocks, n_regions, host_base, slot_stride)
-        key = (to_host, identity, jobs, words, num_warps, *(native.wide(v) for v in ints))
+        key = (to_host, identity, jobs, words, num_warps, *(extension.wide(v) for v in ints))
         if key not in self.compiled:
             self.compiled[key] = len(_FUNCTIONS) + 1
             _FUNCTIONS[self.compiled[key]] = key
@@ -162,15 +162,15 @@ class FakeLauncher:
         words: int,
         num_warps: int,
         ints: tuple[int, ...],
-    ) -> native.NativeKernel | None:
+    ) -> extension.NativeKernel | None:
         """As ``CopyLauncher.native_kernel``: known once ``launch`` ran the variant; the function
         handle tells the fake cuLaunchKernel the direction and the integer widths."""
-        wide = tuple(native.wide(v) for v in ints)
+        wide = tuple(extension.wide(v) for v in ints)
         function = self.compiled.get((to_host, identity, jobs, words, num_warps, *wide))
         if function is None:
             return None
         mask = sum(1 << j for j, w in enumerate(wide) if w)
-        return native.NativeKernel(function, 32 * num_warps, 0, mask, 2)
+        return extension.NativeKernel(function, 32 * num_warps, 0, mask, 2)
 
 
 # every fake "compiled" copy-kernel variant: function handle -> its key
@@ -212,7 +212,7 @@ _WAIT_32, _WRITE_32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, _WRITE_VALUE_32
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ (else GEQ, cyclic)
 
 
-_MEMOPS_LOCK = threading.RLock()  # the engine's threads and the test's run stream operations
+_MEMOPS_LOCK = threading.RLock()  # the core's threads and the test's run stream operations
 
 
 def hold_stream(calls: Calls, stream: int) -> Callable[[], None]:
@@ -511,7 +511,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.Tensor, "to", to)
     fake = FakeDriver(calls)
-    monkeypatch.setattr(engine, "_driver_table", fake.table)
+    monkeypatch.setattr(staged, "_driver_table", fake.table)
     real_zeros = torch.zeros
 
     def zeros(*shape: Any, device: Any = None, **kw: Any) -> Any:

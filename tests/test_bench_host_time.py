@@ -1,4 +1,4 @@
-"""The host-time benchmark (kvoffload/bench/host_time.py) on CPU: its statistics, window schedule
+"""The host-time benchmark (bench/transfer/host_time.py) on CPU: its statistics, window schedule
 and table on synthetic numbers, and its measuring loops end to end with the ``host`` backend on a
 CPU rig moving real bytes (no timing is asserted, only what was measured and checked)."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvoffload.bench import host_time
-from kvoffload.bench.host_time import HostTimeConfig, Rig, check_args, measure_method
-from kvoffload.bench.host_time_stats import (
+from kvoffload.bench.transfer import host_time
+from kvoffload.bench.transfer.host_time import HostTimeConfig, Rig, check_args, measure_method
+from kvoffload.bench.transfer.host_time_stats import (
     BASELINE,
     TABLE_HEADER,
     Deadline,

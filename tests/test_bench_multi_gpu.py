@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.host_memory import copy_rate
-from kvoffload.bench.multi_gpu import aggregate, bound
+from kvoffload.bench.multi_gpu.command import aggregate, bound
+from kvoffload.bench.multi_gpu.host_memory import copy_rate
 from kvoffload.cli import main
 from kvoffload.store.numa import Topology
 from kvoffload.transfer.shapes import MODELS
@@ -147,4 +147,4 @@ def test_a_worker_that_fails_stops_the_run_with_its_error(tmp_path):
 def test_bad_arguments_say_what_was_expected(flag, value, said):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "multi-gpu", "--device", "cpu", "--host-mib", "1", flag, value])
-    assert str(exc.value) == said
+    assert str(exc.value) == f"kvoffload bench multi-gpu {said}"

@@ -1,4 +1,4 @@
-"""``vllm-triton`` (kvoffload/bench/vllm_triton.py): vLLM's chunk rule, its descriptor order, and
+"""``vllm-triton`` (bench/transfer/vllm_triton.py): vLLM's chunk rule, its descriptor order, and
 the backend's bytes, on CPU through ``tests/fake_cuda.py`` with a launcher doing what the Triton
 kernel does (piece by piece, from the uploaded tables); on a GPU, the real kernel against the host
 backend's bytes."""
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvoffload.bench.vllm_triton import (
+from kvoffload.bench.transfer.vllm_triton import (
     VllmTritonBackend,
     VllmTritonConfig,
     chunk_bytes,
@@ -29,9 +29,9 @@ __all__ = ["fake_cuda"]  # the fixture, used by name
 
 def test_importing_the_backend_module_does_not_import_triton():
     code = (
-        "import sys, kvoffload.bench.vllm_triton; "
+        "import sys, kvoffload.bench.transfer.vllm_triton; "
         "assert 'triton' not in sys.modules, 'triton imported'; "
-        "assert 'kvoffload.bench.vllm_triton_kernel' not in sys.modules, 'kernel imported'"
+        "assert 'kvoffload.bench.transfer.vllm_triton_kernel' not in sys.modules, 'kernel imported'"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

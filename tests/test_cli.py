@@ -86,7 +86,7 @@ def test_bench_tables_fit_a_terminal_of_80_columns_without_cutting_cells(tmp_pat
 
 def test_piped_output_never_wraps_a_path_or_a_case_name(tmp_path, capsys):
     """Not a terminal (a pipe, a log, CI): every line whole, however long."""
-    from kvoffload.bench.transfer_cases import CASES, parse_cases
+    from kvoffload.bench.transfer.cases import CASES, parse_cases
 
     deep = tmp_path / ("a-directory-with-a-long-name-" * 4) / "store.json"
     assert main(["bench", "store", "--resident", "3000", "--reps", "2", "--out", str(deep)]) == 0

@@ -1,6 +1,6 @@
 """The ``dma`` and ``sm`` backends' host logic on CPU (``tests/fake_cuda.py``): descriptor tables,
 kernel arguments, ordering and failures, with real bytes checked against the host backend. The
-native ``staged`` engine's are in tests/test_native_engine.py (it reuses ``Pair`` from here).
+native ``staged`` core's are in tests/test_native_engine.py (it reuses ``Pair`` from here).
 
 Each operation runs when it is enqueued, so these tests cannot see GPU-side races (the GPU tests
 under tests/gpu do); they do see every address and size the host computes.

@@ -108,12 +108,12 @@ def test_the_model_runner_ships_in_the_package():
 
     import kvoffload
 
-    spec = importlib.util.find_spec("kvoffload.bench.engine")
+    spec = importlib.util.find_spec("kvoffload.bench.e2e.runner")
     assert spec is not None and spec.origin is not None
     assert Path(spec.origin).resolve().is_relative_to(Path(kvoffload.__file__).resolve().parent)
 
 
 def test_the_command_module_does_not_import_torch():
-    code = "import sys, kvoffload.bench.e2e; print('torch' in sys.modules)"
+    code = "import sys, kvoffload.bench.e2e.command; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -10,15 +10,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kvoffload as kvo  # noqa: E402
-from kvoffload.bench.engine.attention import paged_attend, sdpa  # noqa: E402
-from kvoffload.bench.engine.block_pool import BlockPool, PoolExhausted  # noqa: E402
-from kvoffload.bench.engine.config import model_config  # noqa: E402
-from kvoffload.bench.engine.engine import Offload, PagedEngine, TurnResult  # noqa: E402
-from kvoffload.bench.engine.host_tier import HostTier  # noqa: E402
-from kvoffload.bench.engine.kv_cache import PagedKVCache  # noqa: E402
-from kvoffload.bench.engine.model import Model  # noqa: E402
-from kvoffload.bench.engine.timing import SectionTimer  # noqa: E402
-from kvoffload.bench.engine.workload import ChatShape, chat_turns  # noqa: E402
+from kvoffload.bench.e2e.runner.attention import paged_attend, sdpa  # noqa: E402
+from kvoffload.bench.e2e.runner.block_pool import BlockPool, PoolExhausted  # noqa: E402
+from kvoffload.bench.e2e.runner.config import model_config  # noqa: E402
+from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine, TurnResult  # noqa: E402
+from kvoffload.bench.e2e.runner.host_tier import HostTier  # noqa: E402
+from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache  # noqa: E402
+from kvoffload.bench.e2e.runner.model import Model  # noqa: E402
+from kvoffload.bench.e2e.runner.timing import SectionTimer  # noqa: E402
+from kvoffload.bench.e2e.runner.workload import ChatShape, chat_turns  # noqa: E402
 from kvoffload.transfer import registry as backends  # noqa: E402
 from kvoffload.transfer.host import HostBackend  # noqa: E402
 
@@ -84,7 +84,7 @@ def test_paged_attention_equals_dense_causal_attention_on_scattered_blocks():
 
 
 def test_rope_rotates_halves():
-    from kvoffload.bench.engine.model import rope
+    from kvoffload.bench.e2e.runner.model import rope
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 3, 8, generator=gen)
@@ -391,7 +391,7 @@ def test_a_failed_load_is_recomputed(model, monkeypatch, load):
 
 
 def test_decode_attention_equals_sdpa():
-    from kvoffload.bench.engine.attention import decode_attention
+    from kvoffload.bench.e2e.runner.attention import decode_attention
 
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(1, 8, 16, generator=gen).bfloat16()

@@ -1,18 +1,18 @@
 """The e2e correctness check on CPU: first-token logits with the prefix restored from kvoffload's
 host tier equal, bit for bit, those with the same prefix computed on the device, and 16 greedy
-tokens after them are identical (``kvoffload/bench/engine/verify.py``)."""
+tokens after them are identical (``kvoffload/bench/e2e/runner/verify.py``)."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import kvoffload as kvo  # noqa: E402
-from kvoffload.bench.engine.config import model_config  # noqa: E402
-from kvoffload.bench.engine.host_tier import HostTier  # noqa: E402
-from kvoffload.bench.engine.kv_cache import PagedKVCache  # noqa: E402
-from kvoffload.bench.engine.model import Model  # noqa: E402
-from kvoffload.bench.engine.verify import check_turn  # noqa: E402
-from kvoffload.bench.engine.workload import ChatShape  # noqa: E402
+from kvoffload.bench.e2e.runner.config import model_config  # noqa: E402
+from kvoffload.bench.e2e.runner.host_tier import HostTier  # noqa: E402
+from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache  # noqa: E402
+from kvoffload.bench.e2e.runner.model import Model  # noqa: E402
+from kvoffload.bench.e2e.runner.verify import check_turn  # noqa: E402
+from kvoffload.bench.e2e.runner.workload import ChatShape  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import kvoffload as kvo
-from kvoffload.bench.engine import dtype as dtypes
-from kvoffload.bench.engine.targets import Target, restored_vs_gpu_all, targets
-from kvoffload.bench.engine.workload import ChatShape, DocShape, Workload
+from kvoffload.bench.e2e.runner import dtype as dtypes
+from kvoffload.bench.e2e.runner.targets import Target, restored_vs_gpu_all, targets
+from kvoffload.bench.e2e.runner.workload import ChatShape, DocShape, Workload
 
 BS = 16
 

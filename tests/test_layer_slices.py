@@ -1,4 +1,4 @@
-"""The layer-slice schedules the native engine is given (which regions each slice moves, which
+"""The layer-slice schedules the native core is given (which regions each slice moves, which
 slice holds each layer), and per-slice descriptors, on CPU with real bytes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The native transfer engine (``kvoffload/transfer/cuda/native/``) on CPU.
+"""The native transfer core (``kvoffload/transfer/cuda/native/``) on CPU.
 
 The compiled extension runs for real: its worker and completion threads call the fake driver's
 entry points (``tests/fake_cuda.py``: ctypes callbacks that move real bytes), so these tests check
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvoffload.transfer.cuda import native
+from kvoffload.transfer.cuda import extension
 from kvoffload.transfer.cuda.driver import CudaCopyError
 from kvoffload.transfer.spec import TransferSpec
 from tests.fake_cuda import Calls, fake_cuda, hold_stream
@@ -25,13 +25,13 @@ from tests.test_cuda_backends_on_cpu import POOL, Pair
 
 __all__ = ["fake_cuda"]  # the fixture, used by name
 
-needs_engine = pytest.mark.skipif(
-    native.module() is None, reason=f"native engine not built: {native.unavailable()}"
+needs_core = pytest.mark.skipif(
+    extension.module() is None, reason=f"native core not built: {extension.unavailable()}"
 )
 
 
 def staged(pair: Pair, **config: Any) -> Any:
-    from kvoffload.transfer.cuda.engine import make_staged
+    from kvoffload.transfer.cuda.staged import make_staged
     from kvoffload.transfer.cuda.staged_config import StagedConfig
 
     fields: dict[str, Any] = {
@@ -78,7 +78,7 @@ def round_trips(pair: Pair, backend: Any, seed: int, rounds: int = 2) -> None:
                 pair.check()
 
 
-@needs_engine
+@needs_core
 @pytest.mark.parametrize("model", ["llama3-8b", "llama3-70b-tp8-fp8", "deepseek-v2-lite-mla"])
 @pytest.mark.parametrize("layout", ["kv_split", "page", "cross_layer"])
 def test_the_engine_moves_the_oracles_bytes(fake_cuda: Calls, model: str, layout: str) -> None:
@@ -88,7 +88,7 @@ def test_the_engine_moves_the_oracles_bytes(fake_cuda: Calls, model: str, layout
     assert not fake_cuda.memory  # the engine's id buffers were freed at close
 
 
-@needs_engine
+@needs_core
 def test_a_layer_wait_is_one_flag_wait_enqueued_at_once_and_released_when_it_lands(
     fake_cuda: Calls,
 ) -> None:
@@ -124,7 +124,7 @@ def test_a_layer_wait_is_one_flag_wait_enqueued_at_once_and_released_when_it_lan
         pair.check()
 
 
-@needs_engine
+@needs_core
 @pytest.mark.parametrize("where", ["launch", "flags"])
 def test_a_load_that_fails_mid_way_still_writes_every_flag_and_reports_failed(
     fake_cuda: Calls, where: str
@@ -166,7 +166,7 @@ def test_a_load_that_fails_mid_way_still_writes_every_flag_and_reports_failed(
         pair.check()
 
 
-@needs_engine
+@needs_core
 def test_a_gate_opens_each_step_once_the_listed_loads_landed_and_closes_as_it_is_passed(
     fake_cuda: Calls,
 ) -> None:
@@ -195,7 +195,7 @@ def test_a_gate_opens_each_step_once_the_listed_loads_landed_and_closes_as_it_is
         assert pending.wait(10) and pending.error() is None
 
 
-@needs_engine
+@needs_core
 def test_close_with_waits_enqueued_waits_for_the_copies_then_frees_the_flags(
     fake_cuda: Calls,
 ) -> None:
@@ -219,7 +219,7 @@ def test_close_with_waits_enqueued_waits_for_the_copies_then_frees_the_flags(
         pending.wait_on(123, 1)  # after close: nothing to wait for, no flag memory touched
 
 
-@needs_engine
+@needs_core
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -255,7 +255,7 @@ def test_a_refused_submit_changes_nothing_and_says_what_was_expected(
         pair.check()  # nothing moved
 
 
-@needs_engine
+@needs_core
 def test_close_with_jobs_in_flight_settles_every_job_and_frees_everything(
     fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -294,7 +294,7 @@ def test_close_with_jobs_in_flight_settles_every_job_and_frees_everything(
             swap_launch(fake_cuda, launch)
 
 
-@needs_engine
+@needs_core
 def test_a_queued_job_can_be_cancelled_and_never_runs(fake_cuda: Calls) -> None:
     with engine_on("llama3-8b", "page", native_inline_bytes=0) as (pair, backend):
         gate, entered, launch = hold_launches(fake_cuda)
@@ -313,7 +313,7 @@ def test_a_queued_job_can_be_cancelled_and_never_runs(fake_cuda: Calls) -> None:
             swap_launch(fake_cuda, launch)
 
 
-@needs_engine
+@needs_core
 @pytest.mark.parametrize("inline", [0, 1 << 30])
 def test_small_jobs_are_enqueued_by_the_caller_when_the_direction_is_idle(
     fake_cuda: Calls, inline: int
@@ -339,7 +339,7 @@ def test_small_jobs_are_enqueued_by_the_caller_when_the_direction_is_idle(
             swap_launch(fake_cuda, launch)
 
 
-@needs_engine
+@needs_core
 def test_eight_threads_submitting_at_once_each_get_their_bytes(fake_cuda: Calls) -> None:
     with engine_on("llama3-8b", "page") as (pair, backend):
         errors: list[BaseException] = []
@@ -369,7 +369,7 @@ def test_eight_threads_submitting_at_once_each_get_their_bytes(fake_cuda: Calls)
         assert backend.stats()["submitted"] == 40 == backend.stats()["completed"]
 
 
-@needs_engine
+@needs_core
 def test_a_copy_the_driver_refuses_fails_the_job_naming_its_descriptor(fake_cuda: Calls) -> None:
     with engine_on("llama3-8b", "kv_split", depth=1, first_chunk_bytes=1 << 30) as (
         _pair,
@@ -390,7 +390,7 @@ def test_a_copy_the_driver_refuses_fails_the_job_naming_its_descriptor(fake_cuda
             fake_cuda.fail_batch_at = None
 
 
-@needs_engine
+@needs_core
 def test_a_completion_event_that_cannot_be_recorded_fails_the_job_without_a_hang(
     fake_cuda: Calls,
 ) -> None:
@@ -407,7 +407,7 @@ def test_a_completion_event_that_cannot_be_recorded_fails_the_job_without_a_hang
             fake_cuda.fail_record_on = None
 
 
-@needs_engine
+@needs_core
 def test_every_copy_waits_for_the_callers_stream(fake_cuda: Calls) -> None:
     with engine_on("llama3-8b", "page") as (_pair, backend):
         start = len(fake_cuda.log)
@@ -425,7 +425,7 @@ def test_every_copy_waits_for_the_callers_stream(fake_cuda: Calls) -> None:
         assert backend.submit([TransferSpec.of("store", [1], [3])], order_after=None).wait(10)
 
 
-@needs_engine
+@needs_core
 def test_finished_jobs_are_drained_from_the_native_queue(fake_cuda: Calls) -> None:
     with engine_on("llama3-8b", "page") as (_pair, backend):
         assert backend.drain_finished() == []  # tracking starts here
@@ -440,14 +440,14 @@ def test_finished_jobs_are_drained_from_the_native_queue(fake_cuda: Calls) -> No
 def test_without_the_extension_staged_falls_back_to_dma_and_says_why(
     fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from kvoffload.transfer.cuda import engine
+    from kvoffload.transfer.cuda import staged as staged_module
 
     monkeypatch.setenv("KVOFFLOAD_NATIVE", "0")
-    monkeypatch.setattr(engine, "_warned", set())
-    native.reset()
+    monkeypatch.setattr(staged_module, "_warned", set())
+    extension.reset()
     pair = Pair("llama3-8b", "page")
     try:
-        with caplog.at_level("WARNING", logger=engine.__name__):
+        with caplog.at_level("WARNING", logger=staged_module.__name__):
             backend = staged(pair)
             again = staged(pair)
         again.close()
@@ -461,28 +461,28 @@ def test_without_the_extension_staged_falls_back_to_dma_and_says_why(
     finally:
         pair.close()
         monkeypatch.delenv("KVOFFLOAD_NATIVE")
-        native.reset()
-    assert native.module() is not None or native.unavailable() is not None
+        extension.reset()
+    assert extension.module() is not None or extension.unavailable() is not None
 
 
 def test_ci_builds_the_extension() -> None:
     """CI installs the package with a C compiler present: the extension must be there."""
     if os.environ.get("KVOFFLOAD_REQUIRE_NATIVE") != "1":
         pytest.skip("KVOFFLOAD_REQUIRE_NATIVE is not 1 here (.ci/run sets it to require the build)")
-    assert native.module() is not None, native.unavailable()
+    assert extension.module() is not None, extension.unavailable()
 
 
-@needs_engine
-def test_a_malformed_engine_spec_is_refused() -> None:
-    engine = native.module()
-    assert engine is not None
-    table = np.zeros(len(native.DRIVER_FIELDS), dtype=np.uint64)  # never called: refused first
-    with pytest.raises(ValueError, match="engine spec"):
-        engine.Engine(native.address(table), np.zeros(3, dtype=np.int64))
+@needs_core
+def test_a_malformed_core_spec_is_refused() -> None:
+    core = extension.module()
+    assert core is not None
+    table = np.zeros(len(extension.DRIVER_FIELDS), dtype=np.uint64)  # never called: refused first
+    with pytest.raises(ValueError, match="core spec"):
+        core.Core(extension.address(table), np.zeros(3, dtype=np.int64))
     bad_abi = np.zeros(40, dtype=np.int64)
     bad_abi[0] = 99
-    with pytest.raises(ValueError, match=f"ABI {native.ABI}, got 99"):
-        engine.Engine(native.address(table), bad_abi)
+    with pytest.raises(ValueError, match=f"ABI {extension.ABI}, got 99"):
+        core.Core(extension.address(table), bad_abi)
 
 
 def hold_launches(calls: Calls) -> tuple[threading.Event, threading.Event, Any]:
@@ -550,9 +550,9 @@ class TwoGroups:
             assert np.array_equal(x, y), f"engine tensor {i} differs"
 
 
-@needs_engine
+@needs_core
 def test_two_layer_groups_in_one_submit_move_the_oracles_bytes(fake_cuda: Calls) -> None:
-    from kvoffload.transfer.cuda.engine import make_staged
+    from kvoffload.transfer.cuda.staged import make_staged
     from kvoffload.transfer.cuda.staged_config import StagedConfig
 
     pair = TwoGroups()
@@ -592,11 +592,11 @@ def test_two_layer_groups_in_one_submit_move_the_oracles_bytes(fake_cuda: Calls)
         pair.arena_oracle.close()
 
 
-@needs_engine
+@needs_core
 def test_jobs_beyond_the_id_buffers_first_capacity_grow_them(fake_cuda: Calls) -> None:
     """4,500 blocks in one job: more ids than the buffers hold at start (4,096)."""
     from kvoffload.store.arena import HostArena
-    from kvoffload.transfer.cuda.engine import make_staged
+    from kvoffload.transfer.cuda.staged import make_staged
     from kvoffload.transfer.host import HostBackend
     from kvoffload.transfer.layout import KVLayout
     from tests.fake_cuda import cuda_layout, no_pin
@@ -627,7 +627,7 @@ def test_jobs_beyond_the_id_buffers_first_capacity_grow_them(fake_cuda: Calls) -
         arena_oracle.close()
 
 
-@needs_engine
+@needs_core
 @pytest.mark.parametrize("layout", ["kv_split", "page", "cross_layer"])
 def test_runs_of_consecutive_slots_load_as_one_pitched_copy_per_slice(
     fake_cuda: Calls, layout: str

@@ -52,7 +52,7 @@ def test_the_changelog_has_a_section_for_this_version():
 def test_wheel_check_reads_every_extension_setup_py_declares(tmp_path):
     check = wheel_check()
     exts = check.extensions(ROOT / "setup.py")
-    assert "kvoffload.transfer.cuda._engine" in exts
+    assert "kvoffload.transfer.cuda._core" in exts
     for sources in exts.values():
         assert sources and all((ROOT / s).is_file() for s in sources), sources
     # a second extension is found without a change to the checker
@@ -91,5 +91,5 @@ def test_wheel_check_names_a_missing_module_and_a_missing_source(tmp_path):
         text=True,
     )
     assert out.returncode == 1
-    assert "expected kvoffload.transfer.cuda._engine compiled in" in out.stdout
-    assert "expected kvoffload/transfer/cuda/native/engine.c in pkg-1.0.tar.gz" in out.stdout
+    assert "expected kvoffload.transfer.cuda._core compiled in" in out.stdout
+    assert "expected kvoffload/transfer/cuda/native/core.c in pkg-1.0.tar.gz" in out.stdout

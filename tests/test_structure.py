@@ -8,6 +8,12 @@
 3. The staged pipeline lives in C only (``kvoffload/transfer/cuda/native/``): no Python module or
    definition of a staging ring, submitter threads or a per-transfer chunk plan (issue 26).
 4. No Python module over ``MAX_LINES`` lines.
+5. Each ``kvoffload bench <what>`` command is a package ``kvoffload/bench/<what>/`` whose
+   ``command.py`` imports, directly or through other bench modules, only its own package and
+   ``kvoffload.bench.common`` (and any library module): one command never pulls in another's.
+6. One meaning for "engine": the serving engine (vLLM's or the user's). No module, package or C
+   file is named ``engine*`` except the ones in ``ENGINE_NAMES``, which are about the serving
+   engine; our C transfer core is the "core" (``native/core.c``, the extension ``_core``).
 
 ``docs/structure.md`` describes the layout these rules keep.
 """
@@ -27,9 +33,24 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 KNOWN_BENCH_IMPORTS: set[tuple[str, str]] = set()
 BENCH_ROUTER = "kvoffload.cli"
 # The Python copy of the staged pipeline that issue 26 removed: its modules and its definitions.
-PIPELINE_MODULES = {"staged.py", "buffers.py", "submitter.py"}
+# (``transfer/cuda/staged.py`` is now the facade over the native core: the definitions below
+# are what the check refuses there.)
+PIPELINE_MODULES = {"buffers.py", "submitter.py"}
 PIPELINE_NAMES = {"chunk_sizes", "chunk_blocks", "StagedBackend", "BufferRing", "Submitter"}
 MAX_LINES = 500
+# Rule 5's exceptions: (importer, imported) edges across bench packages, with their reason. An
+# entry that no longer occurs fails the test. The multi-GPU worker builds its copy method by name
+# as ``bench transfer`` does (``transfer/methods.py``: ``vllm-triton`` among them).
+KNOWN_CROSS_BENCH: set[tuple[str, str]] = {
+    ("kvoffload.bench.multi_gpu.worker", "kvoffload.bench.transfer.methods"),
+}
+BENCH_COMMON = "kvoffload.bench.common"
+# Rule 6: the files named for the serving engine. vLLM's engine adapter (the worker-side copies
+# of a vLLM engine) and the e2e model runner's ``PagedEngine`` (a small serving engine).
+ENGINE_NAMES = {
+    "kvoffload/integrations/vllm/engine.py",
+    "kvoffload/bench/e2e/runner/engine.py",
+}
 
 
 def modules(root: Path, package: str = "kvoffload") -> dict[str, tuple[Path, bool]]:
@@ -235,21 +256,22 @@ def c_includes(path: Path) -> set[str]:
     return set(re.findall(r'^#include "([^"]+)"', path.read_text(), re.M))
 
 
-def test_the_native_engine_has_one_owner_per_concept():
-    """Every C file is under the line limit; the binding includes only engine.h's API (never the
-    engine's state or lock); the pipeline knows nothing of threads or the engine; the headers
+def test_the_native_core_has_one_owner_per_concept():
+    """Every C file is under the line limit; the binding includes only core.h's API (never the
+    core's state or lock); the pipeline knows nothing of threads or the core; the headers
     include each other without a circle; the ABI number is defined once."""
     files = sorted(NATIVE.glob("*.[ch]"))
     long = [f"{f.name}: {n}" for f in files if (n := len(f.read_text().splitlines())) > MAX_LINES]
     assert not long, f"native files over {MAX_LINES} lines: {long}"
     for binding in ("module.c", "module_job.c", "binding.h"):
         text = (NATIVE / binding).read_text()
-        assert "engine_state.h" not in c_includes(NATIVE / binding), binding
+        assert "core_state.h" not in c_includes(NATIVE / binding), binding
         for private in ("pthread_", "->mu", "->lane", "->flags", "->inflight", "->spec"):
-            assert private not in text, f"{binding} names the engine's {private}"
+            assert private not in text, f"{binding} names the core's {private}"
     for pure in ("pipeline.c", "pipeline.h", "flags.c", "job.c"):
         text = (NATIVE / pure).read_text()
-        assert "pthread" not in text and "engine" not in c_includes(NATIVE / pure), pure
+        core = {"core.h", "core_state.h"} & c_includes(NATIVE / pure)
+        assert "pthread" not in text and not core, pure
     graph = {f.name: c_includes(f) for f in files if f.suffix == ".h"}
     state: dict[str, int] = {}
 
@@ -266,3 +288,106 @@ def test_the_native_engine_has_one_owner_per_concept():
         visit(name, ())
     defined = [f.name for f in files if re.search(r"#define KVO_ABI\b", f.read_text())]
     assert defined == ["kvo.h"], defined
+
+
+def bench_commands(root: Path) -> list[str]:
+    """The modules ``kvoffload/cli.py`` routes ``kvoffload bench <what>`` to (string literals)."""
+    tree = ast.parse((root / "kvoffload" / "cli.py").read_text())
+    return sorted(
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _in_bench(node.value)
+    )
+
+
+def cross_bench_imports(
+    graph: dict[str, set[str]], commands: list[str], known: Container[tuple[str, str]] = ()
+) -> set[tuple[str, str, str]]:
+    """(command, importer, imported) for every bench module a command reaches, directly or
+    through other bench modules, outside its own package and ``kvoffload.bench.common``. A
+    ``known`` edge is not followed."""
+    found = set()
+    for command in commands:
+        package = command.rpartition(".")[0]
+        seen, todo = {command}, [command]
+        while todo:
+            here = todo.pop()
+            for dep in graph.get(here, ()):
+                if not _in_bench(dep) or dep in seen or (here, dep) in known:
+                    continue
+                if dep != BENCH_COMMON and dep != package and not dep.startswith(package + "."):
+                    found.add((command, here, dep))
+                seen.add(dep)
+                todo.append(dep)
+    return found
+
+
+def test_each_bench_command_imports_only_its_own_package():
+    commands = bench_commands(ROOT)
+    assert commands, "no bench command routed by kvoffload/cli.py"
+    not_packaged = [c for c in commands if not re.fullmatch(r"kvoffload\.bench\.\w+\.command", c)]
+    assert not not_packaged, f"a bench command is kvoffload.bench.<what>.command: {not_packaged}"
+    graph = import_graph(ROOT)
+    found = cross_bench_imports(graph, commands, KNOWN_CROSS_BENCH)
+    assert not found, f"bench commands importing another command's package: {sorted(found)}"
+    edges = {(a, b) for a, deps in graph.items() for b in deps}
+    gone = sorted(KNOWN_CROSS_BENCH - edges)
+    assert not gone, f"fixed: remove from KNOWN_CROSS_BENCH: {gone}"
+
+
+def engine_named(root: Path, package: str = "kvoffload") -> list[str]:
+    """Modules, packages and C files under ``root/package`` named ``engine*`` or ``_engine*``
+    (a file's stem or any folder on its path), except ``ENGINE_NAMES``."""
+    found = set()
+    for path in sorted((root / package).rglob("*")):
+        if path.suffix not in (".py", ".c", ".h") or "__pycache__" in path.parts:
+            continue
+        where = path.relative_to(root)
+        names = [*where.parts[:-1], path.stem]
+        if str(where) not in ENGINE_NAMES and any(
+            n.lstrip("_").startswith("engine") for n in names
+        ):
+            found.add(str(where))
+    return sorted(found)
+
+
+def test_engine_names_only_the_serving_engine():
+    found = engine_named(ROOT)
+    assert not found, (
+        '"engine" is the serving engine; name our parts for their role (the C transfer core is '
+        f'"core"): {found}'
+    )
+    setup = (ROOT / "setup.py").read_text()
+    assert '"kvoffload.transfer.cuda._core"' in setup and "_engine" not in setup
+
+
+def test_the_bench_and_name_checks_see_what_they_refuse(tmp_path):
+    pkg = tmp_path / "kvoffload"
+    for folder in ("bench/a", "bench/b", "bench/engine", "transfer/cuda/native"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "bench" / "__init__.py").write_text("")
+    (pkg / "bench" / "common.py").write_text("")
+    (pkg / "bench" / "a" / "command.py").write_text(
+        "from kvoffload.bench.a import helper\nfrom kvoffload.bench import common\n"
+    )
+    (pkg / "bench" / "a" / "helper.py").write_text(
+        "def f():\n    from kvoffload.bench.b import x\n"
+    )
+    (pkg / "bench" / "b" / "command.py").write_text("import kvoffload.bench.b.x\n")
+    (pkg / "bench" / "b" / "x.py").write_text("")
+    (pkg / "transfer" / "cuda" / "native" / "engine.c").write_text("")
+    (pkg / "transfer" / "cuda" / "_engine.py").write_text("")
+    graph = import_graph(tmp_path)
+    commands = ["kvoffload.bench.a.command", "kvoffload.bench.b.command"]
+    assert cross_bench_imports(graph, commands) == {
+        ("kvoffload.bench.a.command", "kvoffload.bench.a.helper", "kvoffload.bench.b.x")
+    }
+    known = {("kvoffload.bench.a.helper", "kvoffload.bench.b.x")}
+    assert cross_bench_imports(graph, commands, known) == set()
+    assert engine_named(tmp_path) == [
+        "kvoffload/bench/engine/__init__.py",
+        "kvoffload/transfer/cuda/_engine.py",
+        "kvoffload/transfer/cuda/native/engine.c",
+    ]

@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from kvoffload.bench.tiers_fleet import FINISH_BOUND_S, FleetParams, summarise
-from kvoffload.bench.tiers_fleet_cli import fleet_problems
-from kvoffload.bench.tiers_fleet_engine import Engine, Oracle, shared_keys
+from kvoffload.bench.tiers.fleet import FINISH_BOUND_S, FleetParams, summarise
+from kvoffload.bench.tiers.fleet_cli import fleet_problems
+from kvoffload.bench.tiers.fleet_process import Engine, Oracle, shared_keys
 from kvoffload.cli import main
 from tests.test_tier_cli import REPO, one_line_failure
 from tests.tiers_support import require_cluster

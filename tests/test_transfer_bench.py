@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench import transfer_gpu, transfer_methods
-from kvoffload.bench.transfer import add_arguments, run
-from kvoffload.bench.transfer_cases import CASES, METHODS, SECTIONS, case_blocks, parse_cases
+from kvoffload.bench.transfer import gpu as transfer_gpu
+from kvoffload.bench.transfer import methods as transfer_methods
+from kvoffload.bench.transfer.cases import CASES, METHODS, SECTIONS, case_blocks, parse_cases
+from kvoffload.bench.transfer.command import add_arguments, run
 from kvoffload.transfer.registry import BACKENDS
 
 LINK = {
@@ -32,7 +33,7 @@ def args(*argv: str) -> argparse.Namespace:
 def synthetic_result() -> dict[str, Any]:
     """The GPU run's result as ``run_gpu`` assembles it, rows from ``transfer_row`` fed
     synthetic ``time_transfers`` timings."""
-    from kvoffload.bench.transfer_sweep import transfer_row
+    from kvoffload.bench.transfer.sweep import transfer_row
 
     def timings(seconds: float) -> dict[str, list[float]]:
         return {
@@ -78,7 +79,7 @@ def synthetic_result() -> dict[str, Any]:
         "launch_stall": {
             "staged": {"slowdown": 0.05, "noise": 0.02, "host_cpu_us_per_transfer": 400.0}
         },
-        "host_time": {  # as kvoffload.bench.host_time returns it: rows, a table (header first)
+        "host_time": {  # as bench.transfer.host_time returns it: rows, a table (header first)
             "rows": [
                 {
                     "method": "staged",
@@ -118,9 +119,9 @@ def test_a_whole_gpu_result_prints_plots_and_summarizes(tmp_path, capsys):
     """Every reader of the result (targets, tables, plot, JSON) finds the keys it needs: a GPU
     run is too scarce to find a missing key in."""
     from kvoffload.bench.common import write_json
-    from kvoffload.bench.transfer_plot import plot
-    from kvoffload.bench.transfer_report import print_gpu
-    from kvoffload.bench.transfer_targets import summarize
+    from kvoffload.bench.transfer.plot import plot
+    from kvoffload.bench.transfer.report import print_gpu
+    from kvoffload.bench.transfer.targets import summarize
 
     result = synthetic_result()
     result["targets"] = summarize(result)
@@ -182,7 +183,7 @@ def test_methods_by_name():
 
     assert transfer_methods.path_of(Native()) == {"path": "native", "path_reason": None}
 
-    class Fallback:  # ``staged`` where the native engine cannot run
+    class Fallback:  # ``staged`` where the native core cannot run
         name, path_reason = "dma", "disabled by KVOFFLOAD_NATIVE=0"
 
     assert transfer_methods.path_of(Fallback()) == {

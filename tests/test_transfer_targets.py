@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench.transfer_targets import link_limit, summarize
+from kvoffload.bench.transfer.targets import link_limit, summarize
 
 LINK_VALUES = {"h2d": 50.0, "d2h": 40.0, "both": 90.0}
 LINK = {k: {"median": v, "min": v, "max": v, "n": 3} for k, v in LINK_VALUES.items()}
@@ -125,7 +125,7 @@ def test_unmeasured_lines_say_so():
 
 
 def host_row(method: str, measure: str, case: str, median: float, **extra: Any) -> dict[str, Any]:
-    """A row as ``kvoffload.bench.host_time`` writes it."""
+    """A row as ``kvoffload.bench.transfer.host_time`` writes it."""
     return {
         "method": method,
         "measure": measure,

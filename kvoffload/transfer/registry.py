@@ -28,7 +28,7 @@ def _sm(layout: KVLayout, arena: HostArena) -> CopyBackend:
 
 
 def _staged(layout: KVLayout, arena: HostArena) -> CopyBackend:
-    from kvoffload.transfer.cuda.engine import make_staged
+    from kvoffload.transfer.cuda.staged import make_staged
 
     return make_staged(layout, arena)
 
@@ -37,7 +37,7 @@ BACKENDS: dict[str, BackendFactory] = {
     "host": _host,
     "dma": _dma,
     "sm": _sm,
-    "staged": _staged,  # the native engine where it can run, else dma (``path_reason`` says why)
+    "staged": _staged,  # the native core where it can run, else dma (``path_reason`` says why)
 }
 
 

@@ -7,12 +7,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kvoffload as kvo  # noqa: E402
-from kvoffload.bench.engine.config import model_config  # noqa: E402
-from kvoffload.bench.engine.host_tier import HostTier  # noqa: E402
-from kvoffload.bench.engine.kv_cache import PagedKVCache  # noqa: E402
-from kvoffload.bench.engine.model import Model  # noqa: E402
-from kvoffload.bench.engine.verify import check_turn  # noqa: E402
-from kvoffload.bench.engine.workload import ChatShape  # noqa: E402
+from kvoffload.bench.e2e.runner.config import model_config  # noqa: E402
+from kvoffload.bench.e2e.runner.host_tier import HostTier  # noqa: E402
+from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache  # noqa: E402
+from kvoffload.bench.e2e.runner.model import Model  # noqa: E402
+from kvoffload.bench.e2e.runner.verify import check_turn  # noqa: E402
+from kvoffload.bench.e2e.runner.workload import ChatShape  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""The native engine's GPU-side readiness on the GPU: waits enqueued before the copy starts,
+"""The native core's GPU-side readiness on the GPU: waits enqueued before the copy starts,
 layer gates inside a captured CUDA graph, and no hang when a kernel is loaded lazily while waits
 are pending (issue 25).
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.cuda.engine import NativeStagedBackend
+from kvoffload.transfer.cuda.staged import NativeStagedBackend
 from kvoffload.transfer.cuda.staged_config import StagedConfig
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
@@ -157,7 +157,7 @@ LAZY = textwrap.dedent(
     """
     import numpy as np, torch
     from kvoffload.store.arena import HostArena
-    from kvoffload.transfer.cuda.engine import NativeStagedBackend
+    from kvoffload.transfer.cuda.staged import NativeStagedBackend
     from kvoffload.transfer.layout import KVLayout
     from kvoffload.transfer.pinning import cuda_pin
     from kvoffload.transfer.shapes import MODELS, engine_tensors

@@ -1,7 +1,7 @@
 """Byte-oracle tests of the CUDA copy backends against the host backend.
 
 Every model shape and engine layout, odd counts, random data (never zeros), a host arena whose slots
-are larger than a block (slot stride != block bytes), the native engine's staging ring wrapping many
+are larger than a block (slot stride != block bytes), the native core's staging ring wrapping many
 times and both its submission modes (the caller's thread, the engine's), the cuMemcpyAsync
 fallback of ``dma`` (the backend ``staged`` falls back to where the engine cannot run). After each
 transfer: destinations equal the oracle's, everything else (other slots, other blocks, the sources)
@@ -83,7 +83,7 @@ BACKENDS = {
     "dma-fallback": lambda kv, a: DmaBackend(kv, a, driver=CudaDriver.load(use_batch=False)),
     "sm": lambda kv, a: SmBackend(kv, a),
     "sm-odd": lambda kv, a: SmBackend(kv, a, config=SmConfig(programs=5, chunk_bytes=1024)),
-    # the native engine (the compiled extension)
+    # the native core (the compiled extension)
     "staged": lambda kv, a: native_staged(kv, a),
     # Two blocks per area, two areas: a 13-block transfer wraps the ring several times.
     "staged-native-wrap": lambda kv, a: native_staged(
@@ -122,7 +122,7 @@ def test_store_then_load_matches_host_oracle(pair, name):
 
 
 def native_staged(kv, arena, config=None):
-    from kvoffload.transfer.cuda.engine import NativeStagedBackend
+    from kvoffload.transfer.cuda.staged import NativeStagedBackend
 
     return NativeStagedBackend(kv, arena, config=config)
 

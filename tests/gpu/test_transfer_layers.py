@@ -16,8 +16,8 @@ import torch
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.chunks import first_slice_layers
 from kvoffload.transfer.cuda.dma import DmaBackend
-from kvoffload.transfer.cuda.engine import NativeStagedBackend
 from kvoffload.transfer.cuda.sm import SmBackend
+from kvoffload.transfer.cuda.staged import NativeStagedBackend
 from kvoffload.transfer.cuda.staged_config import FIRST_SLICE_BYTES, StagedConfig
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
@@ -52,7 +52,7 @@ BACKENDS = {
 
 
 def sliced(kv, arena, **fields):
-    """The native engine, slicing even these small test loads by layer (by default a load is cut
+    """The native core, slicing even these small test loads by layer (by default a load is cut
     into at most one slice per ``SLICE_TRANSFER_BYTES``)."""
     config = StagedConfig(layer_slice_transfer_bytes=1, **fields)
     return NativeStagedBackend(kv, arena, config=config)
@@ -121,7 +121,7 @@ def test_wait_on_a_layer_orders_the_stream_after_that_layer(engine, name):
 def test_small_loads_and_stores_are_one_piece_and_a_layer_wait_waits_for_all(
     engine, direction, events
 ):
-    """2 blocks are far below ``SLICE_TRANSFER_BYTES``: the native engine's load is one slice; a
+    """2 blocks are far below ``SLICE_TRANSFER_BYTES``: the native core's load is one slice; a
     store has no layer events. Either way a wait for the last layer is a wait for the whole
     copy."""
     _tensors, _block_dim, kv, arena = engine

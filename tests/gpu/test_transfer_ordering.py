@@ -12,8 +12,8 @@ import torch
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.dma import DmaBackend
 from kvoffload.transfer.cuda.driver import CudaDriver
-from kvoffload.transfer.cuda.engine import NativeStagedBackend
 from kvoffload.transfer.cuda.sm import SmBackend
+from kvoffload.transfer.cuda.staged import NativeStagedBackend
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.shapes import MODELS, engine_tensors

@@ -3,7 +3,7 @@ completion event per transfer.
 
 These are the fallback and comparison paths, as vLLM's batch-DMA fallback is: ``submit`` validates
 its specs and enqueues every copy in the caller's thread before it returns (no thread of ours, no
-layer slices, no staging). The staged pipeline lives only in the native engine (``engine.py``).
+layer slices, no staging). The staged pipeline lives only in the native core (``staged.py``).
 
 Ordering: ``submit`` records an event on the caller's current CUDA stream (or on the stream given
 as ``order_after``) and the copy's stream waits for it on the GPU, so a store reads the blocks only

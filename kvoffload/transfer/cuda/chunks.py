@@ -1,9 +1,9 @@
-"""What the native engine's description needs from the layout, computed once per backend: the
-layer-slice schedules of loads and the copy kernel's tile (``engine.NativeStagedBackend`` packs
-them into its ``EngineSpec``).
+"""What the native core's description needs from the layout, computed once per backend: the
+layer-slice schedules of loads and the copy kernel's tile (``staged.NativeStagedBackend`` packs
+them into its ``CoreSpec``).
 
 Nothing here runs per transfer: the chunk plan, the staging ring and the choice of a schedule for a
-load are the engine's (``native/pipeline.c``). No torch, no CUDA: the CPU tests cover these
+load are the core's (``native/pipeline.c``). No torch, no CUDA: the CPU tests cover these
 directly.
 """
 

@@ -1,7 +1,7 @@
 """The ``dma`` backend: one copy-engine descriptor per (block, region) piece, one batch call.
 
 This is what vLLM's offloading does (one descriptor per layer x K/V x block), and the fallback of
-``staged`` where the native engine cannot run. It uses no SMs, so it never slows the model, but the
+``staged`` where the native core cannot run. It uses no SMs, so it never slows the model, but the
 copy engines pay a fixed cost per descriptor: near the link on pieces of 1 MiB and more (e.g. the
 cross-layer layout, one piece per block), far below it on 4-64 KiB pieces. Descriptors that
 continue each other in both source and destination are merged first (consecutive blocks stored to

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import triton
 import triton.language as tl
 
-from kvoffload.transfer.cuda.native import wide as _wide
+from kvoffload.transfer.cuda.extension import wide as _wide
 
 if TYPE_CHECKING:
-    from kvoffload.transfer.cuda.native import NativeKernel
+    from kvoffload.transfer.cuda.extension import NativeKernel
 
 _INT_ARGS = ["first", "n_blocks", "n_regions", "host_base", "slot_stride"]
 
@@ -149,7 +149,7 @@ def variant(
 def native_info(kernel: Any) -> NativeKernel:
     """``NativeKernel`` of a Triton ``CompiledKernel`` of ``copy_blocks``; ValueError when its
     parameters or launch options are not those ``native.c`` passes."""
-    from kvoffload.transfer.cuda.native import NativeKernel
+    from kvoffload.transfer.cuda.extension import NativeKernel
 
     md = kernel.metadata
     for name, expected in (

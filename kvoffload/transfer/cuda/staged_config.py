@@ -1,4 +1,4 @@
-"""``StagedConfig``: the settings of the ``staged`` backend (the native engine; where it cannot run,
+"""``StagedConfig``: the settings of the ``staged`` backend (the native core; where it cannot run,
 ``make_staged`` falls back to ``dma``, which takes none of these).
 
 Each constant keeps one line of reason here; the measurements that chose it are in
@@ -13,7 +13,7 @@ from kvoffload.transfer.cuda.sm import check_kernel_shape
 
 # At most one layer slice per this many bytes of a load: ~0.6 ms of link time at 54 GB/s against
 # ~0.2 ms of host time per slice that the former Python enqueue took (H100 VM, 2026-11-23); the
-# native engine kept the rule (its per-slice cost is lower; not re-measured).
+# native core kept the rule (its per-slice cost is lower; not re-measured).
 SLICE_TRANSFER_BYTES = 32 << 20
 # A ramped load's first slice holds >= this many bytes per block (one Llama-3-8B layer at 16-token
 # blocks); off by default (docs/transfer.md, "Layer slices").
@@ -47,7 +47,7 @@ class StagedConfig:
     # > 0: ramped slices from this many bytes per block (``FIRST_SLICE_BYTES``); 0: equal slices,
     # which waited less unless the engine computes a layer in ~2x its link time.
     first_slice_bytes: int = 0
-    # Native engine: transfers up to this size are enqueued whole by the caller (GIL released)
+    # Native core: transfers up to this size are enqueued whole by the caller (GIL released)
     # when their direction is idle, so no thread of ours makes driver calls while the engine then
     # launches its forward (such calls slowed a launch-bound step by 13-160%, docs/transfer.md,
     # "Quiet beside the forward"); larger ones go to the direction's worker thread. Default: all.

@@ -1,30 +1,30 @@
-/* The Python binding's shared declarations (module.c: the module and Engine; module_job.c: Job).
- * Bindings only: they call engine.h's functions and never the engine's lock or fields. */
+/* The Python binding's shared declarations (module.c: the module and Core; module_job.c: Job).
+ * Bindings only: they call core.h's functions and never the core's lock or fields. */
 #ifndef KVO_BINDING_H
 #define KVO_BINDING_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "engine.h"
+#include "core.h"
 
 typedef struct {
     PyObject_HEAD
-    kvo_engine *e;
-} EngineObject;
+    kvo_core *e;
+} CoreObject;
 
 typedef struct {
     PyObject_HEAD
-    EngineObject *owner;
+    CoreObject *owner;
     kvo_job *job;
 } JobObject;
 
-extern PyTypeObject EngineType, JobType;
+extern PyTypeObject CoreType, JobType;
 
 /* Set the exception of a status (KVO_REFUSED: ValueError, KVO_TIMEOUT: TimeoutError, else
  * RuntimeError) with msg; returns NULL. */
 PyObject *raise_status(kvo_status rc, const char *msg);
 /* A Job object holding the caller's reference to job (released on failure). */
-PyObject *new_job(EngineObject *owner, kvo_job *job);
+PyObject *new_job(CoreObject *owner, kvo_job *job);
 
 #endif

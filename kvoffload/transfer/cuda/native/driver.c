@@ -2,9 +2,9 @@
  * cuGetProcAddress (never linked at build time, so the extension builds without a CUDA toolkit
  * and imports on a machine without a GPU). cuMemcpyBatchAsync is asked for at version 12080, the
  * CUDA 12.8 ABI with its failIdx out-parameter (CUDA 13's headers map the name to an entry point
- * without it; 13.x drivers keep serving the 12.8 one); where the driver lacks it the engine copies
+ * without it; 13.x drivers keep serving the 12.8 one); where the driver lacks it the core copies
  * with one cuMemcpyAsync per descriptor. The stream memory operations are required: a driver
- * without them cannot run this engine, and the staged backend falls back to dma there. */
+ * without them cannot run this core, and the staged backend falls back to dma there. */
 #include <dlfcn.h>
 #include <stdio.h>
 
@@ -51,7 +51,7 @@ kvo_status kvo_resolve(kvo_driver *d, char *msg) {
         {(void **)&d->host_free, "cuMemFreeHost", 12000, 1},
         {(void **)&d->stream_sync, "cuStreamSynchronize", 12000, 1},
         {(void **)&d->error_name, "cuGetErrorName", 12000, 0},
-        /* stream memory operations: the engine's readiness and completion flags (flags.c) */
+        /* stream memory operations: the core's readiness and completion flags (flags.c) */
         {(void **)&d->write32, "cuStreamWriteValue32", 12000, 1},
         {(void **)&d->wait32, "cuStreamWaitValue32", 12000, 1},
         {(void **)&d->memops, "cuStreamBatchMemOp", 12000, 1},

@@ -1,4 +1,4 @@
-/* The CUDA driver entry points the engine calls: a table of function pointers, filled from
+/* The CUDA driver entry points the core calls: a table of function pointers, filled from
  * libcuda.so.1 through cuGetProcAddress at run time (driver.c) or, in the CPU tests, with callbacks
  * that move real bytes (tests/fake_cuda.py). No CUDA header is needed to build. */
 #ifndef KVO_DRIVER_H

@@ -1,6 +1,6 @@
 /* One transfer of one direction: what it moves (block and slot ids per spec, a load's layer
  * slices), where it stands, and its first failure. Built by job.c; its lifecycle (states, refs)
- * is the engine's (engine.c), its enqueue the pipeline's (pipeline.c). */
+ * is the core's (core.c), its enqueue the pipeline's (pipeline.c). */
 #ifndef KVO_JOB_H
 #define KVO_JOB_H
 
@@ -32,13 +32,13 @@ typedef struct kvo_job {
     int64_t chunk, desc;
     char message[KVO_MSG];
     double t_submit, t_start, t_enqueued, t_done, t_polled;
-    int refs;                         /* the Python Job object, the engine's queues */
+    int refs;                         /* the Python Job object, the core's queues */
     struct kvo_job *next;             /* queue / in-flight list */
 } kvo_job;
 
 /* The job of direction dir among in[0..n_in) (NULL: none of that direction, or no memory). */
 kvo_job *kvo_job_build(const kvo_spec *s, const kvo_input *in, int64_t n_in, int dir, int *oom);
-void kvo_job_free(kvo_job *job); /* its memory; the engine gives its events back first */
+void kvo_job_free(kvo_job *job); /* its memory; the core gives its events back first */
 int64_t kvo_job_bytes(const kvo_job *job, const kvo_spec *s);
 /* Record the job's first failure (later ones keep the first message); returns code or 1. */
 int kvo_job_fail(kvo_job *job, const kvo_driver *d, int code, int step, int64_t chunk,

@@ -1,9 +1,9 @@
-/* The native transfer engine: what every file shares (types, the status convention, constants).
+/* The native transfer core: what every file shares (types, the status convention, constants).
  *
- * One owner per concept, one file each: driver.c (the CUDA entry points), spec.c (the engine's
+ * One owner per concept, one file each: driver.c (the CUDA entry points), spec.c (the core's
  * description), job.c (one transfer's record), flags.c (flag words the GPU writes and waits on),
- * pipeline.c (enqueue one job on its streams), engine.c (queues, threads, submit, close) and
- * waits.c (waits, layer gates, what a job reports). module.c only binds engine.h to Python.
+ * pipeline.c (enqueue one job on its streams), core.c (queues, threads, submit, close) and
+ * waits.c (waits, layer gates, what a job reports). module.c only binds core.h to Python.
  */
 #ifndef KVO_H
 #define KVO_H
@@ -11,14 +11,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The ABI of the packed spec and of the driver table (Python: kvoffload.transfer.cuda.native). */
+/* The ABI of the packed spec and of the driver table (Python: kvoffload.transfer.cuda.extension). */
 #define KVO_ABI 2
 
 typedef void *kvo_stream;
 typedef void *kvo_event;
 typedef uint64_t kvo_dptr;
 
-/* Every engine entry point returns one of these; a message, where there is one, goes into a
+/* Every core entry point returns one of these; a message, where there is one, goes into a
  * caller-owned buffer of KVO_MSG bytes. */
 typedef enum {
     KVO_OK = 0,
@@ -33,7 +33,7 @@ typedef enum {
 #define KVO_LOAD 1
 #define KVO_MAX_DMAS 4    /* DMA streams per direction */
 #define KVO_MAX_DEPTH 64  /* staging areas per direction */
-#define KVO_MAX_GATES 8   /* layer gates per engine */
+#define KVO_MAX_GATES 8   /* layer gates per core */
 #define KVO_NOT_READY 600 /* CUDA_ERROR_NOT_READY */
 
 double kvo_now(void);

@@ -1,14 +1,14 @@
-/* kvoffload.transfer.cuda._engine: the Python face of the native transfer engine (engine.h).
+/* kvoffload.transfer.cuda._core: the Python face of the native transfer core (core.h).
  *
- * Engine(driver, spec): driver is the address of a kvo_driver table (0: resolve libcuda.so.1's
- * entry points here), spec an int64 array (EngineSpec.pack()). Engine.submit(specs, order) reads
- * each TransferSpec's direction, group and id arrays (by pointer) and hands them to the engine
+ * Core(driver, spec): driver is the address of a kvo_driver table (0: resolve libcuda.so.1's
+ * entry points here), spec an int64 array (CoreSpec.pack()). Core.submit(specs, order) reads
+ * each TransferSpec's direction, group and id arrays (by pointer) and hands them to the core
  * without the GIL: it returns one Job per direction. Jobs answer done(), wait(timeout), error(),
- * cancel(), wait_on(stream, layer, timeout) and times(); Engine.finished() drains the ids of jobs
- * finished since the last call; Engine.gate / gate_wait / gate_open are the layer gates.
+ * cancel(), wait_on(stream, layer, timeout) and times(); Core.finished() drains the ids of jobs
+ * finished since the last call; Core.gate / gate_wait / gate_open are the layer gates.
  *
- * module.c binds the module and Engine, module_job.c the Job type (binding.h). They only bind: it calls engine.h's functions, never the engine's lock or fields, and
- * releases the GIL around every call that can block (the engine's threads may call driver entry
+ * module.c binds the module and Core, module_job.c the Job type (binding.h). They only bind: it calls core.h's functions, never the core's lock or fields, and
+ * releases the GIL around every call that can block (the core's threads may call driver entry
  * points that need the GIL: the CPU tests' fakes are Python callbacks). Status codes map to
  * exceptions in one place (raise_status).
  */
@@ -46,15 +46,15 @@ static PyObject *resolve_cuda(PyObject *self, PyObject *noargs) {
     return PyLong_FromVoidPtr(&cuda_table);
 }
 
-static int check_open(EngineObject *self) {
+static int check_open(CoreObject *self) {
     if (self->e != NULL) return 0;
-    PyErr_SetString(PyExc_ValueError, "expected an initialized native engine");
+    PyErr_SetString(PyExc_ValueError, "expected an initialized native core");
     return -1;
 }
 
-/* -- Engine ------------------------------------------------------------------------------------ */
+/* -- Core -------------------------------------------------------------------------------------- */
 
-static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
+static int core_init(CoreObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"driver", "spec", NULL};
     unsigned long long driver;
     Py_buffer spec;
@@ -63,8 +63,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
         !PyBuffer_IsContiguous(&spec, 'C')) {
         PyBuffer_Release(&spec);
         PyErr_SetString(PyExc_ValueError, self->e != NULL
-                                              ? "Engine.__init__: expected a new engine"
-                                              : "expected the engine spec as a contiguous int64 array");
+                                              ? "Core.__init__: expected a new core"
+                                              : "expected the core spec as a contiguous int64 array");
         return -1;
     }
     if (driver == 0) {
@@ -78,8 +78,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     const kvo_driver *table = driver ? (const kvo_driver *)(uintptr_t)driver : &cuda_table;
     char msg[KVO_MSG] = "";
     kvo_status rc;
-    kvo_engine *e = NULL;
-    Py_BEGIN_ALLOW_THREADS rc = kvo_engine_open(table, spec.buf, spec.len / 8, &e, msg);
+    kvo_core *e = NULL;
+    Py_BEGIN_ALLOW_THREADS rc = kvo_core_open(table, spec.buf, spec.len / 8, &e, msg);
     Py_END_ALLOW_THREADS PyBuffer_Release(&spec);
     if (rc != KVO_OK) {
         raise_status(rc, msg);
@@ -89,10 +89,10 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-static void engine_dealloc(EngineObject *self) {
+static void core_dealloc(CoreObject *self) {
     if (self->e != NULL) {
-        kvo_engine *e = self->e;
-        Py_BEGIN_ALLOW_THREADS kvo_engine_free(e);
+        kvo_core *e = self->e;
+        Py_BEGIN_ALLOW_THREADS kvo_core_free(e);
         Py_END_ALLOW_THREADS self->e = NULL;
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -118,10 +118,10 @@ static int ids_of(PyObject *spec, const char *name, Py_buffer *view) {
     return 0;
 }
 
-PyObject *new_job(EngineObject *owner, kvo_job *job) {
+PyObject *new_job(CoreObject *owner, kvo_job *job) {
     JobObject *j = PyObject_New(JobObject, &JobType);
     if (j == NULL) {
-        kvo_engine *e = owner->e;
+        kvo_core *e = owner->e;
         Py_BEGIN_ALLOW_THREADS kvo_job_release(e, job);
         Py_END_ALLOW_THREADS return NULL;
     }
@@ -131,7 +131,7 @@ PyObject *new_job(EngineObject *owner, kvo_job *job) {
     return (PyObject *)j;
 }
 
-static PyObject *engine_submit(EngineObject *self, PyObject *args) {
+static PyObject *core_submit(CoreObject *self, PyObject *args) {
     PyObject *specs, *order_obj = Py_None;
     if (check_open(self) < 0) return NULL;
     if (!PyArg_ParseTuple(args, "O|O", &specs, &order_obj)) return NULL;
@@ -199,8 +199,8 @@ static PyObject *engine_submit(EngineObject *self, PyObject *args) {
         int n_out = 0;
         char msg[KVO_MSG] = "";
         kvo_status rc;
-        kvo_engine *e = self->e;
-        Py_BEGIN_ALLOW_THREADS rc = kvo_engine_submit(e, in, n, (kvo_stream)(uintptr_t)order,
+        kvo_core *e = self->e;
+        Py_BEGIN_ALLOW_THREADS rc = kvo_core_submit(e, in, n, (kvo_stream)(uintptr_t)order,
                                                       has_order, jobs, &n_out, msg);
         Py_END_ALLOW_THREADS if (rc != KVO_OK) {
             raise_status(rc, msg);
@@ -229,13 +229,13 @@ out:
     return result;
 }
 
-static PyObject *engine_finished(EngineObject *self, PyObject *noargs) {
+static PyObject *core_finished(CoreObject *self, PyObject *noargs) {
     (void)noargs;
     if (check_open(self) < 0) return NULL;
-    kvo_engine *e = self->e;
+    kvo_core *e = self->e;
     int64_t n = 0, *ids = NULL;
     kvo_status rc;
-    Py_BEGIN_ALLOW_THREADS rc = kvo_engine_finished(e, &ids, &n);
+    Py_BEGIN_ALLOW_THREADS rc = kvo_core_finished(e, &ids, &n);
     Py_END_ALLOW_THREADS if (rc != KVO_OK) return PyErr_NoMemory();
     PyObject *out = PyList_New(n);
     for (int64_t i = 0; out && i < n; i++) PyList_SET_ITEM(out, i, PyLong_FromLongLong(ids[i]));
@@ -243,22 +243,22 @@ static PyObject *engine_finished(EngineObject *self, PyObject *noargs) {
     return out;
 }
 
-static PyObject *engine_close(EngineObject *self, PyObject *noargs) {
+static PyObject *core_close(CoreObject *self, PyObject *noargs) {
     (void)noargs;
     if (self->e != NULL) {
-        kvo_engine *e = self->e;
-        Py_BEGIN_ALLOW_THREADS kvo_engine_close(e);
+        kvo_core *e = self->e;
+        Py_BEGIN_ALLOW_THREADS kvo_core_close(e);
         Py_END_ALLOW_THREADS
     }
     Py_RETURN_NONE;
 }
 
-static PyObject *engine_stats(EngineObject *self, PyObject *noargs) {
+static PyObject *core_stats(CoreObject *self, PyObject *noargs) {
     (void)noargs;
     if (check_open(self) < 0) return NULL;
     kvo_stats s;
-    kvo_engine *e = self->e;
-    Py_BEGIN_ALLOW_THREADS kvo_engine_stats(e, &s);
+    kvo_core *e = self->e;
+    Py_BEGIN_ALLOW_THREADS kvo_core_stats(e, &s);
     Py_END_ALLOW_THREADS return Py_BuildValue(
         "{s:L,s:L,s:L,s:L,s:L,s:L,s:i,s:i}", "submitted", (long long)s.submitted, "completed",
         (long long)s.completed, "failed", (long long)s.failed, "parts", (long long)s.parts,
@@ -266,31 +266,31 @@ static PyObject *engine_stats(EngineObject *self, PyObject *noargs) {
         "batch_copies", s.batch_copies);
 }
 
-static PyObject *engine_gate(EngineObject *self, PyObject *args) {
+static PyObject *core_gate(CoreObject *self, PyObject *args) {
     long long layers;
     if (check_open(self) < 0 || !PyArg_ParseTuple(args, "L", &layers)) return NULL;
     int64_t gate = -1;
     char msg[KVO_MSG] = "";
     kvo_status rc;
-    kvo_engine *e = self->e;
+    kvo_core *e = self->e;
     Py_BEGIN_ALLOW_THREADS rc = kvo_gate_create(e, layers, &gate, msg);
     Py_END_ALLOW_THREADS if (rc != KVO_OK) return raise_status(rc, msg);
     return PyLong_FromLongLong(gate);
 }
 
-static PyObject *engine_gate_wait(EngineObject *self, PyObject *args) {
+static PyObject *core_gate_wait(CoreObject *self, PyObject *args) {
     long long gate, layer;
     unsigned long long stream;
     if (check_open(self) < 0 || !PyArg_ParseTuple(args, "LKL", &gate, &stream, &layer)) return NULL;
     char msg[KVO_MSG] = "";
     kvo_status rc;
-    kvo_engine *e = self->e;
+    kvo_core *e = self->e;
     Py_BEGIN_ALLOW_THREADS rc = kvo_gate_wait(e, gate, (kvo_stream)(uintptr_t)stream, layer, msg);
     Py_END_ALLOW_THREADS if (rc != KVO_OK) return raise_status(rc, msg);
     Py_RETURN_NONE;
 }
 
-static PyObject *engine_gate_open(EngineObject *self, PyObject *args) {
+static PyObject *core_gate_open(CoreObject *self, PyObject *args) {
     long long gate;
     unsigned long long stream;
     PyObject *jobs_obj;
@@ -310,14 +310,14 @@ static PyObject *engine_gate_open(EngineObject *self, PyObject *args) {
         if (!PyObject_TypeCheck(item, &JobType) || ((JobObject *)item)->owner != self) {
             free(jobs);
             Py_DECREF(seq);
-            PyErr_Format(PyExc_ValueError, "expected jobs of this engine, got %R", item);
+            PyErr_Format(PyExc_ValueError, "expected jobs of this core, got %R", item);
             return NULL;
         }
         jobs[i] = ((JobObject *)item)->job;
     }
     char msg[KVO_MSG] = "";
     kvo_status rc;
-    kvo_engine *e = self->e;
+    kvo_core *e = self->e;
     Py_BEGIN_ALLOW_THREADS rc = kvo_gate_open(e, gate, (kvo_stream)(uintptr_t)stream, jobs, n,
                                               timeout, msg);
     Py_END_ALLOW_THREADS free(jobs);
@@ -326,31 +326,31 @@ static PyObject *engine_gate_open(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyMethodDef engine_methods[] = {
-    {"submit", (PyCFunction)engine_submit, METH_VARARGS,
+static PyMethodDef core_methods[] = {
+    {"submit", (PyCFunction)core_submit, METH_VARARGS,
      "submit(specs, order_stream=None) -> tuple of Job (one per direction)"},
-    {"finished", (PyCFunction)engine_finished, METH_NOARGS,
+    {"finished", (PyCFunction)core_finished, METH_NOARGS,
      "ids of the jobs finished since the last call (tracking starts at the first call)"},
-    {"close", (PyCFunction)engine_close, METH_NOARGS,
+    {"close", (PyCFunction)core_close, METH_NOARGS,
      "cancel queued jobs, wait for those in flight, stop the threads"},
-    {"stats", (PyCFunction)engine_stats, METH_NOARGS, "counters"},
-    {"gate", (PyCFunction)engine_gate, METH_VARARGS, "gate(layers) -> a new layer gate's index"},
-    {"gate_wait", (PyCFunction)engine_gate_wait, METH_VARARGS,
+    {"stats", (PyCFunction)core_stats, METH_NOARGS, "counters"},
+    {"gate", (PyCFunction)core_gate, METH_VARARGS, "gate(layers) -> a new layer gate's index"},
+    {"gate_wait", (PyCFunction)core_gate_wait, METH_VARARGS,
      "gate_wait(gate, stream, layer): enqueue 'wait until open, then close' (capturable)"},
-    {"gate_open", (PyCFunction)engine_gate_open, METH_VARARGS,
+    {"gate_open", (PyCFunction)core_gate_open, METH_VARARGS,
      "gate_open(gate, stream, jobs, timeout=30): open each layer once the jobs landed it"},
     {NULL, NULL, 0, NULL},
 };
 
-PyTypeObject EngineType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvoffload.transfer.cuda._engine.Engine",
-    .tp_basicsize = sizeof(EngineObject),
+PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvoffload.transfer.cuda._core.Core",
+    .tp_basicsize = sizeof(CoreObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Engine(driver, spec): the native transfer engine",
+    .tp_doc = "Core(driver, spec): the native transfer core",
     .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)engine_init,
-    .tp_dealloc = (destructor)engine_dealloc,
-    .tp_methods = engine_methods,
+    .tp_init = (initproc)core_init,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_methods = core_methods,
 };
 
 static PyMethodDef module_methods[] = {
@@ -360,17 +360,17 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_engine", "The native transfer engine (kvoffload/transfer/cuda/native/).",
+    PyModuleDef_HEAD_INIT, "_core", "The native transfer core (kvoffload/transfer/cuda/native/).",
     -1, module_methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__engine(void) {
-    if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&JobType) < 0) return NULL;
+PyMODINIT_FUNC PyInit__core(void) {
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&JobType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    Py_INCREF(&EngineType);
+    Py_INCREF(&CoreType);
     Py_INCREF(&JobType);
-    PyModule_AddObject(m, "Engine", (PyObject *)&EngineType);
+    PyModule_AddObject(m, "Core", (PyObject *)&CoreType);
     PyModule_AddObject(m, "Job", (PyObject *)&JobType);
     PyModule_AddIntConstant(m, "ABI", KVO_ABI);
     PyModule_AddIntConstant(m, "DRIVER_FIELDS", KVO_DRIVER_FIELDS);

@@ -1,4 +1,4 @@
-/* kvoffload.transfer.cuda._engine.Job: one submitted transfer of one direction (binding.h). */
+/* kvoffload.transfer.cuda._core.Job: one submitted transfer of one direction (binding.h). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdlib.h>
@@ -9,7 +9,7 @@
 
 static void job_dealloc(JobObject *self) {
     if (self->job != NULL) {
-        kvo_engine *e = self->owner->e;
+        kvo_core *e = self->owner->e;
         kvo_job *job = self->job;
         Py_BEGIN_ALLOW_THREADS kvo_job_release(e, job);
         Py_END_ALLOW_THREADS
@@ -32,14 +32,14 @@ static PyObject *job_wait(JobObject *self, PyObject *args) {
     if (PyErr_Occurred()) return NULL;
     if (timeout < 0 && t != Py_None) timeout = 0;
     int finished = 0;
-    kvo_engine *e = self->owner->e;
+    kvo_core *e = self->owner->e;
     kvo_job *job = self->job;
     Py_BEGIN_ALLOW_THREADS kvo_job_wait(e, job, timeout, &finished);
     Py_END_ALLOW_THREADS return PyBool_FromLong(finished);
 }
 
 static int describe(JobObject *self, kvo_job_info *info) {
-    kvo_engine *e = self->owner->e;
+    kvo_core *e = self->owner->e;
     kvo_job *job = self->job;
     Py_BEGIN_ALLOW_THREADS kvo_job_describe(e, job, info);
     Py_END_ALLOW_THREADS return 0;
@@ -58,7 +58,7 @@ static PyObject *job_error(JobObject *self, PyObject *noargs) {
 static PyObject *job_cancel(JobObject *self, PyObject *noargs) {
     (void)noargs;
     int cancelled = 0;
-    kvo_engine *e = self->owner->e;
+    kvo_core *e = self->owner->e;
     kvo_job *job = self->job;
     Py_BEGIN_ALLOW_THREADS kvo_job_cancel(e, job, &cancelled);
     Py_END_ALLOW_THREADS return PyBool_FromLong(cancelled);
@@ -75,7 +75,7 @@ static PyObject *job_wait_on(JobObject *self, PyObject *args) {
     int ok = 1;
     char msg[KVO_MSG] = "";
     kvo_status rc;
-    kvo_engine *e = self->owner->e;
+    kvo_core *e = self->owner->e;
     kvo_job *job = self->job;
     Py_BEGIN_ALLOW_THREADS rc = kvo_job_wait_on(e, job, (kvo_stream)(uintptr_t)stream, layer,
                                                 timeout, &ok, msg);
@@ -145,7 +145,7 @@ static PyGetSetDef job_getset[] = {
 };
 
 PyTypeObject JobType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvoffload.transfer.cuda._engine.Job",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvoffload.transfer.cuda._core.Job",
     .tp_basicsize = sizeof(JobObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "one submitted transfer of one direction",

@@ -1,5 +1,5 @@
 /* The staged pipeline: enqueue one job on its direction's streams. It knows nothing of the
- * engine's threads, queues or lock: the engine calls kvo_pipeline_run for one job at a time per
+ * core's threads, queues or lock: the core calls kvo_pipeline_run for one job at a time per
  * direction (the lane is that direction's), from whichever thread enqueues it. */
 #ifndef KVO_PIPELINE_H
 #define KVO_PIPELINE_H

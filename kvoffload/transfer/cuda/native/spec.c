@@ -1,5 +1,5 @@
-/* The engine's description: one packed int64 array (kvoffload/transfer/cuda/engine_spec.py
- * writes it; the field order is EngineSpec.pack's). Parsed once, checked for consistency. */
+/* The core's description: one packed int64 array (kvoffload/transfer/cuda/core_spec.py
+ * writes it; the field order is CoreSpec.pack's). Parsed once, checked for consistency. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,8 +33,8 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     cursor c = {packed, n, 0};
     int64_t head[HEAD];
     memset(s, 0, sizeof *s);
-    if (take(&c, head, HEAD) != 0) return "expected an engine spec of at least 22 fields";
-    if (head[0] != KVO_ABI) return "expected an engine spec of this build's ABI (a stale build)";
+    if (take(&c, head, HEAD) != 0) return "expected a core spec of at least 22 fields";
+    if (head[0] != KVO_ABI) return "expected a core spec of this build's ABI (a stale build)";
     s->n_groups = head[1];
     s->num_slots = head[2];
     s->arena_base = head[3];
@@ -56,16 +56,16 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
         s->depth > KVO_MAX_DEPTH || s->area_bytes < 1 || s->first_chunk_bytes < 1 ||
         s->min_slice_transfer_bytes < 1 || s->n_dmas < 1 || s->n_dmas > KVO_MAX_DMAS)
         return "expected groups, slots, slot bytes, 1 <= depth <= 64, area bytes, chunk bytes, "
-               "slice bytes >= 1 and 1 <= DMA streams <= 4 in the engine spec";
+               "slice bytes >= 1 and 1 <= DMA streams <= 4 in the core spec";
     for (int d = 0; d < 2; d++)
-        if ((s->bases[d] = take_array(&c, s->depth)) == NULL) return "truncated engine spec";
+        if ((s->bases[d] = take_array(&c, s->depth)) == NULL) return "truncated core spec";
     s->groups = calloc((size_t)s->n_groups, sizeof(kvo_group));
     if (s->groups == NULL) return "out of memory";
     for (int64_t g = 0; g < s->n_groups; g++) {
         kvo_group *gr = &s->groups[g];
         int64_t h[5];
         if (take(&c, h, 5) != 0 || take(&c, (int64_t *)gr->kernel, 12) != 0)
-            return "truncated engine spec";
+            return "truncated core spec";
         gr->num_blocks = h[0];
         gr->slot_bytes = h[1];
         gr->n_layers = h[2];
@@ -81,7 +81,7 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
         gr->plan_first = take_array(&c, gr->n_plans);
         gr->plan_owner = take_array(&c, gr->n_plans * gr->n_layers);
         if (!gr->parts || !gr->plan_count || !gr->plan_first || !gr->plan_owner)
-            return "truncated engine spec";
+            return "truncated core spec";
         for (int64_t p = 0; p < gr->n_parts; p++) {
             kvo_part *pt = &gr->parts[p];
             if (pt->unit < 1 || pt->offset < 0 || pt->offset + pt->unit > gr->slot_bytes ||
@@ -99,14 +99,14 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
         }
         if (gr->n_layers > s->max_layers) s->max_layers = gr->n_layers;
     }
-    if (c.at != c.n) return "expected no fields after the last group in the engine spec";
+    if (c.at != c.n) return "expected no fields after the last group in the core spec";
     return NULL;
 }
 
 kvo_status kvo_spec_parse(kvo_spec *s, const int64_t *packed, int64_t n, char *msg) {
     if (n >= 1 && packed[0] != KVO_ABI) {
         memset(s, 0, sizeof *s);
-        return kvo_say(msg, KVO_REFUSED, "expected engine spec ABI %d, got %lld", KVO_ABI,
+        return kvo_say(msg, KVO_REFUSED, "expected core spec ABI %d, got %lld", KVO_ABI,
                        (long long)packed[0]);
     }
     const char *why = parse(s, packed, n);

@@ -1,5 +1,5 @@
-/* The engine's description: one packed int64 array written by
- * kvoffload/transfer/cuda/engine_spec.py (EngineSpec.pack), parsed once by spec.c. */
+/* The core's description: one packed int64 array written by
+ * kvoffload/transfer/cuda/core_spec.py (CoreSpec.pack), parsed once by spec.c. */
 #ifndef KVO_SPEC_H
 #define KVO_SPEC_H
 

@@ -1,4 +1,4 @@
-/* The engine's waits and reports (engine.h): a job's end on the host, a job's layers on the GPU
+/* The core's waits and reports (core.h): a job's end on the host, a job's layers on the GPU
  * (wait_on, one stream memory operation), layer gates for CUDA graphs, and what jobs report.
  *
  * No wait on the GPU can depend on work that is not enqueued yet: wait_on and gate_open first
@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine_state.h"
+#include "core_state.h"
 
 /* A waiter spins this long on a job in flight before it sleeps: a condition-variable wake-up
  * costs ~20 us (H100 VM), more than a small transfer's remaining time. */
@@ -26,12 +26,12 @@
 
 static int state_of(kvo_job *job) { return __atomic_load_n(&job->state, __ATOMIC_ACQUIRE); }
 
-kvo_status kvo_job_done(kvo_engine *e, kvo_job *job, int *done) {
+kvo_status kvo_job_done(kvo_core *e, kvo_job *job, int *done) {
     *done = state_of(job) == KVO_DONE;
     return KVO_OK;
 }
 
-kvo_status kvo_job_wait(kvo_engine *e, kvo_job *job, double timeout, int *finished) {
+kvo_status kvo_job_wait(kvo_core *e, kvo_job *job, double timeout, int *finished) {
     double deadline = timeout < 0 ? 0 : kvo_now() + timeout;
     if (timeout != 0) {
         double until = kvo_now() + (timeout > 0 && timeout < SPIN_S ? timeout : SPIN_S);
@@ -45,7 +45,7 @@ kvo_status kvo_job_wait(kvo_engine *e, kvo_job *job, double timeout, int *finish
     return KVO_OK;
 }
 
-kvo_status kvo_job_cancel(kvo_engine *e, kvo_job *job, int *cancelled) {
+kvo_status kvo_job_cancel(kvo_core *e, kvo_job *job, int *cancelled) {
     *cancelled = 0;
     pthread_mutex_lock(&e->mu);
     if (job->state == KVO_QUEUED) {
@@ -72,7 +72,7 @@ kvo_status kvo_job_cancel(kvo_engine *e, kvo_job *job, int *cancelled) {
 }
 
 /* Until the job is enqueued (or will never be): at once unless it is queued behind another. */
-static kvo_status until_enqueued(kvo_engine *e, kvo_job *job, double timeout, char *msg) {
+static kvo_status until_enqueued(kvo_core *e, kvo_job *job, double timeout, char *msg) {
     if (state_of(job) >= KVO_INFLIGHT) return KVO_OK;
     double deadline = kvo_now() + timeout;
     pthread_mutex_lock(&e->mu);
@@ -83,7 +83,7 @@ static kvo_status until_enqueued(kvo_engine *e, kvo_job *job, double timeout, ch
     return kvo_say(msg, KVO_TIMEOUT, "the copy was not enqueued within %g s", timeout);
 }
 
-kvo_status kvo_job_wait_on(kvo_engine *e, kvo_job *job, kvo_stream stream, int64_t layer,
+kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t layer,
                            double timeout, int *ok, char *msg) {
     *ok = 1;
     kvo_status rc = until_enqueued(e, job, timeout, msg);
@@ -108,7 +108,7 @@ kvo_status kvo_job_wait_on(kvo_engine *e, kvo_job *job, kvo_stream stream, int64
     return KVO_OK;
 }
 
-kvo_status kvo_job_describe(kvo_engine *e, kvo_job *job, kvo_job_info *out) {
+kvo_status kvo_job_describe(kvo_core *e, kvo_job *job, kvo_job_info *out) {
     pthread_mutex_lock(&e->mu);
     out->id = job->id;
     out->dir = job->dir;
@@ -130,7 +130,7 @@ kvo_status kvo_job_describe(kvo_engine *e, kvo_job *job, kvo_job_info *out) {
     return KVO_OK;
 }
 
-kvo_status kvo_job_layer_slices(kvo_engine *e, kvo_job *job, int64_t *out, int64_t cap,
+kvo_status kvo_job_layer_slices(kvo_core *e, kvo_job *job, int64_t *out, int64_t cap,
                                 int64_t *n) {
     *n = job->n_slices > 0 ? job->n_layers : 0; /* fixed at submit */
     if (*n > cap) *n = cap;
@@ -140,7 +140,7 @@ kvo_status kvo_job_layer_slices(kvo_engine *e, kvo_job *job, int64_t *out, int64
 
 /* -- layer gates ------------------------------------------------------------------------------- */
 
-kvo_status kvo_gate_create(kvo_engine *e, int64_t layers, int64_t *gate, char *msg) {
+kvo_status kvo_gate_create(kvo_core *e, int64_t layers, int64_t *gate, char *msg) {
     if (layers < 1 || layers > e->spec.max_layers)
         return kvo_say(msg, KVO_REFUSED, "expected 1 <= layers <= %lld (the layout's), got %lld",
                        (long long)e->spec.max_layers, (long long)layers);
@@ -148,9 +148,9 @@ kvo_status kvo_gate_create(kvo_engine *e, int64_t layers, int64_t *gate, char *m
     void *prev = kvo_ctx_enter(e);
     pthread_mutex_lock(&e->mu);
     if (e->closing) {
-        rc = kvo_say(msg, KVO_FAILED, "expected an open native engine, got a closed one");
+        rc = kvo_say(msg, KVO_FAILED, "expected an open native core, got a closed one");
     } else if (e->gates == KVO_MAX_GATES) {
-        rc = kvo_say(msg, KVO_REFUSED, "expected at most %d layer gates per engine, got one more",
+        rc = kvo_say(msg, KVO_REFUSED, "expected at most %d layer gates per core, got one more",
                      KVO_MAX_GATES);
     } else {
         int err = e->d.event_create(&e->gate_event[e->gates], 2 /* CU_EVENT_DISABLE_TIMING */);
@@ -166,12 +166,12 @@ kvo_status kvo_gate_create(kvo_engine *e, int64_t layers, int64_t *gate, char *m
     return rc;
 }
 
-static kvo_status check_gate(kvo_engine *e, int64_t gate, int64_t layer, char *msg) {
+static kvo_status check_gate(kvo_core *e, int64_t gate, int64_t layer, char *msg) {
     pthread_mutex_lock(&e->mu);
     int64_t gates = e->gates, layers = gate >= 0 && gate < gates ? e->gate_layers[gate] : 0;
     int closed = e->closing;
     pthread_mutex_unlock(&e->mu);
-    if (closed) return kvo_say(msg, KVO_FAILED, "expected an open native engine, got a closed one");
+    if (closed) return kvo_say(msg, KVO_FAILED, "expected an open native core, got a closed one");
     if (gate < 0 || gate >= gates)
         return kvo_say(msg, KVO_REFUSED, "expected a gate in [0, %lld), got %lld",
                        (long long)gates, (long long)gate);
@@ -181,7 +181,7 @@ static kvo_status check_gate(kvo_engine *e, int64_t gate, int64_t layer, char *m
     return KVO_OK;
 }
 
-kvo_status kvo_gate_wait(kvo_engine *e, int64_t gate, kvo_stream stream, int64_t layer, char *msg) {
+kvo_status kvo_gate_wait(kvo_core *e, int64_t gate, kvo_stream stream, int64_t layer, char *msg) {
     kvo_status rc = check_gate(e, gate, layer < 0 ? -2 : layer, msg);
     if (rc != KVO_OK) return rc;
     kvo_ops ops;
@@ -203,7 +203,7 @@ static uint32_t newest(uint32_t a, uint32_t b) {
     return b != 0 && (int32_t)(b - a) > 0 ? b : a;
 }
 
-kvo_status kvo_gate_open(kvo_engine *e, int64_t gate, kvo_stream stream, kvo_job *const *jobs,
+kvo_status kvo_gate_open(kvo_core *e, int64_t gate, kvo_stream stream, kvo_job *const *jobs,
                          int64_t n, double timeout, char *msg) {
     kvo_status rc = check_gate(e, gate, -1, msg);
     if (rc != KVO_OK) return rc;
@@ -239,7 +239,7 @@ kvo_status kvo_gate_open(kvo_engine *e, int64_t gate, kvo_stream stream, kvo_job
 
 /* -- reports ----------------------------------------------------------------------------------- */
 
-kvo_status kvo_engine_finished(kvo_engine *e, int64_t **ids, int64_t *n) {
+kvo_status kvo_core_finished(kvo_core *e, int64_t **ids, int64_t *n) {
     pthread_mutex_lock(&e->mu);
     e->track_finished = 1;
     *n = e->finished_n;
@@ -252,7 +252,7 @@ kvo_status kvo_engine_finished(kvo_engine *e, int64_t **ids, int64_t *n) {
     return *ids == NULL ? KVO_FAILED : KVO_OK;
 }
 
-kvo_status kvo_engine_stats(kvo_engine *e, kvo_stats *out) {
+kvo_status kvo_core_stats(kvo_core *e, kvo_stats *out) {
     memset(out, 0, sizeof *out);
     pthread_mutex_lock(&e->mu);
     for (int d = 0; d < 2; d++)

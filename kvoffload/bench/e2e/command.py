@@ -1,0 +1,484 @@
+"""``kvoffload bench e2e``: time to first token with and without kvoffload on a model runner.
+
+It runs the model runner of ``kvoffload.bench.e2e.runner`` (a Llama-architecture decoder with
+random weights, a paged KV cache, a GPU block pool with prefix caching) on one or more workloads
+(multi-turn chat, chat that fits the GPU, a shared-document pool, chat mixed with unique prompts)
+in the modes
+``recompute``, ``gpu`` (GPU prefix cache), ``gpu_all`` (a GPU pool that never evicts: the ideal)
+and ``kvoffload`` (GPU prefix cache plus kvoffload's host tier), then a zero-reuse workload for
+kvoffload's overhead, then a bit-exact check of KV restored from host, and prints the targets it
+is judged by. See docs/e2e.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from kvoffload.bench.common import console, default_out, machine_info, progress, write_json
+
+WORKLOADS = ("chat", "fits", "docs", "mixed")
+MODES = ("recompute", "gpu", "gpu_all", "kvoffload")
+CHAT_KNOBS = ("conversations", "turns", "system_tokens", "user_tokens", "answer_tokens")
+DOC_KNOBS = (
+    "documents",
+    "document_tokens",
+    "requests",
+    "system_tokens",
+    "question_tokens",
+    "answer_tokens",
+)
+
+# Workload shapes per model scale. chat: the GPU pool holds a quarter of all histories (each
+# counted with its own copy of the system prompt), so a conversation's history is evicted before
+# it returns. fits: a long shared system prompt and many short conversations, all of it in the
+# GPU pool twice over. docs: a quarter of the documents fit the pool. mixed: chat with a quarter
+# of the requests unique prompts. The host tier holds 1.25x the same count.
+
+
+def _chat(*values: int) -> dict[str, int]:
+    return dict(zip(CHAT_KNOBS, values, strict=True))
+
+
+def _docs(*values: int) -> dict[str, int]:
+    return dict(zip(DOC_KNOBS, values, strict=True))
+
+
+_GPU = {  # conversations, turns, system, user, answer; documents, tokens, requests, system, ...
+    "chat": _chat(16, 8, 2048, 512, 256),
+    "fits": _chat(32, 4, 4096, 64, 128),
+    "docs": _docs(32, 4096, 128, 256, 128, 128),
+}
+_TINY = {
+    "chat": _chat(8, 8, 256, 64, 64),
+    "fits": _chat(16, 4, 512, 16, 32),
+    "docs": _docs(16, 512, 64, 64, 32, 32),
+}
+_MICRO = {
+    "chat": _chat(4, 3, 32, 32, 16),
+    "fits": _chat(6, 3, 64, 16, 16),
+    "docs": _docs(6, 64, 12, 16, 16, 16),
+}
+SHAPES = {"llama3-8b": _GPU, "qwen2.5-7b": _GPU, "tiny": _TINY, "micro": _MICRO}
+CHUNK = {"llama3-8b": 2048, "qwen2.5-7b": 2048, "tiny": 512, "micro": 64}
+UNIQUE_SHARE = 0.25  # mixed: the share of unique prompts
+FITS_ROUNDS = 3  # fits compares gpu and kvoffload to 1%: several rounds, alternating
+FITS_POOL = 2.0  # fits: the GPU pool holds this many times the workload's distinct blocks
+OVERFLOW_POOL = 0.25  # chat, docs, mixed: the pool holds this share of all histories
+HOST_SHARE = 1.25  # the host tier holds this many times the same count
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="auto",
+        choices=("auto", *SHAPES),
+        help="model shapes (auto: llama3-8b on a GPU, tiny on a CPU)",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float32"),
+        help="compute and KV dtype (auto: bfloat16 on a GPU and on CPUs with bf16 arithmetic, "
+        "else float32)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU: torch threads (default: cores - 1, leaving one to kvoffload's copy thread)",
+    )
+    w = p.add_argument_group("workloads (shape defaults depend on --model and the workload)")
+    w.add_argument(
+        "--workloads",
+        default="chat",
+        help=f"comma-separated, from {','.join(WORKLOADS)}: multi-turn chat; chat that fits the "
+        "GPU pool; a shared-document pool; chat mixed with unique prompts",
+    )
+    w.add_argument(
+        "--conversations",
+        type=int,
+        default=None,
+        help="chat: clients, interleaved" + _preset("conversations"),
+    )
+    w.add_argument(
+        "--turns", type=int, default=None, help="chat: turns per conversation" + _preset("turns")
+    )
+    w.add_argument(
+        "--system-tokens",
+        type=int,
+        default=None,
+        help="shared system prompt" + _preset("system_tokens"),
+    )
+    w.add_argument(
+        "--user-tokens",
+        type=int,
+        default=None,
+        help="chat: tokens per user turn" + _preset("user_tokens"),
+    )
+    w.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=None,
+        help="tokens per answer" + _preset("answer_tokens"),
+    )
+    w.add_argument(
+        "--documents",
+        type=int,
+        default=None,
+        help="docs: documents in the pool" + _preset("documents"),
+    )
+    w.add_argument(
+        "--document-tokens",
+        type=int,
+        default=None,
+        help="docs: tokens per document" + _preset("document_tokens"),
+    )
+    w.add_argument(
+        "--requests", type=int, default=None, help="docs: requests" + _preset("requests")
+    )
+    w.add_argument(
+        "--question-tokens",
+        type=int,
+        default=None,
+        help="docs: tokens per question" + _preset("question_tokens"),
+    )
+    w.add_argument(
+        "--unique-share", type=float, default=UNIQUE_SHARE, help="mixed: share of unique prompts"
+    )
+    e = p.add_argument_group("engine")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    e.add_argument("--chunk-tokens", type=int, default=None, help="prefill chunk (tokens)")
+    e.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=None,
+        help="GPU pool capacity (default: a quarter of all histories; fits: twice its blocks)",
+    )
+    e.add_argument(
+        "--host-blocks",
+        type=int,
+        default=None,
+        help="kvoffload host capacity (default: 1.25x all histories; fits: 1.25x its blocks)",
+    )
+    k = p.add_argument_group("kvoffload")
+    k.add_argument("--backend", default="auto", help="copy backend (auto: the planner's choice)")
+    k.add_argument(
+        "--admission",
+        default="reuse",
+        choices=("reuse", "all", "none"),
+        help="which requests' blocks go to host: those that reused a prefix, all, or none",
+    )
+    k.add_argument(
+        "--store",
+        default="evict",
+        choices=("evict", "behind"),
+        help="when: shortly before the GPU pool would evict them, or right after compute",
+    )
+    k.add_argument(
+        "--store-lead",
+        type=float,
+        default=2.0,
+        help="evict: store blocks this many times the largest request's blocks ahead of eviction",
+    )
+    k.add_argument(
+        "--load",
+        default="layered",
+        choices=("layered", "blocking"),
+        help="restore layer by layer under prefill, or wait for the whole load first",
+    )
+    r = p.add_argument_group("run")
+    r.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated, from {','.join(MODES)} (default: all four; fits: gpu,kvoffload)",
+    )
+    r.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"runs of each workload per mode, alternating (default: 1; fits: {FITS_ROUNDS})",
+    )
+    r.add_argument(
+        "--zero-reuse-rounds", type=int, default=2, help="gpu/kvoffload rounds on unique prompts"
+    )
+    r.add_argument(
+        "--zero-reuse-turns",
+        type=int,
+        default=None,
+        help="requests per round (default: the first workload's conversations, docs: 16)",
+    )
+    r.add_argument("--verify", type=int, default=2, help="sampled turns checked bit for bit")
+    r.add_argument("--seed", type=int, default=0, help="seed of the workloads and the weights")
+    r.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path, the PNG next to it (default: a new file in ./kvoffload-results/)",
+    )
+    r.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def _preset(knob: str) -> str:
+    """``(default: ...)`` for a workload knob: its value per workload, GPU models and tiny."""
+    parts = []
+    for scale, shapes in (("GPU models", _GPU), ("tiny", _TINY)):
+        values = [f"{kind} {shape[knob]}" for kind, shape in shapes.items() if knob in shape]
+        parts.append(f"{', '.join(values)} ({scale})")
+    return f" (default: {'; '.join(parts)})"
+
+
+def _list(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
+    names = tuple(n for n in text.split(",") if n)
+    bad = [n for n in names if n not in allowed]
+    if bad or not names or len(set(names)) != len(names):
+        raise ValueError(
+            f"{option}: expected distinct names from {','.join(allowed)}, got {text!r}"
+        )
+    return names
+
+
+def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
+    from kvoffload.bench.e2e.runner.bench_config import BenchConfig
+    from kvoffload.bench.e2e.runner.engine import Offload
+
+    model = args.model if args.model != "auto" else ("llama3-8b" if cuda else "tiny")
+    try:
+        if args.block_size <= 0:
+            raise ValueError(f"expected --block-size > 0, got {args.block_size}")
+        runs = tuple(
+            _workload_run(args, model, kind)
+            for kind in _list(args.workloads, WORKLOADS, "--workloads")
+        )
+        return BenchConfig(
+            model=model,
+            device=args.device if args.device != "auto" else ("cuda" if cuda else "cpu"),
+            workloads=runs,
+            dtype=dtype,
+            block_size=args.block_size,
+            chunk_tokens=args.chunk_tokens or CHUNK[model],
+            offload=Offload(args.admission, args.store, args.store_lead, args.load),
+            backend=args.backend,
+            zero_reuse_rounds=args.zero_reuse_rounds,
+            zero_reuse_turns=_zero_reuse_turns(args, runs[0].workload),
+            verify=args.verify,
+            seed=args.seed,
+        )
+    except ValueError as err:
+        raise SystemExit(f"kvoffload bench e2e: {err}") from None
+
+
+def _zero_reuse_turns(args: argparse.Namespace, first: Any) -> int:
+    if args.zero_reuse_turns is not None:
+        return int(args.zero_reuse_turns)
+    return first.chat.conversations if first.chat is not None else 16
+
+
+def _workload_run(args: argparse.Namespace, model: str, kind: str) -> Any:
+    from kvoffload.bench.e2e.runner.bench_config import WorkloadRun
+    from kvoffload.bench.e2e.runner.workload import ChatShape, DocShape, Workload
+
+    shape = SHAPES[model]["docs" if kind == "docs" else ("fits" if kind == "fits" else "chat")]
+
+    def knob(name: str) -> int:
+        value = getattr(args, name)
+        return int(shape[name] if value is None else value)
+
+    if kind == "docs":
+        workload = Workload(kind, docs=DocShape(*(knob(n) for n in DOC_KNOBS)))
+    else:
+        share = args.unique_share if kind == "mixed" else 0.0
+        workload = Workload(
+            kind, chat=ChatShape(*(knob(n) for n in CHAT_KNOBS)), unique_share=share
+        )
+    bs = args.block_size
+    distinct = workload.distinct_blocks(bs)
+    floor = 2 * workload.longest_request_blocks(bs)
+    if kind == "fits":
+        pool, host = int(FITS_POOL * distinct), int(HOST_SHARE * distinct)
+    else:
+        history = workload.history_blocks(bs)
+        pool, host = int(OVERFLOW_POOL * history), int(HOST_SHARE * history)
+    modes = ("gpu", "kvoffload") if kind == "fits" else MODES
+    return WorkloadRun(
+        workload,
+        _list(args.modes, MODES, "--modes") if args.modes else modes,
+        args.rounds if args.rounds is not None else (FITS_ROUNDS if kind == "fits" else 1),
+        args.gpu_blocks if args.gpu_blocks is not None else max(pool, floor),
+        args.host_blocks if args.host_blocks is not None else host,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit(
+            "kvoffload bench e2e: expected torch (pip install -e '.[bench]'), got none installed"
+        ) from None
+    from kvoffload.bench.e2e.runner import dtype as dtypes
+    from kvoffload.bench.e2e.runner.bench import run_bench
+
+    cuda = bool(torch.cuda.is_available())
+    if args.device.startswith("cuda") and not cuda:
+        raise SystemExit(f"--device {args.device}: expected a CUDA GPU, got none")
+    on_gpu = cuda and args.device != "cpu"
+    cfg = build_config(args, on_gpu, dtypes.resolve(args.dtype, "cuda" if on_gpu else "cpu"))
+    if not cfg.device.startswith("cuda"):
+        threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 2) - 1)
+        if threads <= 0:
+            raise SystemExit(f"--threads: expected a positive count, got {threads}")
+        torch.set_num_threads(threads)
+    device = _device(cfg.device)
+    console.print(_describe(cfg))
+    with progress() as bar:
+        task = bar.add_task("e2e", total=cfg.steps())
+
+        def advance(what: str) -> None:
+            bar.update(task, advance=1, description=what)
+
+        results = run_bench(cfg, advance)
+    out = args.out or default_out(f"e2e_{cfg.model}", device["name"])
+    result = {
+        "benchmark": "e2e",
+        **machine_info(),
+        "device": device,
+        "config": _config_dict(cfg),
+        "results": results,
+    }
+    write_json(out, result)
+    _print(result)
+    console.print(f"JSON: {out}")
+    if not args.no_plot:
+        _plot(result, out.with_suffix(".png"))
+    failed = [c for c in results["verify"] if not c["ok"]]
+    if failed:
+        console.print(f"[red]correctness check FAILED on {len(failed)} sampled turn(s)[/red]")
+        return 1
+    return 0
+
+
+def _device(name: str) -> dict[str, Any]:
+    import torch
+
+    from kvoffload.bench.common import cpu_name
+
+    info: dict[str, Any] = {"torch": torch.__version__}
+    if name.startswith("cuda"):
+        dev = torch.device(name)
+        info["name"] = torch.cuda.get_device_name(dev)
+        info["cuda"] = torch.version.cuda
+        info["driver"] = _driver()
+    else:
+        info["name"] = "cpu " + cpu_name()
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+def _driver() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def _config_dict(cfg: Any) -> dict[str, Any]:
+    import dataclasses
+
+    out = dataclasses.asdict(cfg)
+    out["workloads"] = [
+        {
+            **r.workload.as_dict(),
+            **{k: v for k, v in dataclasses.asdict(r).items() if k != "workload"},
+        }
+        for r in cfg.workloads
+    ]
+    return out
+
+
+def _describe(cfg: Any) -> str:
+    lines = [f"e2e: {cfg.model} ({cfg.dtype}) on {cfg.device}, blocks of {cfg.block_size} tokens"]
+    for r in cfg.workloads:
+        lines.append(
+            f"  {r.workload.describe()}; {r.workload.distinct_blocks(cfg.block_size)} distinct "
+            f"blocks, GPU pool {r.gpu_blocks}, host {r.host_blocks}; modes {','.join(r.modes)}"
+            + (f"; {r.rounds} rounds" if r.rounds > 1 else "")
+        )
+    return "\n".join(lines)
+
+
+def _print(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from kvoffload.bench.e2e.runner.targets import Target
+
+    res = result["results"]
+    for kind, run in res["workloads"].items():
+        which = "all requests" if kind == "fits" else "returning requests"
+        table = Table(title=f"{kind}: TTFT ms, {which}")
+        for col in ("mode", "p50", "p90", "p99", "turns/s", "GPU", "host", "waited", "hid"):
+            table.add_column(col, justify="right")
+        for mode, m in run["modes"].items():
+            t = m["ttft_ms"] if kind == "fits" else m["ttft_ms_returning"]
+            ov = m["overlap"]
+            waited = ov["median_per_request_ms"]["exposed"] if ov else None
+            hidden = ov["hidden_share"] if ov else None
+            table.add_row(
+                mode,
+                f"{t.get('p50', 0):.1f}",
+                f"{t.get('p90', 0):.1f}",
+                f"{t.get('p99', 0):.1f}",
+                f"{m['turns_per_s']:.2f}",
+                f"{100 * m['hit_ratio']['gpu']:.0f}%",
+                f"{100 * m['hit_ratio']['host']:.0f}%",
+                "-" if waited is None else f"{waited:.1f}",
+                "-" if hidden is None else f"{100 * hidden:.0f}%",
+            )
+        console.print(table)
+    console.print(
+        "p50/p90/p99: TTFT percentiles (ms); turns/s: requests finished per second; GPU/host: "
+        "share of prompt tokens hit there; waited: ms a restored request's attention waited for "
+        "its load (median); hid: share of load time under prefill (GPU only); -: no load"
+    )
+    zero = res["zero_reuse"]
+    if zero:
+        tps, over = zero["turns_per_s"], zero["overhead_turns_per_s"]
+        console.print(
+            f"zero reuse ({zero['rounds']} rounds x {zero['turns_per_round']} unique prompts of "
+            f"{zero['prompt_tokens']} tokens), turns/s: gpu {tps['gpu']:.2f}, "
+            + ", ".join(f"{n} {tps[n]:.2f} (cost {100 * over[n]:+.1f}%)" for n in over)
+            + "; cost: turns/s lost against gpu (negative: faster than gpu)"
+        )
+    for c in res["verify"]:
+        console.print(
+            f"verify turn {c['turn']} ({c['restored_host_hit_tokens']} of {c['prompt_tokens']} "
+            f"tokens restored): KV {c['restored_kv_bit_equal']}, logits {c['logits_bit_equal']}, "
+            f"{c['decode_steps']} tokens {c['greedy_tokens_equal']} -> "
+            f"{'ok' if c['ok'] else 'FAILED'}"
+        )
+    console.print("targets:")
+    for t in res["targets"]:
+        console.print("  " + Target(**{k: v for k, v in t.items() if k != "reached"}).line())
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        console.print("no plot: matplotlib is not installed (pip install matplotlib)")
+        return
+    from kvoffload.bench.e2e.runner.plot import plot
+
+    console.print(f"plot: {plot(result, path)}")

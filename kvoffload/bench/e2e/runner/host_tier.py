@@ -1,0 +1,175 @@
+"""kvoffload as the engine's second tier, through the public engine-neutral API only.
+
+This file is the integration example of ``docs/e2e.md``. The engine calls:
+
+- ``lookup(keys)`` for the blocks its GPU prefix cache missed: how many of them the host holds;
+- ``start_load(req, keys, blocks)`` to start copying those into freshly allocated GPU blocks
+  (nothing waits here), then ``wait_layer(load, i)`` right before layer i's attention reads them
+  (on a GPU the compute stream waits, the host does not), then ``finish_load(load)`` before the
+  first token is used: a failed or timed-out load is a miss, recomputed, never wrong KV;
+- ``store(req, keys, blocks)`` for blocks whose KV should reach host (after compute wrote them);
+- ``settled(req)`` before blocks a store reads go back to the free queue: a block whose store is
+  still reading it must not be overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import kvoffload as kvo
+from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
+
+BlockKey = bytes
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TierStats:
+    loads: int = 0  # blocks
+    load_bytes: int = 0
+    load_seconds: float = 0.0  # submit to completion seen, summed over load jobs
+    stores: int = 0
+    store_bytes: int = 0
+    store_seconds: float = 0.0  # submit to the poll that saw it finish: an upper bound
+    failures: int = 0
+
+
+@dataclass
+class Load:
+    """One load in flight, from ``start_load`` to ``finish_load``."""
+
+    req_id: str
+    job_id: int
+    blocks: int
+    submitted: float  # perf_counter at submit
+    start: Any = None  # CUDA event recorded on the engine's stream before the submit
+    end: Any = None  # CUDA event on a side stream, once every layer has arrived
+    failed: bool = False  # a layer's wait raised: the copy failed
+
+
+class HostTier:
+    def __init__(
+        self, cache: PagedKVCache, config: kvo.OffloadConfig, load_timeout: float = 30.0
+    ) -> None:
+        self.layout = kvo.KVLayout.from_tensors(cache.tensors, cache.block_size, block_dim=1)
+        self.local = kvo.build_local(self.layout, config)
+        self.offloader = self.local.offloader
+        self.worker = self.local.worker
+        self.load_timeout = load_timeout
+        self.layers = self.layout.groups[0].num_layers
+        self.stats = TierStats()
+        self._load_ok: dict[int, bool] = {}  # finished loads' results, until finish_load
+        self.cuda = self.layout.is_cuda
+        self._probe: Any = None  # a CUDA stream that only waits for loads, to time them
+        if self.cuda:
+            import torch
+
+            self._probe = torch.cuda.Stream(cache.tensors[0].device)  # type: ignore[no-untyped-call]
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.offloader.num_slots
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        return self.offloader.lookup(keys)
+
+    def start_load(self, req_id: str, keys: Sequence[BlockKey], blocks: Sequence[int]) -> Load:
+        """Start copying held ``keys`` into GPU ``blocks`` (ordered after the work enqueued so far
+        on the current stream, which may still read those blocks' old contents)."""
+        job = self.offloader.schedule_load(req_id, keys, blocks)
+        start = None
+        if self.cuda:
+            import torch
+
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+        self.worker.submit(job)
+        return Load(req_id, job.job_id, len(keys), time.perf_counter(), start)
+
+    def wait_layer(self, load: Load, layer: int) -> None:
+        """Before layer ``layer``'s attention reads the loaded blocks: on a GPU the current stream
+        waits for that layer's copy (the host does not block); on a CPU the host waits. A copy
+        that failed is noted and ends as a miss in ``finish_load``; the caller recomputes."""
+        self._wait_on(load, layer=layer)
+
+    def time_load(self, load: Load) -> None:
+        """On a GPU, record ``load.end`` when the load's last byte lands (a side stream waits for
+        it): call right after enqueuing the work that reads the blocks. No-op on a CPU."""
+        if self.cuda and load.end is None and self._wait_on(load, stream=self._probe):
+            import torch
+
+            load.end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            load.end.record(self._probe)
+
+    def finish_load(self, load: Load) -> bool:
+        """True once every block of ``load`` is in place; False means recompute them (the load
+        failed, or did not finish within ``load_timeout``: then its blocks may still be written
+        until ``settled(req_id)``)."""
+        self.time_load(load)
+        if self.worker.wait([load.job_id], self.load_timeout):
+            self.worker.cancel(self.offloader.abort(load.req_id))
+        self.poll()
+        return self._load_ok.pop(load.job_id, False) and not load.failed
+
+    def load(self, req_id: str, keys: Sequence[BlockKey], blocks: Sequence[int]) -> bool:
+        """``start_load`` and ``finish_load`` in one call: the blocking form."""
+        return self.finish_load(self.start_load(req_id, keys, blocks))
+
+    def store(self, req_id: str, keys: Sequence[BlockKey], blocks: Sequence[int]) -> bool:
+        """Start copying blocks to host (keys held already are skipped); False: nothing to copy."""
+        job = self.offloader.schedule_store(req_id, keys, blocks)
+        if job is not None:
+            self.worker.submit(job)
+        return job is not None
+
+    def settled(self, req_id: str) -> bool:
+        self.poll()
+        return self.offloader.is_settled(req_id)
+
+    def is_settled(self, req_id: str) -> bool:
+        """As of the last ``poll``."""
+        return self.offloader.is_settled(req_id)
+
+    def wait_settled(self, req_id: str) -> None:
+        self.worker.wait(self.offloader.in_flight(req_id))
+        self.poll()
+
+    def close(self) -> None:
+        self.local.close()
+
+    def _wait_on(self, load: Load, stream: Any = None, layer: int | None = None) -> bool:
+        """``TransferWorker.wait_on``; False (and ``load.failed``) if the copy failed."""
+        if load.failed:
+            return False
+        try:
+            self.worker.wait_on(load.job_id, stream=stream, layer=layer)
+        except Exception:  # the copy's own error, whatever its type: a miss, recomputed
+            log.warning("load of %s failed (layer %s); recomputing", load.req_id, layer)
+            log.debug("the load's error", exc_info=True)
+            load.failed = True
+        return not load.failed
+
+    def poll(self) -> list[kvo.JobResult]:
+        """Apply the jobs finished since the last poll (stats; loads' results for finish_load)."""
+        results = self.worker.get_finished()
+        jobs = {j.job_id: j for j in self.offloader.complete(results)}
+        s = self.stats
+        for r in results:
+            n, load = len(jobs[r.job_id].keys), jobs[r.job_id].direction == "load"
+            if load:
+                self._load_ok[r.job_id] = r.ok
+            if not r.ok:
+                s.failures += n
+            elif load:
+                s.loads += n
+                s.load_bytes += r.nbytes
+                s.load_seconds += r.seconds
+            else:
+                s.stores += n
+                s.store_bytes += r.nbytes
+                s.store_seconds += r.seconds
+        return results

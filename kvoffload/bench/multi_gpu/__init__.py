@@ -1,0 +1,1 @@
+"""``kvoffload bench multi-gpu``: one process per GPU storing and loading at once."""

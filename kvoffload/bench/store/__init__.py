@@ -1,0 +1,1 @@
+"""``kvoffload bench store``: the control plane's lookup, store and eviction cost."""

@@ -1,0 +1,1 @@
+"""``kvoffload bench tiers``: disk and Valkey tier throughput, latency and the fleet run."""

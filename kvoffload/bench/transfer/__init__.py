@@ -1,0 +1,1 @@
+"""``kvoffload bench transfer``: copy GB/s per method, model shape and layout."""
