@@ -16,7 +16,10 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
     assert main([*argv, "--zero-reuse-rounds", "1", "--zero-reuse-turns", "4"]) == 0
     result = json.loads(out.read_text())
     assert result["device"]["name"].startswith("cpu")
-    modes = result["results"]["workloads"]["chat"]["modes"]
+    assert result["results"]["graphs"] == ["eager"] and result["config"]["graphs"] == ["eager"]
+    eager = result["results"]["runs"]["eager"]
+    assert eager["graph"] == "eager" and eager["workloads"]["chat"]["graph"] == "eager"
+    modes = eager["workloads"]["chat"]["modes"]
     assert list(modes) == ["recompute", "gpu", "gpu_all", "kvoffload"]
     for run in modes.values():
         assert run["turns"] == 4 * 3 and len(run["records"]) == 12
@@ -27,14 +30,18 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
     assert modes["kvoffload"]["hit_ratio"]["host"] > 0
     assert modes["kvoffload"]["host"]["loaded_bytes"] > 0
     assert modes["kvoffload"]["host"]["stored_bytes"] > 0
-    zero = result["results"]["zero_reuse"]
+    assert all(r["graph"] == "eager" for m in modes.values() for r in m["records"])
+    zero = eager["zero_reuse"]
     assert zero["runs"]["kvoffload"][0]["hit_ratio"]["host"] == 0.0
     assert zero["runs"]["kvoffload"][0]["host"]["stored_blocks"] == 0  # nothing admitted
     assert zero["runs"]["kvoffload_store_all"][0]["host"]["stored_blocks"] > 0
     assert set(zero["overhead_turns_per_s"]) == {"kvoffload", "kvoffload_store_all"}
-    assert [c["ok"] for c in result["results"]["verify"]] == [True, True]
+    assert [c["ok"] for c in eager["verify"]] == [True, True]
+    assert [c["graph"] for c in eager["verify"]] == ["eager", "eager"]
+    assert result["results"]["link"]["GBps"] > 0
     text = capsys.readouterr().out
-    assert "chat: TTFT ms" in text and "zero reuse" in text and "targets:" in text
+    assert "chat, eager graphs: TTFT ms" in text and "zero reuse" in text
+    assert "targets (eager):" in text and "chat, eager: " in text
     if _has_matplotlib():
         assert out.with_suffix(".png").stat().st_size > 10_000
 
@@ -48,7 +55,7 @@ def test_every_workload_runs_and_reports_its_targets(tmp_path, monkeypatch, caps
     assert main([*argv, "--workloads", "chat,fits,docs,mixed", "--zero-reuse-rounds", "0"]) == 0
     (out,) = (tmp_path / "kvoffload-results").glob("e2e_micro_cpu-*.json")
     result = json.loads(out.read_text())
-    workloads = result["results"]["workloads"]
+    workloads = result["results"]["runs"]["eager"]["workloads"]
     assert list(workloads) == ["chat", "fits", "docs", "mixed"]
     assert [w["kind"] for w in result["config"]["workloads"]] == list(workloads)
     fits = workloads["fits"]["modes"]
@@ -59,7 +66,7 @@ def test_every_workload_runs_and_reports_its_targets(tmp_path, monkeypatch, caps
     assert len(docs) == 12 and any(r["turn"] >= 2 for r in docs)
     mixed = workloads["mixed"]["modes"]["gpu"]["records"]
     assert sum(r["conversation"] == -1 for r in mixed) == 4  # a quarter unique
-    names = [t["name"] for t in result["results"]["targets"]]
+    names = [t["name"] for t in result["results"]["runs"]["eager"]["targets"]]
     assert "chat: restored p50 / gpu_all" in names and "fits: turns/s cost" in names
     assert "docs: recompute / kvoffload p99" in names
     text = capsys.readouterr().out
@@ -77,6 +84,7 @@ def test_modes_left_out_read_not_measured_never_nan(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "nan" not in text.lower()
     assert "chat: recompute / kvoffload p50: - (target >= 6x): not measured" in text
+    assert "chat: launch / gpu_all: - (target <= 1.03x): not measured" in text
 
 
 def _has_matplotlib():
@@ -94,6 +102,15 @@ def test_bad_workload_exits_with_a_message():
         main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--gpu-blocks", "3"])
     with pytest.raises(SystemExit, match="--modes: expected distinct names"):
         main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--modes", "disk"])
+    with pytest.raises(SystemExit, match="--graph: expected distinct names"):
+        main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--graph", "eager,lazy"])
+
+
+def test_graph_modes_refuse_a_cpu_loudly():
+    pytest.importorskip("torch")
+    argv = ["bench", "e2e", "--model", "micro", "--device", "cpu", "--graph", "eager,piecewise"]
+    with pytest.raises(SystemExit, match="other than eager only on a CUDA device"):
+        main(argv)
 
 
 def test_the_model_runner_ships_in_the_package():

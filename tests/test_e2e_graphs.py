@@ -1,0 +1,179 @@
+"""The e2e runner's graph modes on CPU: buckets, the static steps the CUDA graphs capture (run
+eagerly here, ``capture=False``), the full mode's layer-gate calls, and restores through them
+bit-exact. The captured graphs themselves are tested on a GPU (tests/gpu/test_e2e_graphs_gpu.py).
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvoffload as kvo  # noqa: E402
+from kvoffload.bench.engine.config import model_config  # noqa: E402
+from kvoffload.bench.engine.engine import Offload, PagedEngine  # noqa: E402
+from kvoffload.bench.engine.graphs import (  # noqa: E402
+    GraphRunner,
+    bucket,
+    context_buckets,
+    token_buckets,
+)
+from kvoffload.bench.engine.host_tier import HostTier  # noqa: E402
+from kvoffload.bench.engine.kv_cache import PagedKVCache  # noqa: E402
+from kvoffload.bench.engine.model import Model  # noqa: E402
+from kvoffload.bench.engine.verify import check_turn  # noqa: E402
+from kvoffload.bench.engine.workload import ChatShape  # noqa: E402
+
+MICRO = model_config("micro")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model(MICRO, "cpu", seed=0, dtype="float32")
+
+
+class FakeGate:
+    """The LayerGate contract over ``worker.wait_on`` (on a CPU the host waits): ``open`` names a
+    step's loads, ``wait`` waits for that layer of each, then closes the layer again."""
+
+    def __init__(self, worker, layers):
+        self.worker, self.layers = worker, layers
+        self.jobs: list[int] | None = None
+        self.closed: set[int] = set()
+        self.log: list[tuple[str, object]] = []
+
+    def open(self, stream, job_ids):
+        self.jobs, self.closed = list(job_ids), set()
+        self.log.append(("open", tuple(job_ids)))
+
+    def wait(self, stream, layer):
+        assert self.jobs is not None and layer not in self.closed, "a wait without an open"
+        for job in self.jobs:
+            self.worker.wait_on(job, layer=layer)
+        self.closed.add(layer)
+        self.log.append(("wait", layer))
+
+
+def test_buckets_pad_up_to_the_chunk():
+    assert token_buckets(2048)[:9] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert token_buckets(2048)[9:12] == [384, 512, 640] and token_buckets(2048)[-1] == 2048
+    assert token_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert token_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]
+    assert context_buckets(8192, 16) == [1024 * i for i in range(1, 9)]
+    assert context_buckets(100, 32, step=40) == [64, 128]  # whole blocks
+    assert bucket(513, token_buckets(2048)) == 640 and bucket(1, [1, 2]) == 1
+    with pytest.raises(ValueError, match="at most 64"):
+        bucket(65, token_buckets(64))
+    with pytest.raises(ValueError, match="max_tokens > 0"):
+        token_buckets(0)
+
+
+def test_graph_runner_refuses_capture_on_a_cpu_and_a_full_mode_without_gate(model):
+    cache = PagedKVCache(MICRO, 8, 16, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="expected a CUDA device"):
+        GraphRunner(model, cache, "piecewise", 64, 128, 7)
+    with pytest.raises(ValueError, match="layer gate"):
+        GraphRunner(model, cache, "full", 64, 128, 7, capture=False)
+    with pytest.raises(ValueError, match="graph mode in"):
+        GraphRunner(model, cache, "eager", 64, 128, 7, capture=False)
+    with pytest.raises(ValueError, match="scratch block"):
+        GraphRunner(model, cache, "piecewise", 64, 128, 8, capture=False)
+
+
+def _static_forward(model, mode, tokens, start, blocks, gate=None, cache=None):
+    cache = cache or PagedKVCache(MICRO, 16, 16, torch.device("cpu"), torch.float32)
+    opens = []
+
+    def open_layers(stream, loads):
+        opens.append(list(loads))
+        gate.open(stream, [])
+
+    runner = GraphRunner(
+        model, cache, mode, 64, 128, 15, gate, open_layers if gate else None, capture=False,
+        context_step=32,
+    )  # fmt: skip
+    from kvoffload.bench.engine.timing import SectionTimer
+
+    timer = SectionTimer(model.device)
+    return runner.forward(np.asarray(tokens), start, blocks, timer), opens, cache
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_static_steps_compute_the_eager_forward_on_padded_shapes(model, mode):
+    """The captured steps, run eagerly: the logits of 37 tokens after 21 cached ones (padded
+    to 64 tokens, and in full to 64 keys) match the eager forward; padded rows change nothing."""
+    from kvoffload.bench.engine.attention import paged_attend
+    from kvoffload.bench.engine.timing import SectionTimer
+
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, MICRO.vocab, 58)
+    blocks = [3, 9, 1, 12]
+    cache = PagedKVCache(MICRO, 16, 16, torch.device("cpu"), torch.float32)
+    timer = SectionTimer(model.device)
+    table = torch.tensor(blocks)
+    first = torch.arange(0, 21)
+    model.forward(torch.as_tensor(prompt[:21]), first, paged_attend(cache, table, 0, first, timer))
+    rest = torch.arange(21, 58)
+    want = model.forward(
+        torch.as_tensor(prompt[21:]), rest, paged_attend(cache, table, 21, rest, timer)
+    )
+    gate = FakeGate(None, MICRO.layers) if mode == "full" else None
+    got, opens, _ = _static_forward(model, mode, prompt[21:], 21, blocks, gate, cache)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    if gate is not None:  # full: opened once for the step, then each layer waited on in order
+        waits = [e for e in gate.log if e[0] == "wait"]
+        assert opens == [[]] and waits == [("wait", i) for i in range(MICRO.layers)]
+    assert not cache.tensors[0][:, 15].any() or mode == "full"  # scratch: only full pads there
+    # the same step again gives the same bits (the KV it wrote is rewritten with equal values)
+    again, _, _ = _static_forward(model, mode, prompt[21:], 21, blocks, gate, cache)
+    assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_restore_through_the_static_steps_is_bit_exact(model, mode):
+    """The correctness check with the graph runner's steps (run eagerly): the prefix restored
+    from host layer by layer, waited on per layer through ``wait_on`` (piecewise) or the layer
+    gate (full), gives the GPU-cached run's KV, logits and greedy tokens, bit for bit."""
+    chat = ChatShape(1, 3, 40, 24, 20)
+    blocks = 3 * -(-chat.history_tokens // 16) + 1
+    cache = PagedKVCache(MICRO, blocks, 16, torch.device("cpu"), torch.float32)
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=blocks))
+    gate = FakeGate(host.worker, MICRO.layers) if mode == "full" else None
+    runner = GraphRunner(
+        model, cache, mode, 32, 256, blocks - 1, gate,
+        host.open_layers if gate else None, capture=False, context_step=64,
+    )  # fmt: skip
+    if gate is not None:
+        host._gate = gate
+    try:
+        check = check_turn(model, cache, host, chat, 3, 7, 32, graphs=runner)
+    finally:
+        host.close()
+    assert check["graph"] == mode and check["restored_host_hit_tokens"] > 0
+    assert check["restored_kv_bit_equal"] and check["suffix_kv_bit_equal"]
+    assert check["logits_bit_equal"] and check["greedy_tokens_equal"] and check["ok"]
+    if gate is not None:  # a step with the load opened the gate for its job
+        assert any(kind == "open" and jobs for kind, jobs in gate.log)
+
+
+def test_engine_in_piecewise_mode_restores_and_attributes_its_calls(model):
+    cache = PagedKVCache(MICRO, 33, 16, torch.device("cpu"), torch.float32)
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=32))
+    runner = GraphRunner(model, cache, "piecewise", 64, 256, 32, capture=False)
+    try:
+        engine = PagedEngine(
+            model, cache, "kvoffload", host, 64, Offload(admission="all"), 32, 0, runner
+        )
+        prompt = np.random.default_rng(11).integers(0, MICRO.vocab, 100)
+        engine.run(prompt[:90])
+        engine.drop_gpu_cache()
+        got = engine.run(prompt)
+        assert got.graph == "piecewise" and got.host_hit_tokens == 80
+        calls = got.kvo_calls
+        assert calls["worker.wait_on(layer)"][1] == MICRO.layers  # one wait per layer
+        assert calls["offloader.lookup"][1] == 1 and calls["offloader.schedule_load"][1] == 1
+        steps = [n for n in calls if n in ("worker.step", "worker.submit")]
+        assert steps  # the load went through the worker's step (or its submit form)
+        assert 0 < got.kvo_ttft_s <= sum(s for s, _ in calls.values())
+        assert len(got.layer_waits) == MICRO.layers
+    finally:
+        host.close()
