@@ -7,7 +7,8 @@ in the modes
 ``recompute``, ``gpu`` (GPU prefix cache), ``gpu_all`` (a GPU pool that never evicts: the ideal)
 and ``kvoffload`` (GPU prefix cache plus kvoffload's host tier), then a zero-reuse workload for
 kvoffload's overhead, then a bit-exact check of KV restored from host, and prints the targets it
-is judged by. See docs/e2e.md.
+is judged by; all of it once per engine graph mode (``--graph``: eager, piecewise, full). See
+docs/e2e.md.
 """
 
 from __future__ import annotations

@@ -410,9 +410,11 @@ def static_attention(
 ) -> torch.Tensor:
     """Attention of ``q`` [b, heads, hd] over ``k``/``v`` [ctx, kv_heads, hd] where ``mask``
     [b, ctx] allows it: static shapes, so it can sit inside a CUDA graph. K and V are repeated
-    per query head (SDPA's grouped-query path is not on the memory-efficient kernel)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    per query head, query head h reading KV head h // group (SDPA's grouped-query path is not on
+    the memory-efficient kernel; an expand and a copy, where ``repeat_interleave`` may sync)."""
+    ctx, kv_heads, hd = k.shape
+    group = q.shape[1] // kv_heads
+    k, v = (x[:, :, None].expand(ctx, kv_heads, group, hd).reshape(ctx, -1, hd) for x in (k, v))
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[None, None])
     return out.squeeze(0).transpose(0, 1)
