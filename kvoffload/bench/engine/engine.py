@@ -369,23 +369,29 @@ class PagedEngine:
     # -- blocks --------------------------------------------------------------------------------
 
     def _allocate(self, n: int) -> list[int]:
+        """``n`` blocks from the pool. With a host tier, no kvoffload call unless a block at the
+        head is being stored (or must be: it waits for that store) or the pool is short of free
+        blocks (it waits for held ones to settle): the request settled the rest at its start."""
         if n <= 0:
             return []
-        self._settle()
         self._allocated += n
         self._largest = max(self._largest, self._allocated)
-        if self.host is not None:
-            head = self.pool.head(n)
-            late = [b for b in head if b in self._unstored]
-            if late:  # the lead was too short: store them now, on this request's time
-                self.late_stores += len(late)
-                self._store_now(late)
-            for req in {self._store_of[b] for b in head if b in self._store_of}:
-                self.host.wait_settled(req)
+        if self.host is None:
             self._settle()
-            while self.pool.num_free < n and self._held:
-                self.host.wait_settled(next(iter(self._held)))
-                self._settle()
+            return self.pool.allocate(n)
+        head = self.pool.head(n)
+        late = [b for b in head if b in self._unstored]
+        if late:  # the lead was too short: store them now, on this request's time
+            self.late_stores += len(late)
+            self._store_now(late)
+        reading = {self._store_of[b] for b in head if b in self._store_of}
+        for req in reading:
+            self.host.wait_settled(req)
+        if reading:
+            self._settle()
+        while self.pool.num_free < n and self._held:
+            self.host.wait_settled(next(iter(self._held)))
+            self._settle()
         return self.pool.allocate(n)
 
     def _finish(self, req: str, blocks: list[int]) -> None:

@@ -234,6 +234,8 @@ class GraphRunner:
     ) -> torch.Tensor:
         layers = len(self.model.layers)
         pieces = self._pieces.get(b) if self.capturing else None
+        if self.capturing and pieces is None:
+            raise ValueError(f"expected piecewise graphs for {b} tokens, got none (not captured)")
         table = self.inputs.table
         attend = paged_attend(
             self.cache, table, start, self.inputs.positions[:n], timer, before_read
