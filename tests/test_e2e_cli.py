@@ -31,6 +31,21 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
     assert modes["kvoffload"]["host"]["loaded_bytes"] > 0
     assert modes["kvoffload"]["host"]["stored_bytes"] > 0
     assert all(r["graph"] == "eager" for m in modes.values() for r in m["records"])
+    # attribution: per restored request, kvoffload's calls summed, launch against gpu_all
+    restored = [r for r in modes["kvoffload"]["records"] if r["host_hit_tokens"]]
+    for r in restored:
+        calls = {n: ms for n, ms in r["kvo_ms"].items() if not n.startswith("probe:")}
+        assert r["kvo_ms_total"] == pytest.approx(sum(calls.values()))
+        assert 0 < r["kvo_ms_in_ttft"] <= r["kvo_ms_total"]
+        assert r["kvo_calls"]["worker.wait_on(layer)"] == len(r["layer_wait_ms"])
+        assert r["wait_call_us"] > 0 and r["launch_ms"] > 0 and r["load_bytes"] > 0
+    att = eager["workloads"]["chat"]["attribution"]
+    assert att["requests"] == len(restored) and att["kvo_ms_total_p50"] > 0
+    assert att["launch_vs_gpu_all"] > 0 and len(att["gpu_wait_ms_per_layer_p50"]) == 2
+    assert {"launch", "first_token"} <= set(att["gpu_all_host_ms_p50"])
+    targets = {t["name"]: t for t in eager["targets"]}
+    assert targets["chat: kvoffload calls per restore"]["measured"] == att["kvo_ms_total_p50"]
+    assert targets["chat: restored p50 / gpu_all"]["bound"] is not None
     zero = eager["zero_reuse"]
     assert zero["runs"]["kvoffload"][0]["hit_ratio"]["host"] == 0.0
     assert zero["runs"]["kvoffload"][0]["host"]["stored_blocks"] == 0  # nothing admitted
@@ -44,6 +59,11 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
     assert "targets (eager):" in text and "chat, eager: " in text
     if _has_matplotlib():
         assert out.with_suffix(".png").stat().st_size > 10_000
+        from kvoffload.bench.engine.plot import plot
+
+        # a row per graph mode and workload
+        result["results"]["runs"]["full"] = {**eager, "graph": "full"}
+        assert plot(result, tmp_path / "two.png").stat().st_size > 10_000
 
 
 def test_every_workload_runs_and_reports_its_targets(tmp_path, monkeypatch, capsys):
