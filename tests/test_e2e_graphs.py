@@ -177,3 +177,57 @@ def test_engine_in_piecewise_mode_restores_and_attributes_its_calls(model):
         assert len(got.layer_waits) == MICRO.layers
     finally:
         host.close()
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_capture_covers_every_step_a_request_can_take(model, mode):
+    cache = PagedKVCache(MICRO, 40, 16, torch.device("cpu"), torch.float32)
+    gate = FakeGate(None, MICRO.layers)
+    runner = GraphRunner(
+        model, cache, mode, 300, 600, 39, gate, gate.open, capture=False, context_step=128
+    )
+    shapes = set(runner.shapes())
+    assert len(shapes) == len(runner.shapes())  # each once
+    for n in range(1, 301):
+        for length in range(n, 601, 7):  # context: the step's tokens after start cached ones
+            ctx = bucket(length, runner.contexts) if mode == "full" else bucket(n, runner.buckets)
+            assert (bucket(n, runner.buckets), ctx) in shapes
+
+
+class FakeGraph:
+    """A captured graph's stand-in: replay runs the step eagerly."""
+
+    def __init__(self, step, *args):
+        self.step, self.args, self.replays = step, args, 0
+
+    def replay(self):
+        self.replays += 1
+        self.step(*self.args)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_check_replays_compares_a_replay_with_the_eager_step_and_mode(model, mode):
+    """The replay check's plumbing, with graphs that replay by running the step eagerly: equal
+    bits, and the eager mode's unpadded forward close by."""
+    cache = PagedKVCache(MICRO, 40, 16, torch.device("cpu"), torch.float32)
+    gate = FakeGate(None, MICRO.layers)
+    runner = GraphRunner(
+        model, cache, mode, 64, 256, 39, gate, lambda s, loads: gate.open(s, []), capture=False,
+        context_step=64,
+    )  # fmt: skip
+    layers = MICRO.layers
+    for b, ctx in runner.shapes():
+        if mode == "piecewise":
+            runner._pieces[b] = [FakeGraph(runner._piece, i, b) for i in range(layers + 1)]
+        else:
+            runner._full[(b, ctx)] = FakeGraph(runner._full_step, b, ctx)
+    runner.capturing = True  # replay through the fakes
+    checks = runner.check_replays()
+    assert [c["bucket"] for c in checks] == [1, 8, 64]
+    assert [c["tokens"] for c in checks] == [1, 7, 63]
+    assert all(c["logits_bit_equal"] for c in checks)
+    assert all(c["max_abs_diff_vs_eager_mode"] <= 1e-3 * c["logits_abs_max"] for c in checks)
+    replayed = (
+        runner._pieces.values() if mode == "piecewise" else [[g] for g in runner._full.values()]
+    )
+    assert sum(g.replays for graphs in replayed for g in graphs) > 0

@@ -309,33 +309,42 @@ class GraphRunner:
         side.wait_stream(torch.cuda.current_stream())
         layers = len(self.model.layers)
         with torch.inference_mode():
-            for j in reversed(range(len(self.buckets))):  # largest first: the pool's blocks
-                b, fewest = self.buckets[j], self.buckets[j - 1] + 1 if j else 1  # get reused
-                if self.mode == "piecewise":
-                    self._dummy(b, b)
-                    with torch.cuda.stream(side):
+            for b, ctx in self.shapes():  # largest first: the pool's blocks get reused
+                self._dummy(b, ctx)
+                with torch.cuda.stream(side):  # warm-up where the capture will run
+                    if self.mode == "piecewise":
                         for i in range(layers + 1):
                             self._piece(i, b)
-                    side.synchronize()
+                    else:
+                        assert self.open_layers is not None
+                        self.open_layers(side, ())
+                        self._full_step(b, ctx)
+                side.synchronize()
+                if self.mode == "piecewise":
                     self._pieces[b] = [
                         self._graph(side, pool, self._piece, i, b) for i in range(layers + 1)
                     ]
                     continue
-                for ctx in reversed(self.contexts):
-                    if ctx < fewest:  # no step of bucket b has a context this short
-                        continue
-                    self._dummy(b, ctx)
-                    with torch.cuda.stream(side):
-                        assert self.open_layers is not None
-                        self.open_layers(side, ())
-                        self._full_step(b, ctx)
-                    side.synchronize()
-                    events = self._events(layers)
-                    self._full[(b, ctx)] = self._graph(side, pool, self._full_step, b, ctx, events)
-                    if events is not None:
-                        self._wait_events[(b, ctx)] = events
+                events = self._events(layers)
+                self._full[(b, ctx)] = self._graph(side, pool, self._full_step, b, ctx, events)
+                if events is not None:
+                    self._wait_events[(b, ctx)] = events
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """What ``capture`` captures, largest first: piecewise, (bucket, bucket) per token bucket;
+        full, (bucket, context) for every context a step of that bucket can have (at least one
+        more token than the bucket below)."""
+        out = []
+        for j in reversed(range(len(self.buckets))):
+            b = self.buckets[j]
+            if self.mode == "piecewise":
+                out.append((b, b))
+                continue
+            fewest = self.buckets[j - 1] + 1 if j else 1
+            out += [(b, ctx) for ctx in reversed(self.contexts) if ctx >= fewest]
+        return out
 
     def _graph(self, stream: Any, pool: Any, step: Callable[..., None], *args: Any) -> Any:
         g = torch.cuda.CUDAGraph()
@@ -377,8 +386,9 @@ class GraphRunner:
 
     def check_replays(self, cases: int = 3) -> list[dict[str, Any]]:
         """Replay against the same step run eagerly, on the same padded shapes and inputs, for
-        the smallest, a middle and the largest bucket: logits bit-equal? Uses the cache's first
-        blocks (call at start, before any request: they are free then)."""
+        the smallest, a middle and the largest bucket: logits bit-equal? Beside it, how far the
+        eager mode's forward (unpadded, ``Model.forward``) lands from the replay. Uses the cache's
+        first blocks (call at start, before any request: they are free then)."""
         if not self.capturing:
             return []
         bs, out = self.cache.block_size, []
@@ -395,6 +405,7 @@ class GraphRunner:
                 self.capturing = graph
                 got.append(self.forward(tokens, start, blocks, timer))
             self.capturing = True
+            eager = self._eager_forward(tokens, start, blocks, timer)
             timer.collect()
             out.append(
                 {
@@ -402,9 +413,21 @@ class GraphRunner:
                     "bucket": b,
                     "context": bucket(start + n, self.contexts) if self.mode == "full" else None,
                     "logits_bit_equal": bool(torch.equal(got[0], got[1])),
+                    "max_abs_diff_vs_eager_mode": float((eager - got[1]).abs().max()),
+                    "logits_abs_max": float(got[1].abs().max()),
                 }
             )
         return out
+
+    @torch.inference_mode()
+    def _eager_forward(
+        self, tokens: np.ndarray, start: int, blocks: Sequence[int], timer: SectionTimer
+    ) -> torch.Tensor:
+        dev = self.model.device
+        table = torch.tensor(list(blocks), dtype=torch.int64, device=dev)
+        positions = torch.arange(start, start + len(tokens), device=dev)
+        attend = paged_attend(self.cache, table, start, positions, timer)
+        return self.model.forward(torch.as_tensor(tokens, device=dev), positions, attend)
 
 
 def static_attention(
