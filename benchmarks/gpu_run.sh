@@ -48,11 +48,11 @@ want enqueue && step timeout 120 python3 benchmarks/staged_sweep.py "$OUT/enqueu
 # eager, piecewise and full graph modes (every graph captured at start), modes recompute, gpu_all
 # and kvoffload (the targets' three), trimmed to fit one device call: chat 8 conversations x 8
 # turns, docs 16 documents and 48 requests, one zero-reuse round of 8 prompts, 2 sampled turns
-# checked per graph mode. Budget: about 6 min for both (timeouts 200 s each); the step's wall time
+# checked per graph mode. Budget: about 6 min for both (timeouts 240 s each); the step's wall time
 # is in gpu_run.log. Before the graph modes this step took 226 s for chat + fits (run7).
 E2E_TRIM=(--workloads chat,docs --graph eager,piecewise,full --modes recompute,gpu_all,kvoffload
   --conversations 8 --documents 16 --requests 48 --zero-reuse-rounds 1 --zero-reuse-turns 8 --verify 2)
-want e2e && step timeout 200 python3 -m kvoffload.cli bench e2e "${E2E_TRIM[@]}" --out "$OUT/e2e_gpu.json"
-want e2e && step timeout 200 python3 -m kvoffload.cli bench e2e --model qwen2.5-7b --block-size 32 "${E2E_TRIM[@]}" --out "$OUT/e2e_gpu_qwen.json"
+want e2e && step timeout 240 python3 -m kvoffload.cli bench e2e "${E2E_TRIM[@]}" --out "$OUT/e2e_gpu.json"
+want e2e && step timeout 240 python3 -m kvoffload.cli bench e2e --model qwen2.5-7b --block-size 32 "${E2E_TRIM[@]}" --out "$OUT/e2e_gpu_qwen.json"
 echo "=== done, status $status" | tee -a "$LOG"
 exit $status
