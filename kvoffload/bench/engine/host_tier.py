@@ -146,7 +146,8 @@ class HostTier:
         return self.offloader.is_settled(req_id)
 
     def wait_settled(self, req_id: str) -> None:
-        self.poll()  # a queued job must run before it can settle
+        if self._queued:
+            self.poll()  # a queued job must run before it can settle
         self.worker.wait(self.offloader.in_flight(req_id))
         self.poll()
 
