@@ -156,7 +156,6 @@ class GraphRunner:
         self._full: dict[tuple[int, int], Any] = {}  # full: (bucket, context) -> graph
         self._wait_events: dict[tuple[int, int], list[tuple[Any, Any]]] = {}
         self.capture_s = 0.0
-        self.wait_timing = False  # full: per-layer waits timed by events inside the graphs
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -327,8 +326,7 @@ class GraphRunner:
                     continue
                 events = self._events(layers)
                 self._full[(b, ctx)] = self._graph(side, pool, self._full_step, b, ctx, events)
-                if events is not None:
-                    self._wait_events[(b, ctx)] = events
+                self._wait_events[(b, ctx)] = events
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 
@@ -359,17 +357,20 @@ class GraphRunner:
             g.capture_end()
         return g
 
-    def _events(self, layers: int) -> list[tuple[Any, Any]] | None:
-        """Timing events recorded inside a full graph around each layer's wait (event record
-        nodes: ``external=True``, torch >= 2.9); None where torch has no such events."""
+    def _events(self, layers: int) -> list[tuple[Any, Any]]:
+        """Timing events recorded inside a full graph around each layer's wait: event record
+        nodes (``external=True``, torch >= 2.9). RuntimeError where torch has none."""
         try:
             make = [
                 torch.cuda.Event(enable_timing=True, external=True)  # type: ignore[no-untyped-call]
                 for _ in range(2 * layers)
             ]
-        except TypeError:
-            return None
-        self.wait_timing = True
+        except TypeError as err:
+            raise RuntimeError(
+                f"--graph full times each layer's wait with events inside the graph "
+                f"(torch.cuda.Event(external=True), torch >= 2.9); torch {torch.__version__} "
+                f"has none: {err}"
+            ) from err
         return list(zip(make[::2], make[1::2], strict=True))
 
     def _dummy(self, b: int, ctx: int) -> None:
