@@ -231,3 +231,30 @@ def test_check_replays_compares_a_replay_with_the_eager_step_and_mode(model, mod
         runner._pieces.values() if mode == "piecewise" else [[g] for g in runner._full.values()]
     )
     assert sum(g.replays for graphs in replayed for g in graphs) > 0
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_captured_steps_have_no_data_dependent_op(model, mode):
+    """What a CUDA graph captures must not read a tensor's value on the host (an ``.item()``, a
+    boolean mask's shape): capture refuses such ops. Run under FakeTensorMode, which has no values
+    and raises on exactly those (checked on a boolean index first)."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+
+    cache = PagedKVCache(MICRO, 40, 16, torch.device("cpu"), torch.float32)
+    gate = FakeGate(None, MICRO.layers)
+    runner = GraphRunner(
+        model, cache, mode, 64, 256, 39, gate, gate.open, capture=False, context_step=64
+    )
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake, pytest.raises(DynamicOutputShapeException):
+        ones = torch.ones(3)
+        ones[ones > 0].sum()
+    for b, ctx in runner.shapes()[:3]:
+        runner._dummy(b, ctx)
+        gate.open(None, [])
+        with fake:
+            if mode == "full":
+                runner._full_step(b, ctx)
+            else:
+                for i in range(MICRO.layers + 1):
+                    runner._piece(i, b)
