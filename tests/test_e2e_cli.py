@@ -150,3 +150,33 @@ def test_the_command_module_does_not_import_torch():
     code = "import sys, kvoffload.bench.e2e; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_gpu_scripts_e2e_step_builds_its_runs():
+    """benchmarks/gpu_run.sh's e2e arguments make a valid run for both models on a GPU: chat and
+    docs, three graph modes, the targets' three modes, and every request within the graphs'
+    longest context."""
+    import argparse
+    import re
+    import shlex
+    from pathlib import Path
+
+    from kvoffload.bench import e2e
+
+    script = (Path(__file__).parents[1] / "benchmarks" / "gpu_run.sh").read_text()
+    found = re.search(r"E2E_TRIM=\((.*?)\)", script, re.S)
+    assert found is not None
+    trim = shlex.split(found.group(1))
+    for extra in ([], ["--model", "qwen2.5-7b", "--block-size", "32"]):
+        parser = argparse.ArgumentParser()
+        e2e.add_arguments(parser)
+        cfg = e2e.build_config(parser.parse_args([*trim, *extra]), True, "bfloat16")
+        assert cfg.graphs == ("eager", "piecewise", "full") and cfg.device == "cuda"
+        assert [r.workload.kind for r in cfg.workloads] == ["chat", "docs"]
+        assert all(r.modes == ("recompute", "gpu_all", "kvoffload") for r in cfg.workloads)
+        pytest.importorskip("torch")
+        from kvoffload.bench.engine.bench import max_context
+
+        bs = cfg.block_size
+        longest = max(r.workload.longest_request_blocks(bs) for r in cfg.workloads)
+        assert max_context(cfg) >= longest * bs
