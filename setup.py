@@ -2,8 +2,10 @@
 
 Plain C11 with pthreads and the Python C API; no CUDA toolkit: the driver's entry points are
 resolved from libcuda.so.1 at run time. ``optional=True``: where no C compiler exists the install
-still succeeds and the ``staged`` backend runs its Python path (``kvoffload doctor`` says so).
+still succeeds and the ``staged`` backend falls back to ``dma`` (``kvoffload doctor`` says so).
 """
+
+from glob import glob
 
 from setuptools import Extension, setup
 
@@ -13,10 +15,8 @@ setup(
     ext_modules=[
         Extension(
             "kvoffload.transfer.cuda._engine",
-            sources=[
-                NATIVE + f for f in ("module.c", "engine.c", "pipeline.c", "spec.c", "driver.c")
-            ],
-            depends=[NATIVE + "kvo.h"],
+            sources=sorted(glob(NATIVE + "*.c")),
+            depends=sorted(glob(NATIVE + "*.h")),
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             libraries=["dl", "pthread"],
             optional=True,

@@ -1,5 +1,5 @@
 """Developer probe of the native engine on a GPU: latency, GB/s and host time of ``staged``
-(native) beside ``staged-python`` and ``dma`` on a few shapes, bytes checked. The product's
+(native) beside ``dma`` (its fallback) on a few shapes, bytes checked. The product's
 benchmark is ``kvoffload bench transfer``; this is the quick look used while building the engine.
 
     python benchmarks/native_check.py OUT.json
@@ -141,7 +141,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "load_programs": 16,
     },
 }
-METHODS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["staged", "staged-python", "dma"]
+METHODS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["staged", "dma"]
 
 
 def main() -> None:

@@ -12,15 +12,16 @@ Sections (each prints one JSON line per row, all go into OUT_JSON):
   schedule (``--variants``) and ratio.
 - ``programs``: scatter/gather programs of the staged kernel: load GB/s and the slowdown of a
   bf16 GEMM stream beside store+load (``transfer_interference.measure_gemm``).
-- ``profile``: cProfile of 1-block and 16-block transfers enqueued in the caller's thread.
-- ``enqueue``: the native engine against the Python path, and inline
-  submission, on small and large transfers of four shapes, with host CPU time per transfer and
-  the launch-bound Python loop beside them (not in the default sections).
+- ``profile``: cProfile of 1-block and 16-block transfers enqueued in the caller's thread (the
+  native engine's inline submit: the Python around its one call).
+- ``enqueue``: the native engine against the ``dma`` fallback, on small and large transfers of
+  four shapes, with host CPU time per transfer and the launch-bound Python loop beside them (not
+  in the default sections).
 
-Only public API is used (``StagedBackend``, ``submit``, ``wait_on``), so the same script measures
-an older checkout: run it twice in one GPU session, ``PYTHONPATH=<old checkout>`` with
-``--label before`` and this one with ``--label after`` (variants other than ``default`` need a
-``StagedConfig`` that has their fields).
+Only public API is used (``NativeStagedBackend``, ``submit``, ``wait_on``), so the same script
+measures an older checkout that has them: run it twice in one GPU session,
+``PYTHONPATH=<old checkout>`` with ``--label before`` and this one with ``--label after``
+(variants other than ``default`` need a ``StagedConfig`` that has their fields).
 
 Usage: PYTHONPATH=. python3 benchmarks/staged_sweep.py OUT_JSON [--label L]
        [--sections whole,overlap,programs,profile] [--variants default,equal8,...]
@@ -44,8 +45,9 @@ import torch
 from kvoffload.bench.transfer_interference import measure_gemm
 from kvoffload.bench.transfer_kv import SyntheticKV
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.cuda.engine import make_staged
-from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
+from kvoffload.transfer.cuda.dma import DmaBackend
+from kvoffload.transfer.cuda.engine import NativeStagedBackend
+from kvoffload.transfer.cuda.staged_config import StagedConfig
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.spec import Direction, TransferSpec
 from kvoffload.transfer.timing import Sleeper, measure_link, submitter, time_transfers
@@ -73,19 +75,21 @@ def log(section: str, row: dict[str, Any]) -> None:
     )
 
 
-def staged(engine: SyntheticKV, arena: HostArena, **fields: Any) -> StagedBackend:
+def staged(engine: SyntheticKV, arena: HostArena, **fields: Any) -> NativeStagedBackend:
     known = {f.name for f in dataclasses.fields(StagedConfig)}
     missing = set(fields) - known
     if missing:
         raise KeyError(f"this checkout's StagedConfig lacks {sorted(missing)}")
-    return StagedBackend(engine.kv, arena, config=StagedConfig(**fields))
+    return NativeStagedBackend(engine.kv, arena, config=StagedConfig(**fields))
 
 
 def spec(direction: Direction, n: int, pool: int, slots: int) -> list[TransferSpec]:
     return [TransferSpec.of(direction, RNG.permutation(pool)[:n], RNG.permutation(slots)[:n])]
 
 
-def first_layer(backend: StagedBackend, load: list[TransferSpec], reps: int) -> dict[str, float]:
+def first_layer(
+    backend: NativeStagedBackend, load: list[TransferSpec], reps: int
+) -> dict[str, float]:
     """GPU ms from submit on an idle GPU to layer 0's event and to the last; host us that
     wait_on(layer=0) and wait_on() took after submit returned. (``transfer_gpu`` has the same
     probe, ``measure_first_layer``; this copy lets the script measure checkouts that predate it.)"""
@@ -111,7 +115,8 @@ def first_layer(backend: StagedBackend, load: list[TransferSpec], reps: int) -> 
             got["host0_us"].append((t1 - t0) * 1e6)
             got["host_us"].append((t2 - t0) * 1e6)
     out = {k: statistics.median(v) for k, v in got.items()}
-    out["slices"] = len(p.layer_events)
+    owner = getattr(p, "layer_slice", None)  # layer -> slice of the last load
+    out["slices"] = 0 if owner is None else int(owner.max()) + 1
     return out
 
 
@@ -161,7 +166,7 @@ def overlap(sleeper: Sleeper, arena: HostArena, variants: list[str]) -> list[dic
     compute = torch.cuda.Stream()
     rows = []
 
-    def prefill(backend: StagedBackend | None, layer_s: float) -> float:
+    def prefill(backend: NativeStagedBackend | None, layer_s: float) -> float:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         a.record(compute)
@@ -238,17 +243,18 @@ def programs(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
     return out
 
 
-# The enqueue variants of the ``enqueue`` section: (StagedConfig fields, backend keywords).
-ENQUEUE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "python": ({"native": False}, {}),  # the Python path on its submitter thread
-    "native": ({}, {}),  # the native engine (make_staged), its own threads
+# The variants of the ``enqueue`` section: the native engine (its own threads for transfers above
+# ``native_inline_bytes``) and the fallback where it cannot run (``dma``, the caller's thread).
+ENQUEUE: dict[str, Any] = {
+    "native": lambda kv, arena: NativeStagedBackend(kv, arena),
+    "dma": lambda kv, arena: DmaBackend(kv, arena),
 }
 
 
 def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
-    """The compiled enqueue loop against the Python one, side by side in one process: GB/s and
+    """The native engine against the ``dma`` fallback, side by side in one process: GB/s and
     latency end to end (from ``submit`` on an idle GPU), the caller's submit time and the
-    submitter's enqueue time per transfer, the host CPU time per transfer, and the launch-bound
+    enqueue time per transfer, the host CPU time per transfer, and the launch-bound
     Python loop beside 2-block transfers (``transfer_interference.measure_launch_stall``)."""
     from kvoffload.bench.transfer_interference import measure_launch_stall
 
@@ -261,8 +267,8 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
         ("deepseek-v2-lite-mla", "kv_split", 16, (1000,)),
     ):
         engine = SyntheticKV(model, layout, bs, 2 * max(sizes) + 8)
-        for name, (fields, _kw) in ENQUEUE.items():
-            backend: Any = make_staged(engine.kv, arena, StagedConfig(**fields))
+        for name, build in ENQUEUE.items():
+            backend: Any = build(engine.kv, arena)
             try:
                 for n in sizes:
                     row: dict[str, Any] = {
@@ -285,7 +291,7 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
                         row[f"{d}_submit_us"] = statistics.median(e2e["submit_s"]) * 1e6
                         row[f"{d}_enqueue_us"] = statistics.median(e2e["enqueue_s"]) * 1e6
                         row[f"{d}_cpu_us"] = cpu * 1e6
-                    row["path"] = getattr(backend, "path", "python")
+                    row["path"] = getattr(backend, "path", backend.name)
                     row["path_reason"] = getattr(backend, "path_reason", None)
                     rows.append(row)
                     log("enqueue", row)
@@ -300,9 +306,10 @@ def enqueue(sleeper: Sleeper, arena: HostArena) -> dict[str, Any]:
 
 
 def profile(arena: HostArena) -> dict[str, str]:
-    """cProfile of submits enqueued in the caller's thread (submit_thread=False)."""
+    """cProfile of submits the native engine enqueues in the caller's thread (every one:
+    ``native_inline_bytes`` unbounded)."""
     engine = SyntheticKV("llama3-8b", "page", 16, 64)
-    backend = StagedBackend(engine.kv, arena, submit_thread=False)
+    backend = staged(engine, arena, native_inline_bytes=1 << 62)
     out = {}
     try:
         cases: list[tuple[Direction, int]] = [("store", 1), ("load", 1), ("load", 16)]

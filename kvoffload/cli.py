@@ -37,6 +37,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "kvoffload.bench.tiers",
         "disk and Valkey tier MB/s and per-block latency; file-per-block vs slab; write policy",
     ),
+    ("bench", "multi-gpu"): (
+        "kvoffload.bench.multi_gpu",
+        "N processes (one per GPU) storing and loading at once, vs each link and host memory",
+    ),
     ("bench", "e2e"): (
         "kvoffload.bench.e2e",
         "multi-turn chat TTFT: recompute vs GPU prefix cache vs kvoffload, on a model runner",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.store.arena import slots_for_capacity
+from kvoffload.store.numa import check_setting as check_numa_setting
 from kvoffload.store.policies import POLICIES
 from kvoffload.transfer.registry import BACKENDS
 
@@ -37,6 +38,10 @@ class OffloadConfig:
     backend: str = "auto"
     # Page-lock the host arena: None pins it when the engine's KV is on a CUDA device.
     pin_memory: bool | None = None
+    # NUMA node of the host arena: "auto" (the node nearest the KV's GPU, where the host has
+    # several; placed nowhere otherwise, with the reason logged), "off", or a node id (bound
+    # strictly; an error where it cannot be). docs/transfer.md, "NUMA and many GPUs".
+    numa_node: int | str = "auto"
     # Seconds a load may take before it is reported failed (the engine recomputes those blocks);
     # its engine blocks stay in use until the copy really ends (docs/api.md, "Load deadline").
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
@@ -84,6 +89,12 @@ class OffloadConfig:
     valkey_tls_cert_file: str | None = None
     valkey_tls_key_file: str | None = None
 
+    def __new__(cls, *args: Any, **options: Any) -> OffloadConfig:
+        # The generated __init__ raises TypeError on a misspelt option; the README promises a
+        # ValueError naming it (and a refused call builds nothing).
+        _check_known(cls, options)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_blocks is not None:
             raise ValueError(
@@ -102,6 +113,7 @@ class OffloadConfig:
         if self.pin_memory:
             _check_cuda_for_pinning()
         _check_seconds(self, "load_timeout_s")
+        check_numa_setting(self.numa_node)
         self._check_valkey_access()  # first: its messages never show a password from the URL
         self._check_tiers()
 
@@ -181,12 +193,7 @@ class OffloadConfig:
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> OffloadConfig:
         """Build from user options (JSON, a CLI); unknown keys raise ValueError naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown kvoffload option(s) {unknown}; expected some of {sorted(known)}"
-            )
+        _check_known(cls, options)
         return cls(**dict(options))
 
 
@@ -199,6 +206,13 @@ def physical_ram_bytes() -> int | None:
 
 
 # -- checks shared by the options above (each ValueError names the key) ------------------------
+
+
+def _check_known(cls: type[OffloadConfig], options: Mapping[str, Any]) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown kvoffload option(s) {unknown}; expected some of {sorted(known)}")
 
 
 def _check_int(config: OffloadConfig, name: str, minimum: int) -> None:

@@ -2,8 +2,9 @@
 
 Prints the GPU, the CUDA driver version, whether ``cuMemcpyBatchAsync`` resolved (else the
 ``cuMemcpyAsync`` fallback is used), Triton's and cuda-python's status, the calibration table in
-use, which path the ``staged`` backend runs (the native engine or Python, and why), and the link
-GB/s measured now (contiguous pinned copies after a warm-up).
+use, which path the ``staged`` backend runs (the native engine or Python, and why), the link
+GB/s measured now (contiguous pinned copies after a warm-up), and where a host arena lands: the
+NUMA node chosen for GPU 0 (or why none) and the nodes of a probe arena's pages, read back.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from typing import Any
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-mib", type=int, default=512, help="MiB per link test copy (0: skip)")
     p.add_argument("--reps", type=int, default=3, help="timed link copies per direction")
+    p.add_argument(
+        "--numa-node", default="auto", help="the numa_node option to try: auto, off or a node id"
+    )
 
 
 def report(args: argparse.Namespace) -> dict[str, Any]:
@@ -30,6 +34,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     out["staged_enqueue"] = staged_enqueue()
     if not cuda_available():
         out["gpu"] = "none (CUDA not available): the host backend is used"
+        out["numa"] = numa_line(args.numa_node, "cpu")
         return out
     import torch
 
@@ -50,6 +55,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         if table
         else f"none at {path}: the planner uses 'staged' (run kvoffload calibrate)"
     )
+    out["numa"] = numa_line(args.numa_node, "cuda:0")
     if args.link_mib > 0:
         from kvoffload.transfer.timing import Sleeper, measure_link
 
@@ -58,15 +64,52 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# The probe arena: large enough to sample 64 pages spread over it, small enough to pin anywhere.
+NUMA_PROBE_BYTES = 64 << 20
+
+
+def numa_line(setting: str, device: str) -> str:
+    """Where a host arena for KV on ``device`` lands with ``numa_node=setting``: the placement
+    chosen (or why none) and the nodes of a pinned (on a GPU), touched probe arena's pages."""
+    from kvoffload.store.arena import HostArena
+    from kvoffload.store.numa import NumaUnavailable, Topology, summary
+    from kvoffload.transfer.topology import arena_placement
+
+    value: int | str = int(setting) if setting.isdigit() else setting
+    nodes = Topology().nodes()
+    try:
+        placement = arena_placement(value, device, NUMA_PROBE_BYTES)
+        pin = None
+        if device.startswith("cuda"):
+            from kvoffload.transfer.pinning import cuda_pin
+
+            pin = cuda_pin
+        with HostArena(NUMA_PROBE_BYTES >> 20, 1 << 20, pin=pin, placement=placement) as arena:
+            arena.slots[:] = 1  # unpinned pages are allocated on first touch
+            found = summary(arena.numa_where())
+            placement = arena.placement
+    except (ValueError, NumaUnavailable) as err:
+        return f"nodes {nodes}; numa_node={value!r}: {err}"
+    chosen = "no node" if placement.node is None else f"node {placement.node}"
+    return f"nodes {nodes}; arena on {chosen} ({placement.reason}); probe {found}"
+
+
 def staged_enqueue() -> str:
-    """Which path the ``staged`` backend runs: the native engine (the compiled extension) or the
-    Python path, and why."""
+    """Which path the ``staged`` backend runs: the native engine (the compiled extension) or, where
+    it is unavailable, the ``dma`` backend, and why."""
     from kvoffload.transfer.cuda import native
 
     module = native.module()
-    if module is not None:
-        return f"native engine ({module.__file__}, built at install)"
-    return f"Python path: {native.unavailable()}"
+    if module is None:
+        return f"dma fallback: {native.unavailable()}"
+    try:
+        module.cuda_driver()  # every entry point, stream memory operations included
+    except RuntimeError as err:
+        return f"dma fallback: the driver cannot run the native engine here ({err})"
+    return (
+        f"native engine ({module.__file__}, built at install; readiness on the GPU: stream "
+        "memory operations)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,8 +18,9 @@ import ctypes
 import gc
 import itertools
 import sys
+import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,15 +28,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.transfer.cuda import base, driver, engine, native, pending
+from kvoffload.transfer.cuda import base, driver, engine, native
 from kvoffload.transfer.layout import KVLayout
 
 _ids = itertools.count(16)
 
 
 class FakeStream:
-    def __init__(self, device: Any = None) -> None:
+    def __init__(self, device: Any = None, priority: int = 0) -> None:
         self.cuda_stream = next(_ids)
+        self.priority = priority
 
     def synchronize(self) -> None:
         return
@@ -62,6 +64,18 @@ class Calls:
     memory: dict[int, Any] = field(default_factory=dict)  # allocations: address -> buffer
     # what the C entry point cuLaunchKernel runs (tests swap it to hold a launch)
     launch_impl: Any = None
+    # stream memory operations not yet run: stream -> operations behind an unmet wait, in order
+    # (a wait whose word has not reached its value holds its stream's later operations, as on a
+    # GPU; every write lets held streams go on)
+    held: dict[int, list[tuple[int, int, int, int]]] = field(default_factory=dict)
+    # cuStreamBatchMemOp / cuStreamWriteValue32 / cuStreamWaitValue32 calls through the C entries
+    memops: int = 0
+    # cuStreamWriteValue32/cuStreamBatchMemOp fail on this stream (None: never)
+    fail_flags_on: int | None = None
+
+    def stream_held(self, stream: int) -> bool:
+        """True while ``stream`` waits on a flag word that has not reached its value."""
+        return bool(self.held.get(stream))
 
 
 class FakeDriver:
@@ -89,8 +103,7 @@ class FakeDriver:
 
     def table(self) -> int:
         """The address of a ``kvo_driver`` table (native/kvo.h) whose entry points are ctypes
-        callbacks doing what the Python fake does, with the same log entries (so the native
-        engine's calls and the Python path's compare)."""
+        callbacks doing what the Python fake does, with the same log entries."""
         if not hasattr(self, "_table"):
             self._callbacks = _entry_callbacks(self.calls)
             addresses = [
@@ -195,6 +208,54 @@ _COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.
 _RECORD = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)
 _WAIT = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _U)
 _FAILED = 999  # the CUresult the callbacks return after an exception (recorded in calls.errors)
+_WAIT_32, _WRITE_32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, _WRITE_VALUE_32
+_WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ (else GEQ, cyclic)
+
+
+_MEMOPS_LOCK = threading.RLock()  # the engine's threads and the test's run stream operations
+
+
+def hold_stream(calls: Calls, stream: int) -> Callable[[], None]:
+    """Hold ``stream``'s later stream memory operations (as a GPU stream busy with earlier work
+    would: kernels and copies still run at once in this fake) until the returned release runs."""
+    word = ctypes.c_uint32(0)
+    calls.memory[ctypes.addressof(word)] = word
+    _memops(calls, stream, [(_WAIT_32, ctypes.addressof(word), 1, _WAIT_EQ)])
+
+    def release() -> None:
+        _memops(calls, -1, [(_WRITE_32, ctypes.addressof(word), 1, 0)])
+
+    return release
+
+
+def _memops(calls: Calls, stream: int, ops: list[tuple[int, int, int, int]]) -> None:
+    with _MEMOPS_LOCK:
+        _run_memops(calls, stream, ops)
+
+
+def _run_memops(calls: Calls, stream: int, ops: list[tuple[int, int, int, int]]) -> None:
+    """Run ``ops`` (operation, address, value, flags) on ``stream`` in order, behind whatever the
+    stream already holds; a wait not met holds the rest."""
+    queue = calls.held.setdefault(stream, [])
+    queue.extend(ops)
+    progressed = True
+    while progressed:  # a write may release other streams' waits
+        progressed = False
+        for s, q in calls.held.items():
+            while q:
+                op, address, value, flags = q[0]
+                word = ctypes.c_uint32.from_address(address)
+                if op == _WAIT_32:
+                    now = word.value
+                    ahead = ((now - value) & 0xFFFFFFFF) < 1 << 31  # GEQ, cyclic
+                    met = now == value if flags == _WAIT_EQ else ahead
+                    if not met:
+                        break
+                else:
+                    word.value = value & 0xFFFFFFFF
+                    calls.log.append(("write32", s, value))
+                    progressed = True
+                q.pop(0)
 
 
 def _entry_callbacks(calls: Calls) -> dict[str, Any]:
@@ -284,6 +345,70 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
     def free(address):
         return 0 if calls.memory.pop(address, None) is not None else driver.CUDA_ERROR_INVALID_VALUE
 
+    def write32(stream, address, value, flags):
+        if calls.fail_flags_on == stream:
+            return driver.CUDA_ERROR_INVALID_VALUE
+        calls.memops += 1
+        _memops(calls, stream, [(_WRITE_32, address, value, flags)])
+        return 0
+
+    def wait32(stream, address, value, flags):
+        calls.memops += 1
+        calls.log.append(("wait32", stream, value))
+        _memops(calls, stream, [(_WAIT_32, address, value, flags)])
+        return 0
+
+    def memops(stream, count, params, flags):
+        if calls.fail_flags_on == stream:
+            return driver.CUDA_ERROR_INVALID_VALUE
+        calls.memops += 1
+        ops = []
+        for k in range(count):
+            at = params + 48 * k  # CUstreamBatchMemOpParams: op, address, value, flags
+            op = ctypes.c_uint32.from_address(at).value
+            if op not in (_WAIT_32, _WRITE_32):
+                raise ValueError(f"expected 32-bit wait/write operations, got {op}")
+            ops.append(
+                (
+                    op,
+                    ctypes.c_uint64.from_address(at + 8).value,
+                    ctypes.c_uint32.from_address(at + 16).value,
+                    ctypes.c_uint32.from_address(at + 24).value,
+                )
+            )
+            if op == _WAIT_32:
+                calls.log.append(("wait32", stream, ops[-1][2]))
+        _memops(calls, stream, ops)
+        return 0
+
+    def copy2d(desc, stream):
+        # CUDA_MEMCPY2D: srcDevice at 32, srcPitch at 48, dstDevice at 88, dstPitch at 104,
+        # WidthInBytes at 112, Height at 120 (memory types UNIFIED: addresses are pointers)
+        def field(at: int) -> int:
+            return int(ctypes.c_uint64.from_address(desc + at).value)
+
+        for at, want in ((16, 4), (72, 4)):  # CU_MEMORYTYPE_UNIFIED on both sides
+            if ctypes.c_int32.from_address(desc + at).value != want:
+                raise ValueError(f"expected memory type {want} at offset {at}")
+        src, src_pitch, dst, dst_pitch = field(32), field(48), field(88), field(104)
+        width, height = field(112), field(120)
+        for row in range(height):
+            ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+        calls.descriptors += 1
+        calls.log.append(("copy2d", stream, height))
+        return 0
+
+    def host_dptr(out, host, flags):
+        ctypes.c_uint64.from_address(out).value = host
+        return 0
+
+    def ctx_sync():
+        _memops(calls, -1, [])  # the GPU polls: words the host wrote release their waits
+        held = {s: q for s, q in calls.held.items() if q}
+        if held:  # a GPU would wait here forever
+            raise RuntimeError(f"cuCtxSynchronize with streams held on flag words: {held}")
+        return 0
+
     names: dict[int, Any] = {}
 
     def error_name(code, out):
@@ -311,6 +436,16 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         "host_free": ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64)(guarded(free)),
         "stream_sync": pointer(guarded(ok)),
         "error_name": ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, _P)(guarded(error_name)),
+        "write32": ctypes.CFUNCTYPE(ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_uint32, _U)(
+            guarded(write32)
+        ),
+        "wait32": ctypes.CFUNCTYPE(ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_uint32, _U)(
+            guarded(wait32)
+        ),
+        "memops": ctypes.CFUNCTYPE(ctypes.c_int, _P, _U, _P, _U)(guarded(memops)),
+        "host_dptr": ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _U)(guarded(host_dptr)),
+        "ctx_sync": ctypes.CFUNCTYPE(ctypes.c_int)(guarded(ctx_sync)),
+        "copy2d": ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)(guarded(copy2d)),
     }
 
 
@@ -375,7 +510,6 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
 
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.Tensor, "to", to)
-    monkeypatch.setattr(pending, "ENQUEUE_TIMEOUT", 10.0)
     fake = FakeDriver(calls)
     monkeypatch.setattr(engine, "_driver_table", fake.table)
     real_zeros = torch.zeros

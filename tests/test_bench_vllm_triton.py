@@ -142,7 +142,6 @@ def test_store_then_load_moves_the_oracles_bytes(fake_cuda: Calls, model, layout
     pair = Pair(model, layout)
     launcher = PieceLauncher()
     backend = VllmTritonBackend(pair.kv, pair.arena, launcher=launcher)
-    backend.min_slice_transfer_bytes = 1  # would slice other backends' loads: not vLLM's
     rng = np.random.default_rng(5)
     regions = len(pair.kv.groups[0].regions)
     try:

@@ -1,5 +1,6 @@
-"""The CUDA backends' host logic on CPU (``tests/fake_cuda.py``): chunking, staging offsets,
-descriptor tables, layer slices and submission, with real bytes checked against the host backend.
+"""The ``dma`` and ``sm`` backends' host logic on CPU (``tests/fake_cuda.py``): descriptor tables,
+kernel arguments, ordering and failures, with real bytes checked against the host backend. The
+native ``staged`` engine's are in tests/test_native_engine.py (it reuses ``Pair`` from here).
 
 Each operation runs when it is enqueued, so these tests cannot see GPU-side races (the GPU tests
 under tests/gpu do); they do see every address and size the host computes.
@@ -7,7 +8,6 @@ under tests/gpu do); they do see every address and size the host computes.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,6 @@ from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.shapes import MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 from tests.fake_cuda import Calls, cuda_layout, fake_cuda, no_pin
-from tests.transfer_support import HeldAfterFirstSlice
 
 __all__ = ["fake_cuda"]  # the fixture, used by name
 
@@ -64,42 +63,20 @@ class Pair:
 
 
 def make(name: str, kv: KVLayout, arena: HostArena) -> Any:
-    from kvoffload.transfer.cuda.base import FIRST_SLICE_BYTES
     from kvoffload.transfer.cuda.dma import DmaBackend
     from kvoffload.transfer.cuda.sm import SmBackend
-    from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
 
-    fine = StagedConfig(
-        staging_bytes=4 * kv.slot_bytes,
-        depth=2,
-        first_chunk_bytes=1,
-        dma_streams=2,
-        layer_slice_bytes=8,
-        max_layer_slices=1024,
-        layer_slice_transfer_bytes=1,
-    )
     backends = {
-        "staged": lambda: StagedBackend(kv, arena),
-        "staged-sync": lambda: StagedBackend(kv, arena, submit_thread=False),
-        "staged-fine": lambda: StagedBackend(kv, arena, config=fine),
-        "staged-ramp": lambda: StagedBackend(
-            kv, arena, config=StagedConfig(first_slice_bytes=FIRST_SLICE_BYTES)
-        ),
         "dma": lambda: DmaBackend(kv, arena),
         "dma-one-per-piece": lambda: DmaBackend(kv, arena, merge=False),
         "sm": lambda: SmBackend(kv, arena),
     }
-    backend = backends[name]()
-    backend.min_slice_transfer_bytes = 1  # slice even these small loads by layer
-    return backend
+    return backends[name]()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("model", SHAPES)
-@pytest.mark.parametrize(
-    "name",
-    ["staged", "staged-sync", "staged-fine", "staged-ramp", "dma", "dma-one-per-piece", "sm"],
-)
+@pytest.mark.parametrize("name", ["dma", "dma-one-per-piece", "sm"])
 def test_store_then_load_moves_the_oracles_bytes(fake_cuda: Calls, model, layout, name):
     pair = Pair(model, layout)
     backend = make(name, pair.kv, pair.arena)
@@ -124,81 +101,152 @@ def test_store_then_load_moves_the_oracles_bytes(fake_cuda: Calls, model, layout
         pair.close()
 
 
-def test_a_mixed_submit_moves_both_directions(fake_cuda: Calls):
+@pytest.mark.parametrize("name", ["dma", "sm"])
+def test_a_mixed_submit_moves_both_directions_and_ends_after_both(fake_cuda: Calls, name):
     pair = Pair("llama3-8b", "page")
-    backend = make("staged", pair.kv, pair.arena)
+    backend = make(name, pair.kv, pair.arena)
     try:
         specs = [
             TransferSpec.of("load", [3, 5], [10, 11]),
             TransferSpec.of("store", [1, 2, 4], [0, 1, 2]),
         ]
+        start = len(fake_cuda.log)
         pending = backend.submit(specs)
         assert pending.wait(10) and pending.error() is None
         pair.oracle.copy(specs)
         pair.check()
+        store, load = (int(backend.streams[d].cuda_stream) for d in ("store", "load"))
+        done = pending.event  # recorded on the store stream, waited on by the load stream, last
+        assert fake_cuda.log[-3:] == [
+            ("record", store, done),
+            ("wait", load, done),
+            ("record", load, done),
+        ]
+        # the caller's stream (7: fake_cuda's current stream) is recorded first; both wait for it
+        order = fake_cuda.log[start]
+        assert order[:2] == ("record", 7)
+        assert ("wait", store, order[2]) in fake_cuda.log[start:]
+        assert ("wait", load, order[2]) in fake_cuda.log[start:]
     finally:
         backend.close()
         pair.close()
 
 
-def test_a_failed_enqueue_is_the_transfers_error_and_layer_waits_raise_it(fake_cuda: Calls):
+@pytest.mark.parametrize("name", ["dma", "sm"])
+def test_a_refused_copy_is_the_transfers_error_and_wait_on_raises_it(fake_cuda: Calls, name):
+    """The driver refuses the first copy (dma: the batch; sm: the id upload): ``submit`` returns a
+    pending that is done with that error; ``wait_on`` (any layer) still orders the stream after
+    what was enqueued and raises it; the next transfer runs."""
     pair = Pair("llama3-8b", "kv_split")
-    backend = make("staged", pair.kv, pair.arena)
-    broken = threading.Event()
+    backend = make(name, pair.kv, pair.arena)
+    real = backend.driver.memcpy_batch if name == "dma" else backend.driver.memcpy
 
-    def refuse(table: np.ndarray, stream: int) -> None:
-        broken.set()
+    def refuse(*args: Any) -> None:
         raise RuntimeError("copy refused")
 
-    backend.driver.memcpy_batch = refuse
+    setattr(backend.driver, "memcpy_batch" if name == "dma" else "memcpy", refuse)
     try:
-        pending = backend.submit([TransferSpec.of("load", [1, 2, 3], [4, 5, 6])])
+        load = [TransferSpec.of("load", [1, 2, 3], [4, 5, 6])]
+        pending = backend.submit(load)
         assert pending.wait(10)
         assert isinstance(pending.error(), RuntimeError)
-        with pytest.raises(RuntimeError, match="copy refused"):
-            pending.wait_on(None, layer=0)
-        assert broken.is_set()
+        for layer in (0, None):
+            with pytest.raises(RuntimeError, match="copy refused"):
+                pending.wait_on(99, layer=layer)
+            assert fake_cuda.log[-1] == ("wait", 99, pending.event)
+        pair.check()  # nothing moved
+        setattr(backend.driver, "memcpy_batch" if name == "dma" else "memcpy", real)
+        ok = backend.submit(load)
+        assert ok.wait(10) and ok.error() is None
+        pair.oracle.copy(load)
+        pair.check()
     finally:
         backend.close()
         pair.close()
 
 
-def test_a_layer_wait_waits_on_the_host_only_for_its_slice(fake_cuda: Calls):
-    """The lane thread is held before slice 1 of a load: a wait for layer 0 returns at once and
-    makes the stream wait on slice 0's event; a wait for the last layer returns only once the
-    thread goes on, and waits on the last slice's event."""
+@pytest.mark.parametrize("name", ["dma", "sm"])
+def test_a_layer_wait_is_a_wait_for_the_whole_transfer(fake_cuda: Calls, name):
+    """No layer slices: every layer of a load orders the stream after the transfer's one event;
+    a layer that is not an int >= 0 is refused."""
     pair = Pair("llama3-8b", "page")
-    backend = make("staged", pair.kv, pair.arena)
-    load = [TransferSpec.of("load", [3, 5, 8], [1, 2, 0])]
-    hold = HeldAfterFirstSlice(backend, load, timeout=10)
-    go = hold.go
+    backend = make(name, pair.kv, pair.arena)
     try:
+        load = [TransferSpec.of("load", [3, 5, 8], [1, 2, 0])]
         pending = backend.submit(load)
-        assert hold.held.wait(10)
-        events = pending.layer_events
-        assert len(events) == 16  # 32 layers, 2 MiB slots: 16 slices of 128 KiB
-        pending.wait_on(99, layer=0)
-        assert fake_cuda.log[-1] == ("wait", 99, events[0])
-        assert not pending.done()
-        waited = threading.Event()
-
-        def wait_last() -> None:
-            pending.wait_on(98, layer=31)
-            waited.set()
-
-        waiter = threading.Thread(target=wait_last)
-        waiter.start()
-        assert not waited.wait(0.2)  # slice 9 is not recorded yet
-        go.set()
-        waiter.join(10)
-        assert waited.is_set()
-        assert ("wait", 98, events[-1]) in fake_cuda.log
+        for layer in (0, 31, None):
+            pending.wait_on(98, layer=layer)
+            assert fake_cuda.log[-1] == ("wait", 98, pending.event)
+        for bad in (-1, 1.5, "0", True):
+            with pytest.raises(ValueError, match="expected layer None or an int >= 0"):
+                pending.wait_on(98, layer=bad)
         assert pending.wait(10) and pending.error() is None
         pair.oracle.copy(load)
         pair.check()
     finally:
-        go.set()
         backend.close()
+        pair.close()
+
+
+def test_the_ids_a_kernel_reads_are_held_until_its_transfer_is_done(
+    fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch
+):
+    """``sm`` uploads block and slot ids for its kernel: the backend keeps them until the
+    transfer's event has passed (checked at the next submit), then lets them go."""
+    from kvoffload.transfer.cuda import driver
+
+    pair = Pair("llama3-8b", "page")
+    backend = make("sm", pair.kv, pair.arena)
+    passed: set[int] = set()
+    monkeypatch.setattr(driver, "event_done", lambda event: event in passed)
+    try:
+        first = backend.submit([TransferSpec.of("store", [1, 2], [3, 4])])
+        assert list(backend._held) == [first] and first.keep
+        second = backend.submit([TransferSpec.of("store", [5], [6])])
+        assert list(backend._held) == [first, second]  # the first event has not passed
+        passed.add(first.event)
+        third = backend.submit([TransferSpec.of("store", [7], [8])])
+        assert list(backend._held) == [second, third]
+        passed.update((second.event, third.event))
+        for p in (first, second, third):
+            assert p.wait(10) and p.error() is None
+        for s in ([1, 2], [3, 4]), ([5], [6]), ([7], [8]):
+            pair.oracle.copy([TransferSpec.of("store", *s)])
+        pair.check()
+    finally:
+        backend.close()
+        assert not backend._held
+        pair.close()
+
+
+def test_a_bad_order_after_is_refused_before_anything_is_enqueued(fake_cuda: Calls):
+    pair = Pair("llama3-8b", "page")
+    backend = make("dma", pair.kv, pair.arena)
+    try:
+        before = len(fake_cuda.log)
+        with pytest.raises(ValueError, match="expected order_after to be 'current', None"):
+            backend.submit([TransferSpec.of("store", [1], [1])], order_after="soon")
+        assert len(fake_cuda.log) == before
+        pair.check()
+        store = [TransferSpec.of("store", [1], [1])]
+        assert backend.submit(store, order_after=None).wait(10)  # ordered after nothing
+        assert not any(e[0] == "wait" for e in fake_cuda.log[before:])
+        pair.oracle.copy(store)
+        pair.check()
+    finally:
+        backend.close()
+        pair.close()
+
+
+def test_a_closed_backend_refuses_submits(fake_cuda: Calls):
+    pair = Pair("llama3-8b", "page")
+    backend = make("dma", pair.kv, pair.arena)
+    backend.close()
+    try:
+        with pytest.raises(ValueError, match="expected an open dma backend, got a closed one"):
+            backend.submit([TransferSpec.of("store", [1], [1])])
+        backend.close()  # twice: nothing left to do
+    finally:
         pair.close()
 
 

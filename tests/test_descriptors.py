@@ -1,5 +1,5 @@
-"""Descriptor building and the pure-numpy pipeline helpers (chunks, coalescing, kernel tiles), and
-the driver wrapper's error reporting, on CPU with real bytes."""
+"""Descriptor building and coalescing, the copy kernel's tiles, and the driver wrapper's error
+reporting, on CPU with real bytes."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvoffload.transfer.cuda.chunks import chunk_sizes, coalesce, tile
+from kvoffload.transfer.cuda.chunks import tile
 from kvoffload.transfer.cuda.driver import CudaCopyError, CudaDriver
-from kvoffload.transfer.descriptors import build_descriptors
+from kvoffload.transfer.descriptors import build_descriptors, coalesce
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.shapes import MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
@@ -53,38 +53,16 @@ def test_descriptor_buffer_of_the_wrong_shape_is_refused():
         build_descriptors(spec, kv.groups[0], 0, kv.slot_bytes, out=np.empty((3, 10), np.int64))
 
 
-@pytest.mark.parametrize(
-    ("n", "first", "largest", "ramp"),
-    [(0, 2, 8, "up"), (1, 2, 8, "up"), (13, 2, 8, "up"), (64, 2, 16, "down"), (5, 9, 4, "up")],
-)
-def test_chunk_sizes_cover_the_transfer(n, first, largest, ramp):
-    sizes = chunk_sizes(n, first, largest, ramp)
-    assert sizes.sum() == n
-    assert (sizes >= 1).all() and (sizes <= largest).all()
-    if len(sizes) > 1:
-        head = sizes if ramp == "up" else sizes[::-1]
-        assert head[0] == min(first, largest)  # the exposed chunk is the small one
-
-
-def test_chunk_sizes_double_then_cap():
-    assert chunk_sizes(64, 2, 16).tolist() == [2, 4, 8, 16, 16, 16, 2]
-    assert chunk_sizes(64, 2, 16, "down").tolist() == [2, 16, 16, 16, 8, 4, 2]
-    with pytest.raises(ValueError, match="ramp"):
-        chunk_sizes(4, 1, 2, "sideways")
-
-
-def test_coalesce_merges_only_continuations_and_respects_breaks():
+def test_coalesce_merges_only_continuations():
     table = np.array(
         [[0, 10, 20, 100, 110], [1000, 1010, 1020, 2000, 3000], [10, 10, 10, 10, 10]],
         dtype=np.int64,
     )
-    merged, where = coalesce(table)
+    merged = coalesce(table)
     assert merged.tolist() == [[0, 100, 110], [1000, 2000, 3000], [30, 10, 10]]
-    assert where.tolist() == []
-    merged, where = coalesce(table, np.array([0, 2]))
-    assert merged.tolist() == [[0, 20, 100, 110], [1000, 1020, 2000, 3000], [20, 10, 10, 10]]
-    assert where.tolist() == [0, 1]
     assert merged[2].sum() == table[2].sum()
+    for few in (table[:, :0], table[:, :1], table[:, 3:]):  # nothing to merge: the table itself
+        assert coalesce(few) is few
 
 
 def test_coalesced_copies_move_the_same_bytes():
@@ -99,7 +77,7 @@ def test_coalesced_copies_move_the_same_bytes():
         dst_b = np.zeros(4096, dtype=np.uint8)
         t = table.copy()
         t[1] += dst_a.ctypes.data
-        merged, _ = coalesce(t)
+        merged = coalesce(t)
         assert merged.shape[1] < 64
         for a, d, n in t.T.tolist():
             ctypes.memmove(d, a, n)

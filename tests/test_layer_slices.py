@@ -1,5 +1,5 @@
-"""Layer slices of a load (which regions each slice moves, which slice holds each layer), chunks
-sized in bytes, and per-slice descriptors, on CPU with real bytes."""
+"""The layer-slice schedules the native engine is given (which regions each slice moves, which
+slice holds each layer), and per-slice descriptors, on CPU with real bytes."""
 
 from __future__ import annotations
 
@@ -9,29 +9,33 @@ import itertools
 import numpy as np
 import pytest
 
-from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.chunks import (
     bound_owner,
     bound_regions,
-    chunk_blocks,
     first_slice_layers,
-    layer_slices,
+    load_schedules,
     slice_bounds,
     slice_count,
-    slice_of_layer,
 )
 from kvoffload.transfer.descriptors import build_descriptors
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.shapes import LAYOUTS, MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
-from tests.fake_cuda import cuda_layout, fake_cuda, no_pin
 
-__all__ = ["fake_cuda"]  # the fixture, used by name
+
+def layer_slices(layer_starts: tuple[int, ...], n_regions: int, slices: int) -> list[range]:
+    """Each of ``slices`` near-equal runs of layers, as its regions."""
+    layers = len(layer_starts) or n_regions
+    return bound_regions(layer_starts, n_regions, slice_bounds(layers, slices))
+
+
+def slice_of_layer(layer_starts: tuple[int, ...], n_regions: int, slices: int) -> np.ndarray:
+    return bound_owner(slice_bounds(len(layer_starts) or n_regions, slices))
 
 
 @pytest.mark.parametrize(("layers", "slices"), [(32, 1), (32, 8), (28, 8), (5, 5), (80, 3)])
 def test_slices_cover_every_layer_once_in_order(layers, slices):
-    starts = [2 * i for i in range(layers)]  # K and V per layer
+    starts = tuple(2 * i for i in range(layers))  # K and V per layer
     parts = layer_slices(starts, 2 * layers, slices)
     assert len(parts) == slices
     assert [r for p in parts for r in p] == list(range(2 * layers))  # all regions, in order
@@ -62,17 +66,6 @@ def test_slice_count_keeps_descriptors_large():
     assert slice_count(2 << 20, 32, 256 << 10, 8) == 8
     assert slice_count(320 << 10, 80, 1 << 20, 8) == 1  # small slots: one slice (whole load)
     assert slice_count(6 << 20, 3, 1 << 20, 8) == 3  # never more slices than layers
-
-
-def test_chunks_are_sized_in_bytes():
-    # 2 MiB units, a 4 MiB first chunk, 32 MiB areas: 2, 4, 8, 16 blocks, then 16 at most
-    assert chunk_blocks(40, 2 << 20, 4 << 20, 32 << 20).tolist() == [2, 4, 8, 16, 10]
-    # 320 KiB units: the same bytes per chunk, so ~6.4x the blocks
-    sizes = chunk_blocks(256, 320 << 10, 4 << 20, 32 << 20)
-    assert sizes.sum() == 256 and sizes[0] == 12 and sizes.max() <= (32 << 20) // (320 << 10)
-    assert chunk_blocks(3, 8 << 20, 1, 8 << 20).tolist() == [1, 1, 1]  # one unit per area
-    with pytest.raises(ValueError, match="unit_bytes"):
-        chunk_blocks(3, 8 << 20, 1, 4 << 20)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -106,49 +99,26 @@ def test_slice_descriptors_together_move_a_whole_load(layout):
             assert bytes(page) == host[s, off : off + region.page_bytes].tobytes()
 
 
-def test_a_load_takes_the_most_slices_that_keep_one_per_slice_transfer_bytes(fake_cuda):
-    """``_load_plan`` of a real staged backend (host logic on CPU, ``tests/fake_cuda.py``) on
-    Qwen2.5-7B (28 layers, 896 KiB slots): a load takes the schedule with the most slices that
-    still has one per ``min_slice_transfer_bytes``. By default at most 7 equal slices (of >= 128
-    KiB); with 256 KiB slices (at most 3) ramped from 2 layers (the fewest that make 64 KiB)."""
-    from kvoffload.transfer.cuda.base import FIRST_SLICE_BYTES
-    from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
-
-    tensors, block_dim = engine_tensors(
-        MODELS["qwen2.5-7b"], "kv_split", 8, 16, lambda s: np.zeros(s, dtype=np.uint16)
-    )
-    kv = cuda_layout(KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim))
-    arena = HostArena(8, kv.slot_bytes, pin=no_pin)
-    default = StagedBackend(kv, arena, submit_thread=False)
-    default.close()
-    assert sorted(default._plans[0]) == [1, 2, 4, 7]
-    first, count = default._plans[0][7][0], 7
-    assert [len(p) for p in default.load_parts[0][first : first + count]] == [8] * 7
-    ramped = StagedConfig(
-        layer_slice_bytes=256 << 10, max_layer_slices=8, first_slice_bytes=FIRST_SLICE_BYTES
-    )
-    backend = StagedBackend(kv, arena, config=ramped, submit_thread=False)
-    backend.min_slice_transfer_bytes = kv.slot_bytes  # one slice per block of load
-    try:
-        assert sorted(backend._plans[0]) == [1, 4, 5]  # counts 1, 2 and 3, ramped
-
-        def plan(n: int) -> tuple[dict[int, tuple[int, int]], np.ndarray | None]:
-            return backend._load_plan([TransferSpec.of("load", range(n), range(n))])
-
-        assert plan(1)[0] == {0: (0, 1)}
-        assert plan(3)[0] == {0: (0, 1)}  # room for 3 slices: no ramp fits
-        first, count = plan(4)[0][0]
-        assert count == 4
-        assert [len(p) for p in backend.load_parts[0][first : first + count]] == [4, 8, 16, 28]
-        groups, owner = plan(100)
-        first, count = groups[0]
-        assert count == 5  # 2, 4, 8, 10 and 4 layers (K and V: two regions each)
-        assert [len(p) for p in backend.load_parts[0][first : first + count]] == [4, 8, 16, 20, 8]
-        assert owner is not None and owner.tolist()[:7] == [0, 0, 1, 1, 1, 1, 2]
-        assert backend._load_plan([TransferSpec.of("store", [1], [1])]) == ({}, None)
-    finally:
-        backend.close()
-        arena.close()
+def test_load_schedules_for_the_engine_on_qwen():
+    """Every schedule ``NativeStagedBackend`` packs for Qwen2.5-7B (28 layers, K and V regions):
+    equal counts of powers of two up to the most, and the most; ramped from 2 layers they have
+    more slices than their count (2, 4, 8, then the equal share)."""
+    starts = tuple(range(0, 56, 2))
+    flat, plans = load_schedules(28, starts, 56, 7, 0)
+    assert sorted(plans) == [1, 2, 4, 7]
+    first, owner = plans[7]
+    assert [len(p) for p in flat[first : first + 7]] == [8] * 7
+    assert owner.tolist() == [k // 4 for k in range(28)]
+    flat, plans = load_schedules(28, starts, 56, 3, 2)
+    assert sorted(plans) == [1, 4, 5]  # counts 1, 2 and 3, ramped
+    first, owner = plans[5]
+    assert [len(p) for p in flat[first : first + 5]] == [4, 8, 16, 20, 8]
+    assert owner.tolist()[:7] == [0, 0, 1, 1, 1, 1, 2]
+    first, _ = plans[4]
+    assert [len(p) for p in flat[first : first + 4]] == [4, 8, 16, 28]
+    for count, (first, owner) in plans.items():  # every schedule covers every region once
+        assert [r for p in flat[first : first + count] for r in p] == list(range(56))
+        assert len(owner) == 28
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@
 The compiled extension runs for real: its worker and completion threads call the fake driver's
 entry points (``tests/fake_cuda.py``: ctypes callbacks that move real bytes), so these tests check
 what the C code computes (chunks, staging offsets, descriptors, kernel arguments, slice events) by
-the bytes that land, against the host backend, and the Python path's calls side by side.
+the bytes that land, against the host backend, and how it fails.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from kvoffload.transfer.cuda import native
 from kvoffload.transfer.cuda.driver import CudaCopyError
 from kvoffload.transfer.spec import TransferSpec
-from tests.fake_cuda import Calls, fake_cuda
+from tests.fake_cuda import Calls, fake_cuda, hold_stream
 from tests.test_cuda_backends_on_cpu import POOL, Pair
 
 __all__ = ["fake_cuda"]  # the fixture, used by name
@@ -43,9 +43,7 @@ def staged(pair: Pair, **config: Any) -> Any:
         "layer_slice_transfer_bytes": 1,
     }
     fields.update(config)
-    backend: Any = make_staged(pair.kv, pair.arena, StagedConfig(**fields))
-    backend.min_slice_transfer_bytes = 1  # the Python path's per-instance knob
-    return backend
+    return make_staged(pair.kv, pair.arena, StagedConfig(**fields))
 
 
 @contextlib.contextmanager
@@ -80,61 +78,145 @@ def round_trips(pair: Pair, backend: Any, seed: int, rounds: int = 2) -> None:
                 pair.check()
 
 
-def moves(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """The launches (with their block counts) and data copies of a log, streams renamed by first
-    appearance: what both paths must do in the same order. Copies on the kernels' stream are
-    block-id uploads (the engine skips them for small jobs: its kernels read those ids from
-    pinned host memory), not data."""
-    names: dict[Any, int] = {}
-    out: list[tuple[Any, ...]] = []
-    kernels = {stream for op, stream, _ in log if op == "launch"}
-    for op, stream, arg in log:
-        if op in ("batch", "copy") and stream not in kernels:
-            out.append(("copy", names.setdefault(stream, len(names))))
-        elif op == "launch":
-            out.append(("launch", names.setdefault(stream, len(names)), arg))
-    return out
-
-
 @needs_engine
 @pytest.mark.parametrize("model", ["llama3-8b", "llama3-70b-tp8-fp8", "deepseek-v2-lite-mla"])
 @pytest.mark.parametrize("layout", ["kv_split", "page", "cross_layer"])
-def test_the_engine_moves_the_oracles_bytes_with_the_python_paths_copies(
-    fake_cuda: Calls, model: str, layout: str
-) -> None:
-    logs = {}
-    for use_native in (True, False):
-        pair = Pair(model, layout)
-        backend = staged(pair, native=use_native)
-        try:
-            assert backend.path == ("native" if use_native else "python")
-            start = len(fake_cuda.log)
-            round_trips(pair, backend, seed=6)
-            logs[use_native] = moves(fake_cuda.log[start:])
-        finally:
-            backend.close()
-            pair.close()
-    assert logs[True] == logs[False]
+def test_the_engine_moves_the_oracles_bytes(fake_cuda: Calls, model: str, layout: str) -> None:
+    with engine_on(model, layout) as (pair, backend):
+        assert backend.path == "native"
+        round_trips(pair, backend, seed=6)
     assert not fake_cuda.memory  # the engine's id buffers were freed at close
 
 
 @needs_engine
-def test_loads_are_sliced_by_layer_and_a_layer_wait_needs_only_its_slice(fake_cuda: Calls) -> None:
+def test_a_layer_wait_is_one_flag_wait_enqueued_at_once_and_released_when_it_lands(
+    fake_cuda: Calls,
+) -> None:
+    """The load's streams are held (a GPU still busy): wait_on returns at once, having enqueued
+    one wait per call on the engine's stream, which goes on only once the copy's flag writes
+    land; the job is reported done only then."""
     with engine_on("llama3-8b", "kv_split") as (pair, backend):
         slots = np.arange(8)
         assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
+        release = hold_stream(fake_cuda, backend.spec.gather[1])
         pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
         layer_slice = pending.layer_slice
         assert layer_slice is not None and layer_slice.max() == 3  # max_layer_slices=4
         assert list(layer_slice) == sorted(layer_slice)
-        for layer in (0, len(layer_slice) - 1, None, 10_000):
-            pending.wait_on(123, layer)  # a raw stream handle
-        waits = [e for e in fake_cuda.log if e[0] == "wait" and e[1] == 123]
-        assert len(waits) == 4 and len({w[2] for w in waits}) == 3  # slice 0, 3, whole (x2)
+        before = fake_cuda.memops
+        for layer in (0, len(layer_slice) - 1, None):
+            pending.wait_on(123, layer)  # a raw stream handle: returns without the copy
+        assert fake_cuda.memops == before + 3
+        assert fake_cuda.stream_held(123) and not pending.done()
+        with pytest.raises(ValueError, match="layer"):
+            backend.layer_gate(0)
+        waiter = pending.layer_waiter(124)  # bound once, one flag wait per call
+        waiter(2)
+        assert fake_cuda.memops == before + 4 and fake_cuda.stream_held(124)
+        release()
+        assert not fake_cuda.stream_held(123) and not fake_cuda.stream_held(124)
         assert pending.wait(10) and pending.error() is None
+        before += 1
+        pending.wait_on(123, 0)  # landed: nothing more to enqueue
+        assert fake_cuda.memops == before + 3  # no wait enqueued for a layer that landed
         pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])
         pair.oracle.copy([TransferSpec.of("load", np.arange(8, 16), slots)])
         pair.check()
+
+
+@needs_engine
+@pytest.mark.parametrize("where", ["launch", "flags"])
+def test_a_load_that_fails_mid_way_still_writes_every_flag_and_reports_failed(
+    fake_cuda: Calls, where: str
+) -> None:
+    """A scatter refused at the second slice (or every flag write refused): the job fails, every
+    flag word a wait could name is written anyway (no stream is left waiting), wait_on says so,
+    and the next load runs."""
+    with engine_on("llama3-8b", "kv_split") as (pair, backend):
+        slots = np.arange(8)
+        assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
+        gate = backend.layer_gate(4)
+        gate.wait(77, 3)  # an engine stream waiting on the gate of a layer never loaded
+        launch = fake_cuda_launch(fake_cuda)
+        count = [0]
+
+        def second_fails(*args: Any) -> int:
+            count[0] += 1
+            return 700 if count[0] == 2 else int(launch(*args))
+
+        if where == "launch":
+            swap_launch(fake_cuda, second_fails)
+        else:
+            fake_cuda.fail_flags_on = backend.spec.gather[1]
+        try:
+            pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
+            gate.open(77, [pending])
+        finally:
+            swap_launch(fake_cuda, launch)
+            fake_cuda.fail_flags_on = None
+        assert pending.wait(10)
+        assert "FAKE_ERROR_700" in str(pending.error()) if where == "launch" else pending.error()
+        with pytest.raises(RuntimeError):
+            pending.wait_on(123, 3)  # the engine recomputes: the stream does not wait
+        assert not any(fake_cuda.held.values())  # the gate opened, nothing held
+        again = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
+        assert again.wait(10) and again.error() is None
+        pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])
+        pair.oracle.copy([TransferSpec.of("load", np.arange(8, 16), slots)])
+        pair.check()
+
+
+@needs_engine
+def test_a_gate_opens_each_step_once_the_listed_loads_landed_and_closes_as_it_is_passed(
+    fake_cuda: Calls,
+) -> None:
+    with engine_on("llama3-8b", "kv_split") as (_pair, backend):
+        slots = np.arange(8)
+        assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
+        gate = backend.layer_gate(32)
+        for bad in (-1, 32, True):
+            with pytest.raises(ValueError, match=r"layer in \[0, 32\)"):
+                gate.wait(77, bad)
+        # step 1: a load in flight (its streams held); the replay waits for layers 0 and 31
+        release = hold_stream(fake_cuda, backend.spec.gather[1])
+        pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
+        gate.open(77, [pending])
+        gate.wait(77, 0)
+        gate.wait(77, 31)
+        assert fake_cuda.stream_held(77)
+        release()
+        assert not fake_cuda.stream_held(77)
+        # step 2: no load; the gate was closed by step 1's waits, and opens at once
+        gate.wait(77, 0)
+        assert fake_cuda.stream_held(77)
+        gate.open(78, [])  # another stream's open does not reach a replay ahead of it on 77 ...
+        gate.open(77, [])
+        assert not fake_cuda.stream_held(77)
+        assert pending.wait(10) and pending.error() is None
+
+
+@needs_engine
+def test_close_with_waits_enqueued_waits_for_the_copies_then_frees_the_flags(
+    fake_cuda: Calls,
+) -> None:
+    with engine_on("llama3-8b", "kv_split") as (_pair, backend):
+        slots = np.arange(4)
+        assert backend.submit([TransferSpec.of("store", np.arange(4), slots)]).wait(10)
+        release = hold_stream(fake_cuda, backend.spec.gather[1])
+        pending = backend.submit([TransferSpec.of("load", np.arange(8, 12), slots)])
+        pending.wait_on(123, 1)
+        gate = backend.layer_gate(2)
+        gate.wait(124, 0)  # a replay waiting on a gate nobody will open
+        closer = threading.Thread(target=backend.close)
+        closer.start()
+        closer.join(0.2)
+        assert closer.is_alive()  # the load is still in flight
+        release()
+        closer.join(10)
+        assert not closer.is_alive()
+        assert not any(fake_cuda.held.values())  # close opened the gate, the load landed
+        assert pending.done() and pending.error() is None
+        pending.wait_on(123, 1)  # after close: nothing to wait for, no flag memory touched
 
 
 @needs_engine
@@ -355,16 +437,25 @@ def test_finished_jobs_are_drained_from_the_native_queue(fake_cuda: Calls) -> No
         assert backend.drain_finished() == []
 
 
-def test_without_the_extension_staged_runs_its_python_path_and_says_why(
-    fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch
+def test_without_the_extension_staged_falls_back_to_dma_and_says_why(
+    fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from kvoffload.transfer.cuda import engine
+
     monkeypatch.setenv("KVOFFLOAD_NATIVE", "0")
+    monkeypatch.setattr(engine, "_warned", set())
     native.reset()
     pair = Pair("llama3-8b", "page")
     try:
-        backend = staged(pair)
-        assert backend.path == "python"
+        with caplog.at_level("WARNING", logger=engine.__name__):
+            backend = staged(pair)
+            again = staged(pair)
+        again.close()
+        assert backend.name == "dma"
         assert backend.path_reason == "disabled by KVOFFLOAD_NATIVE=0"
+        logged = [r.getMessage() for r in caplog.records]
+        reason = "disabled by KVOFFLOAD_NATIVE=0"
+        assert logged == [f"kvoffload: the staged backend is unavailable, using dma: {reason}"]
         round_trips(pair, backend, seed=7, rounds=1)
         backend.close()
     finally:
@@ -390,7 +481,7 @@ def test_a_malformed_engine_spec_is_refused() -> None:
         engine.Engine(native.address(table), np.zeros(3, dtype=np.int64))
     bad_abi = np.zeros(40, dtype=np.int64)
     bad_abi[0] = 99
-    with pytest.raises(ValueError, match="ABI 1, got 99"):
+    with pytest.raises(ValueError, match=f"ABI {native.ABI}, got 99"):
         engine.Engine(native.address(table), bad_abi)
 
 
@@ -534,3 +625,26 @@ def test_jobs_beyond_the_id_buffers_first_capacity_grow_them(fake_cuda: Calls) -
         backend.close()
         arena.close()
         arena_oracle.close()
+
+
+@needs_engine
+@pytest.mark.parametrize("layout", ["kv_split", "page", "cross_layer"])
+def test_runs_of_consecutive_slots_load_as_one_pitched_copy_per_slice(
+    fake_cuda: Calls, layout: str
+) -> None:
+    """Slots 2..7 ascending (a run), then 12, 0, 1 (a single and a run of two): each run of a
+    layer slice moves as one 2D copy, the singles by descriptor; bytes match the oracle."""
+    with engine_on("llama3-70b-tp8-fp8", layout) as (pair, backend):
+        slots = [2, 3, 4, 5, 6, 7, 12, 0, 1]
+        blocks = [20, 3, 9, 14, 1, 17, 8, 22, 5]
+        store = [TransferSpec.of("store", blocks, slots)]
+        assert backend.submit(store).wait(10)
+        load = [TransferSpec.of("load", [0, 4, 6, 10, 11, 13, 15, 19, 23], slots)]
+        start = len(fake_cuda.log)
+        pending = backend.submit(load)
+        assert pending.wait(10) and pending.error() is None
+        rows = [e[2] for e in fake_cuda.log[start:] if e[0] == "copy2d"]
+        assert rows and all(2 <= r <= 6 for r in rows)  # runs, cut at chunk boundaries
+        pair.oracle.copy(store)
+        pair.oracle.copy(load)
+        pair.check()

@@ -157,7 +157,7 @@ def test_bad_calls(engine):
     keys = prefix_block_keys(np.arange(32), BS)
     with pytest.raises(ValueError, match="one engine block per key"):
         off.schedule_store("a", keys, [0])
-    with pytest.raises(ValueError, match="expected READABLE keys"):
+    with pytest.raises(ValueError, match="schedule_load: expected keys held on host"):
         off.schedule_load("a", keys, [0, 1])
     with pytest.raises(ValueError, match=r"unknown id\(s\) \[99\]"):
         off.complete([JobResult(99, True, 0, 0.0)])
@@ -223,7 +223,7 @@ def test_a_refused_schedule_leaves_nothing_behind(engine):
         (keys, np.array([[5], [6]]), 0, r"1-D array of engine block ids, got shape \(2, 1\)"),
         (keys, 5, 0, r"1-D array of engine block ids, got shape \(\)"),
         (keys, [5], 0, "one engine block per key"),
-        ([*keys, b"absent"], [5, 6, 7], 0, "expected READABLE keys"),
+        ([*keys, b"absent"], [5, 6, 7], 0, "expected keys held on host"),
     ]
     for ks, blocks, group, message in bad_loads:
         with pytest.raises(ValueError, match=message):

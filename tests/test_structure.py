@@ -5,6 +5,9 @@
    to hold both files of a circle at once whichever way it is imported.
 2. Nothing outside ``kvoffload/bench/`` imports ``kvoffload.bench``: the library never depends on
    its benchmarks. ``kvoffload/cli.py`` routes ``kvoffload bench <what>`` to the bench modules.
+3. The staged pipeline lives in C only (``kvoffload/transfer/cuda/native/``): no Python module or
+   definition of a staging ring, submitter threads or a per-transfer chunk plan (issue 26).
+4. No Python module over ``MAX_LINES`` lines.
 
 ``docs/structure.md`` describes the layout these rules keep.
 """
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Container
 from pathlib import Path
 
@@ -22,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 KNOWN_CYCLES: set[frozenset[str]] = set()
 KNOWN_BENCH_IMPORTS: set[tuple[str, str]] = set()
 BENCH_ROUTER = "kvoffload.cli"
+# The Python copy of the staged pipeline that issue 26 removed: its modules and its definitions.
+PIPELINE_MODULES = {"staged.py", "buffers.py", "submitter.py"}
+PIPELINE_NAMES = {"chunk_sizes", "chunk_blocks", "StagedBackend", "BufferRing", "Submitter"}
+MAX_LINES = 500
 
 
 def modules(root: Path, package: str = "kvoffload") -> dict[str, tuple[Path, bool]]:
@@ -163,3 +171,98 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
         frozenset({"kvoffload.sub.a", "kvoffload.sub.b"}),
         frozenset({"kvoffload.c", "kvoffload.d", "kvoffload.e"}),
     }
+
+
+def python_pipeline(root: Path, package: str = "kvoffload") -> list[str]:
+    """Where a Python staged pipeline shows under ``root/package``: modules named as its parts,
+    functions or classes with its names."""
+    found = []
+    for path in sorted((root / package).rglob("*.py")):
+        where = str(path.relative_to(root))
+        if path.name in PIPELINE_MODULES:
+            found.append(where)
+        for node in ast.walk(ast.parse(path.read_text(), where)):
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and node.name in PIPELINE_NAMES
+            ):
+                found.append(f"{where}: {node.name}")
+    return found
+
+
+def long_modules(root: Path, package: str = "kvoffload") -> list[str]:
+    return [
+        f"{path.relative_to(root)}: {n} lines"
+        for path in sorted((root / package).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    ]
+
+
+def test_the_staged_pipeline_is_not_in_python():
+    found = python_pipeline(ROOT)
+    assert not found, (
+        "the staged pipeline lives in C only (kvoffload/transfer/cuda/native/); where the "
+        f"extension is absent staged falls back to dma: {found}"
+    )
+
+
+def test_no_module_is_over_the_line_limit():
+    found = long_modules(ROOT)
+    assert not found, f"modules over {MAX_LINES} lines (split them by concept): {found}"
+
+
+def test_the_pipeline_and_length_checks_see_what_they_refuse(tmp_path):
+    pkg = tmp_path / "kvoffload"
+    (pkg / "transfer").mkdir(parents=True)
+    (pkg / "transfer" / "buffers.py").write_text("x = 1\n")
+    (pkg / "transfer" / "plan.py").write_text(
+        "def chunk_sizes():\n    pass\n\n\nclass Submitter:\n    pass\n"
+    )
+    (pkg / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (pkg / "short.py").write_text("x = 1\n" * MAX_LINES)
+    assert python_pipeline(tmp_path) == [
+        "kvoffload/transfer/buffers.py",
+        "kvoffload/transfer/plan.py: chunk_sizes",
+        "kvoffload/transfer/plan.py: Submitter",
+    ]
+    assert long_modules(tmp_path) == [f"kvoffload/long.py: {MAX_LINES + 1} lines"]
+
+
+NATIVE = ROOT / "kvoffload" / "transfer" / "cuda" / "native"
+
+
+def c_includes(path: Path) -> set[str]:
+    return set(re.findall(r'^#include "([^"]+)"', path.read_text(), re.M))
+
+
+def test_the_native_engine_has_one_owner_per_concept():
+    """Every C file is under the line limit; the binding includes only engine.h's API (never the
+    engine's state or lock); the pipeline knows nothing of threads or the engine; the headers
+    include each other without a circle; the ABI number is defined once."""
+    files = sorted(NATIVE.glob("*.[ch]"))
+    long = [f"{f.name}: {n}" for f in files if (n := len(f.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"native files over {MAX_LINES} lines: {long}"
+    for binding in ("module.c", "module_job.c", "binding.h"):
+        text = (NATIVE / binding).read_text()
+        assert "engine_state.h" not in c_includes(NATIVE / binding), binding
+        for private in ("pthread_", "->mu", "->lane", "->flags", "->inflight", "->spec"):
+            assert private not in text, f"{binding} names the engine's {private}"
+    for pure in ("pipeline.c", "pipeline.h", "flags.c", "job.c"):
+        text = (NATIVE / pure).read_text()
+        assert "pthread" not in text and "engine" not in c_includes(NATIVE / pure), pure
+    graph = {f.name: c_includes(f) for f in files if f.suffix == ".h"}
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert state.get(name) != 1, f"include circle: {' -> '.join((*path, name))}"
+        if state.get(name) == 2:
+            return
+        state[name] = 1
+        for dep in graph.get(name, ()):
+            visit(dep, (*path, name))
+        state[name] = 2
+
+    for name in graph:
+        visit(name, ())
+    defined = [f.name for f in files if re.search(r"#define KVO_ABI\b", f.read_text())]
+    assert defined == ["kvo.h"], defined

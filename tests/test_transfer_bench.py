@@ -53,7 +53,7 @@ def synthetic_result() -> dict[str, Any]:
                 times = {(d, lead): timings(t) for d in ("store", "load") for lead in (False, True)}
                 row = transfer_row(method, n, slot // pieces, pieces, n * slot, times)
                 tag = {"model": model, "layout": layout, "block_size": bs}
-                rows.append({**tag, **row, "asked_blocks": asked, "path": "python"})
+                rows.append({**tag, **row, "asked_blocks": asked, "path": "dma"})
     return {
         "benchmark": "transfer",
         "device": "NVIDIA H100 (synthetic)",
@@ -95,7 +95,7 @@ def synthetic_result() -> dict[str, Any]:
                 ["staged", "wake_late_us:excess", "1 blocks", "4.2", "9.0", "40", ""],
             ],
         },
-        "paths": {"staged": {"path": "python", "path_reason": "no native engine yet"}},
+        "paths": {"staged": {"path": "dma", "path_reason": "no native engine yet"}},
         "method_notes": {"vllm-triton": "skipped: absent"},
         "failures": [
             {
@@ -142,7 +142,7 @@ def test_a_whole_gpu_result_prints_plots_and_summarizes(tmp_path, capsys):
         assert text in printed
     assert plot(result, tmp_path / "t.png").stat().st_size > 10_000
     path = write_json(tmp_path / "t.json", result)
-    assert json.loads(path.read_text())["rows"][0]["path"] == "python"
+    assert json.loads(path.read_text())["rows"][0]["path"] == "dma"
 
 
 def test_the_dry_run_lists_cases_methods_and_sections_without_a_gpu(capsys, monkeypatch):
@@ -181,7 +181,16 @@ def test_methods_by_name():
         path, path_reason = "native", None
 
     assert transfer_methods.path_of(Native()) == {"path": "native", "path_reason": None}
-    assert transfer_methods.path_of(object()) == {"path": "python", "path_reason": None}
+
+    class Fallback:  # ``staged`` where the native engine cannot run
+        name, path_reason = "dma", "disabled by KVOFFLOAD_NATIVE=0"
+
+    assert transfer_methods.path_of(Fallback()) == {
+        "path": "dma",
+        "path_reason": "disabled by KVOFFLOAD_NATIVE=0",
+    }
+    assert transfer_methods.path_of(object()) == {"path": "", "path_reason": None}
+    assert "staged-python" not in METHODS  # the Python staged path is gone (issue 26)
 
 
 def test_the_host_section_gets_the_registry_methods_or_is_skipped(monkeypatch):
@@ -194,12 +203,10 @@ def test_the_host_section_gets_the_registry_methods_or_is_skipped(monkeypatch):
     module = types.ModuleType(transfer_gpu.HOST_TIME)
     module.run = fake_run  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, transfer_gpu.HOST_TIME, module)
-    out = transfer_gpu.host_time(["staged", "vllm-triton", "staged-python", "dma"], 50.0, 0)
-    if "staged-python" in BACKENDS:  # registered once the native engine is in
-        assert calls == [(0, ["staged", "vllm-triton", "staged-python", "dma"], 50.0)]
-    else:
-        assert calls == [(0, ["staged", "vllm-triton", "dma"], 50.0)]
-        assert out["methods_left_out"] == ["staged-python"]
+    out = transfer_gpu.host_time(["staged", "vllm-triton", "no-such-method", "dma"], 50.0, 0)
+    assert "no-such-method" not in BACKENDS
+    assert calls == [(0, ["staged", "vllm-triton", "dma"], 50.0)]
+    assert out["methods_left_out"] == ["no-such-method"]
 
     def broken(device: int, methods: list[str], budget_s: float) -> dict[str, Any]:
         raise ImportError("cannot import name 'Engine'")
@@ -218,7 +225,7 @@ def test_the_host_section_gets_the_registry_methods_or_is_skipped(monkeypatch):
 class FakeBackend:
     def __init__(self, method: str) -> None:
         self.method, self.closed = method, False
-        self.path = "native" if method == "staged" else "python"
+        self.path = "native" if method == "staged" else method
         self.path_reason = None
 
     def close(self) -> None:

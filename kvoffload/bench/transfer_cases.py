@@ -22,12 +22,12 @@ CASES = (
     "llama3-8b:cross_layer:16,deepseek-v2-lite-mla:page:8"
 )
 GPU_BLOCKS = (1, 16, 37, 64, 1000, 2048)  # the counts issue 21's targets name
-# Methods side by side: ``staged`` (the native engine where it runs; each row records the path),
-# ``staged-python`` (its pure-Python path), ``dma`` (one descriptor per piece, as vLLM's
+# Methods side by side: ``staged`` (the native engine where it runs, else the ``dma`` fallback;
+# each row records the path), ``dma`` (one descriptor per piece, as vLLM's
 # cuMemcpyBatchAsync path), ``sm`` (our Triton copy with vLLM's constants), ``auto`` (the
 # planner, as users get it), ``vllm-triton`` (vLLM's own Triton kernel, reproduced in
 # ``kvoffload.bench.vllm_triton``; skipped with a note where that module is absent).
-METHODS = ("staged", "staged-python", "dma", "sm", "auto", "vllm-triton")
+METHODS = ("staged", "dma", "sm", "auto", "vllm-triton")
 # sweep: per case and count, store and load GB/s and 1-block latency, store+load at once, the
 # first layer of a load; gemm: a GEMM and a launch-bound Python thread beside each method's
 # transfers; host: GIL held per submit and an eager engine step (``kvoffload.bench.host_time``);

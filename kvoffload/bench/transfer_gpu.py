@@ -47,7 +47,7 @@ from kvoffload.transfer.timing import Sleeper, measure_link
 HOST_TIME = "kvoffload.bench.host_time"
 HOST_SHARE = 0.2  # of --time-budget-s, given to the host section (GIL, engine step)
 BOTH_BLOCKS = 512  # store+load at once: this many blocks each way (fewer where a case has less)
-SUBMIT_METHODS = ("staged", "staged-python")  # the calls section dissects these submits
+SUBMIT_METHODS = ("staged", "dma")  # the calls section times these submits
 
 
 def gpu_info() -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """The methods ``kvoffload bench transfer`` compares, built by name (torch-free at import).
 
-``staged`` is the library's default backend: the native engine where it runs, its Python path
-where not; the JSON records which (``path_of``). ``staged-python`` is that Python path by itself,
-``vllm-triton`` vLLM's own Triton copy kernel reproduced by ``kvoffload.bench.vllm_triton``
-(imported only when asked for; without that module the method is skipped with a note).
+``staged`` is the library's default backend: the native engine where it runs, the ``dma``
+backend where not; the JSON records which (``path_of``). ``vllm-triton`` is vLLM's own Triton
+copy kernel reproduced by ``kvoffload.bench.vllm_triton`` (imported only when asked for; without
+that module the method is skipped with a note).
 """
 
 from __future__ import annotations
@@ -30,14 +30,8 @@ def unavailable(method: str) -> str | None:
 
 def make(method: str, kv: KVLayout, arena: HostArena) -> CopyBackend:
     """A backend for ``method`` over ``kv`` and ``arena``."""
-    from kvoffload.transfer.registry import BACKENDS, make_backend
+    from kvoffload.transfer.registry import make_backend
 
-    if method == "staged-python":
-        if method in BACKENDS:  # registered once the native engine is in
-            return make_backend(method, kv, arena)
-        from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
-
-        return StagedBackend(kv, arena, config=StagedConfig(native=False))
     if method == "dma":
         from kvoffload.transfer.cuda.dma import DmaBackend
 
@@ -52,8 +46,9 @@ def make(method: str, kv: KVLayout, arena: HostArena) -> CopyBackend:
 
 
 def path_of(backend: object) -> dict[str, Any]:
-    """Which path a backend ran (``path``: e.g. ``native`` or ``python``) and why."""
+    """Which path a backend ran (``path``: ``native`` for the engine, else the backend's name,
+    e.g. ``dma`` where ``staged`` fell back) and why."""
     return {
-        "path": getattr(backend, "path", "python"),
+        "path": getattr(backend, "path", getattr(backend, "name", "")),
         "path_reason": getattr(backend, "path_reason", None),
     }

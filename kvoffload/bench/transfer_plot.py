@@ -9,7 +9,7 @@ from kvoffload.bench.transfer_targets import link_limit
 
 STYLE = {
     "staged": ("tab:green", "o"),
-    "staged-python": ("tab:olive", "v"),
+    "staged-python": ("tab:olive", "v"),  # the former Python path: results before issue 26
     "dma": ("tab:blue", "s"),
     "sm": ("tab:red", "^"),
     "vllm-triton": ("tab:purple", "D"),

@@ -47,7 +47,8 @@ def measure_first_layer(
         side.synchronize()
         if not p.wait(30) or p.error() is not None:
             raise RuntimeError(f"a first-layer probe load failed: {p.error()}")
-        slices = len(getattr(p, "layer_events", ()))
+        owner = getattr(p, "layer_slice", None)  # the native engine's layer -> slice
+        slices = 0 if owner is None else int(owner.max()) + 1
         if i:
             out["layer0_ms"].append(start.elapsed_time(first))
             out["whole_ms"].append(start.elapsed_time(end))
@@ -70,9 +71,7 @@ def measure_submit_parts(
 ) -> dict[str, Any]:
     """Where the caller's ``submit`` time goes, per method (``{method: {blocks: {...}}}``): the
     whole call, ``submit_checked`` (what a paired TransferWorker calls), the call after the
-    backend sat idle; and, on a backend with the Python submitter threads, the call with the
-    hand-off to the thread replaced by a no-op (no thread wake-up) and its parts (spec
-    validation, the ordering event, the Pending)."""
+    backend sat idle."""
     rng = np.random.default_rng(1)
     out: dict[str, Any] = {}
     for method, backend in backends.items():
@@ -81,7 +80,7 @@ def measure_submit_parts(
             spec = [TransferSpec.of("store", rng.permutation(kv.pool)[:n], np.arange(n))]
             after_idle = []
             for _ in range(10):
-                time.sleep(0.08)  # longer than any submitter's polling window: it sleeps
+                time.sleep(0.08)  # the engine's threads are asleep
                 t0 = time.perf_counter()
                 p = backend.submit(spec)
                 after_idle.append(time.perf_counter() - t0)
@@ -92,57 +91,9 @@ def measure_submit_parts(
                 # through a paired TransferWorker (its Offloader validated the job)
                 "submit_checked_us": _waited_submits(partial(backend.submit_checked, spec), reps),
                 "submit_after_idle_us": statistics.median(after_idle) * 1e6,
-                **(_python_parts(backend, spec, reps) if hasattr(backend, "_submitters") else {}),
             }
         out[method] = per
     return out
-
-
-def _python_parts(backend: Any, spec: list[TransferSpec], reps: int) -> dict[str, float]:
-    """The parts of a Python-path ``submit`` (its private submitter threads swapped out)."""
-    import queue
-
-    from kvoffload.transfer.cuda.pending import CudaPending
-
-    def med(fn: Callable[[], object]) -> float:
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e6
-
-    class Sink:
-        def put(self, job: object, inline: bool = True) -> None:
-            return
-
-    class Waiterless:  # a queue nobody is blocked on
-        def __init__(self) -> None:
-            self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-
-        def put(self, job: object, inline: bool = True) -> None:
-            self.queue.put(job)
-
-    real = backend._submitters
-    try:
-        backend._submitters = {"store": Sink(), "load": Sink()}
-        no_wake = med(partial(backend.submit, spec))
-        checked_no_wake = med(partial(backend.submit_checked, spec))
-        waiterless = Waiterless()
-        backend._submitters = {"store": waiterless, "load": waiterless}
-        no_waiter = med(partial(backend.submit, spec))
-    finally:
-        backend._submitters = real
-    return {
-        "submit_without_thread_wake_us": no_wake,
-        "submit_checked_without_thread_wake_us": checked_no_wake,
-        "submit_into_queue_without_waiter_us": no_waiter,
-        "validate_us": med(partial(backend.validate, spec)),
-        "order_event_us": med(
-            lambda: backend._order_events.append(backend._order_event("current") or 0)
-        ),
-        "pending_us": med(CudaPending),
-    }
 
 
 def _waited_submits(submit: Callable[[], Any], reps: int) -> float:

@@ -27,12 +27,12 @@ included). What differs, and why:
   otherwise. Here the kernel runs every transfer, both directions and every piece size, so the
   benchmark shows the kernel itself where vLLM would and would not pick it (our ``dma`` backend
   with ``merge=False`` is vLLM's other path).
-- The three descriptor arrays go up in one copy from a reused pinned buffer (vLLM: three
+- The three descriptor arrays go up in one copy from a pinned buffer (vLLM: three
   ``.to("cuda", non_blocking=True)`` calls; later versions from pooled pinned buffers): the GPU
   reads the same tables.
 - Ordering, streams, events and completion are our ``CudaBackend``'s (``kvoffload.transfer.cuda.
-  base``), as for every backend in the benchmark: a store waits for the caller's stream, loads
-  and stores run on their own streams.
+  base``), as for ``dma`` and ``sm``: enqueued in the caller's thread, a store waits for the
+  caller's stream, loads and stores run on their own streams.
 """
 
 from __future__ import annotations
@@ -45,11 +45,10 @@ import numpy as np
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import CopyBackend
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.base import INLINE_BYTES, CudaBackend, Lane
-from kvoffload.transfer.cuda.buffers import BufferRing
+from kvoffload.transfer.cuda.base import CudaBackend, upload
 from kvoffload.transfer.cuda.sm import check_words
 from kvoffload.transfer.descriptors import region_arrays
-from kvoffload.transfer.layout import KVLayout, LayerGroup
+from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
 
 NAME = "vllm-triton"
@@ -126,8 +125,6 @@ class VllmTritonBackend(CudaBackend):
         config: VllmTritonConfig | None = None,
         launcher: Launcher | None = None,
         driver: cu.CudaDriver | None = None,
-        submit_thread: bool = True,
-        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         check_words(layout)
         if arena.slot_bytes % 8:
@@ -143,57 +140,27 @@ class VllmTritonBackend(CudaBackend):
         pages = [r.page_bytes for g in layout.groups for r in g.regions]
         self.chunk_bytes = chunk_bytes(pages, self.config.max_chunk_bytes)
         self._arrays = [region_arrays(g) for g in layout.groups]
-        super().__init__(
-            layout, arena, driver=driver, submit_thread=submit_thread, inline_bytes=inline_bytes
-        )
+        super().__init__(layout, arena, driver=driver)
         import torch
 
         with torch.cuda.device(self.device):
             self._host_base = cu.host_device_pointer(arena.base_address)
-        self._tables = BufferRing(self.device, with_device=True)
 
-    def _slice_count(self, group: LayerGroup) -> int:
-        return 1  # vLLM launches once per transfer
-
-    def _enqueue(self, spec: TransferSpec, lane: Lane, part: int | None, prepared: Any) -> None:
-        regions = (
-            range(len(self.layout.groups[spec.group].regions))
-            if part is None
-            else self.load_parts[spec.group][part]
-        )
+    def _enqueue(self, spec: TransferSpec, stream: Any) -> tuple[Any, Any]:
+        regions = range(len(self.layout.groups[spec.group].regions))
         n = len(spec) * len(regions)
-        if n == 0:
-            return
         # Each row starts 16-byte aligned (an even count of int64), as vLLM's three separate
         # tensors do: Triton compiles a variant per pointer alignment.
         m = (n + 1) // 2 * 2
-        buf = self._tables.take(3 * m)
-        try:
-            table = buf.host[: 3 * m].reshape(3, m)
-            piece_table(
-                spec,
-                self._arrays[spec.group],
-                regions,
-                self._host_base,
-                self.arena.slot_bytes,
-                table,
-            )
-            buf.upload(self.driver, 3 * m, lane.tail)
-            dev = buf.device
-            self._launcher.launch(
-                lane.streams[0],
-                dev,
-                dev[m:],
-                dev[2 * m :],
-                n,
-                self.config.programs,
-                self.chunk_bytes,
-            )
-        finally:
-            self._tables.release(buf, lane.tail)
-
-    def _close_buffers(self) -> None:
-        self._tables.close()
+        table = np.zeros((3, m), dtype=np.int64)
+        piece_table(
+            spec, self._arrays[spec.group], regions, self._host_base, self.arena.slot_bytes, table
+        )
+        host, dev = upload(self.driver, table.reshape(-1), self.device, stream)
+        self._launcher.launch(
+            stream, dev, dev[m:], dev[2 * m :], n, self.config.programs, self.chunk_bytes
+        )
+        return host, dev
 
 
 def make_backend(layout: KVLayout, arena: HostArena) -> CopyBackend:

@@ -45,10 +45,12 @@ class JobLedger:
         self.closed = False
         self._entries: dict[int, _Entry] = {}
         self._by_req: dict[str, set[int]] = {}
+        self.last_id = -1  # the highest job id handed out (ids count up from 0)
 
     # -- the Offloader's side ------------------------------------------------------------------
 
     def add(self, job: TransferJob) -> None:
+        self.last_id = max(self.last_id, job.job_id)
         self._entries[job.job_id] = _Entry(job)
         self._by_req.setdefault(job.req_id, set()).add(job.job_id)
 
@@ -91,6 +93,12 @@ class JobLedger:
         if req_id is None:
             return set(self._entries)
         return set(self._by_req.get(req_id, ()))
+
+    def handed_out(self, job_id: object) -> bool:
+        """Whether the Offloader ever handed out ``job_id`` (in flight or long finished)."""
+        if isinstance(job_id, bool) or not isinstance(job_id, int):
+            return False
+        return 0 <= job_id <= self.last_id
 
     def is_settled(self, req_id: str) -> bool:
         return req_id not in self._by_req

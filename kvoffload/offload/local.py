@@ -13,10 +13,11 @@ from kvoffload.offload.worker import TransferWorker
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.registry import make_backend
+from kvoffload.transfer.topology import arena_placement
 
 # Backends that copy between a GPU and host memory: refused for CPU tensors before anything is
 # built (they would fail later, importing Triton or the CUDA driver).
-CUDA_BACKENDS = ("staged", "staged-python", "dma", "sm")
+CUDA_BACKENDS = ("staged", "dma", "sm")
 
 
 @dataclass
@@ -102,7 +103,9 @@ def build_local(layout: KVLayout, config: OffloadConfig | None = None) -> LocalO
         from kvoffload.transfer.pinning import cuda_pin
 
         pin_fn = cuda_pin
-    arena = HostArena(offloader.num_slots, layout.slot_bytes, pin=pin_fn)
+    nbytes = offloader.num_slots * layout.slot_bytes
+    placement = arena_placement(config.numa_node, layout.device, nbytes)
+    arena = HostArena(offloader.num_slots, layout.slot_bytes, pin=pin_fn, placement=placement)
     backend = None
     try:
         backend = make_backend(config.backend, layout, arena)

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from kvoffload.config import OffloadConfig
+from kvoffload.offload.inputs import check_block_ids, not_held
 from kvoffload.offload.jobs import JobResult, TransferJob
 from kvoffload.offload.ledger import JobLedger
 from kvoffload.offload.lower import LowerTiers, TierLookup
@@ -131,7 +132,10 @@ class Offloader:
             self._check_open("schedule_load")
             keys = checked_keys(keys, "schedule_load")
             blocks_arr = self._engine_blocks(req_id, keys, blocks, group, "load")
-            slots = self.index.prepare_load(keys)
+            try:
+                slots = self.index.prepare_load(keys)
+            except ValueError as err:
+                raise not_held(self.index, keys, "schedule_load", err) from None
             return self._job(req_id, "load", keys, TransferSpec("load", blocks_arr, slots, group))
 
     def schedule_store(
@@ -162,7 +166,7 @@ class Offloader:
         the host copy of a hot system prompt is not the first evicted). Unknown keys are ignored."""
         with self._lock:
             self._check_open("touch")
-            self.index.touch(checked_keys(keys, "touch"))
+            self.index.touch(checked_keys(keys, "touch", ordered=False))
 
     def complete(self, results: Iterable[JobResult]) -> list[TransferJob]:
         """Apply the worker's results: stores become readable (or roll back), loads unpin.
@@ -331,6 +335,7 @@ class Offloader:
                 f"schedule_{direction}: expected a 1-D array of engine block ids, got shape "
                 f"{raw.shape}"
             )
+        check_block_ids(raw, f"schedule_{direction}")
         if raw.size and raw.dtype.kind not in "iu":
             raise ValueError(
                 f"schedule_{direction}: expected int engine block ids, got dtype {raw.dtype}"

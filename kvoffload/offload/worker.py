@@ -26,14 +26,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvoffload.config import DEFAULT_LOAD_TIMEOUT_S
 from kvoffload.offload.jobs import JobResult, TransferJob
 from kvoffload.offload.offloader import Offloader
-from kvoffload.transfer.backend import CopyBackend, Pending
+from kvoffload.transfer.backend import CopyBackend, LayerGate, Pending
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,55 @@ class TransferWorker:
             deadline = now + self.load_timeout_s if job.direction == "load" else None
             self._running[job.job_id] = _Running(job, pending, now, deadline)
 
+    def step(self, jobs: Sequence[TransferJob]) -> list[JobResult]:
+        """One call per engine step: submit ``jobs`` in order (as ``submit`` does), then return
+        ``get_finished()``. ValueError, submitting none of them, unless every job is one this
+        worker may run (as ``submit`` checks)."""
+        if not isinstance(jobs, (list, tuple)):
+            raise ValueError(f"step: expected a list of TransferJob, got {type(jobs).__name__}")
+        with self._lock:
+            if self._closed and jobs:
+                raise ValueError("step: expected an open TransferWorker, got a closed one")
+            taken: list[TransferJob] = []
+            try:
+                for job in jobs:
+                    if not isinstance(job, TransferJob):
+                        raise ValueError(f"step: expected a TransferJob, got {type(job).__name__}")
+                    if job.job_id in self._running:
+                        raise ValueError(
+                            f"step: expected a new job id, got {job.job_id} already running"
+                        )
+                    self._ledger.take(job)
+                    taken.append(job)
+            except BaseException:
+                for job in taken:
+                    self._ledger.untake(job)
+                raise
+            for k, job in enumerate(jobs):
+                try:
+                    pending = self.backend.submit_checked(job.specs)
+                except BaseException:
+                    for left in jobs[k:]:
+                        self._ledger.untake(left)
+                    raise
+                now = time.perf_counter()
+                deadline = now + self.load_timeout_s if job.direction == "load" else None
+                self._running[job.job_id] = _Running(job, pending, now, deadline)
+        return self.get_finished()
+
+    def layer_gate(self, layers: int) -> WorkerGate:
+        """A ``LayerGate`` (``kvoffload.transfer.backend``) whose ``open`` takes job ids: for an
+        engine whose forward is one CUDA graph with the per-layer waits captured inside it.
+
+        >>> gate = worker.layer_gate(num_layers)                       # doctest: +SKIP
+        >>> with torch.cuda.graph(g): ... gate.wait(stream, i) ...     # in the forward, per layer
+        >>> gate.open(stream, [load_job_id]); g.replay()               # each step
+        """
+        with self._lock:
+            if self._closed:
+                raise ValueError("layer_gate: expected an open TransferWorker, got a closed one")
+            return WorkerGate(self, self.backend.layer_gate(layers))
+
     def cancel(self, job_ids: Iterable[int]) -> list[int]:
         """Cancel jobs that have not started; they finish as ``cancelled``. Returns those ids.
 
@@ -171,16 +220,44 @@ class TransferWorker:
         ``layer``: wait only for that layer of the job's layer group (an index into
         ``LayerGroup.layer_starts``: by default one per tensor given to ``KVLayout.from_tensors``),
         so layer i's attention can start while later layers are still loading. ValueError for a
-        layer the group does not have.
+        layer the group does not have, and for a job id its Offloader never handed out.
         """
         with self._lock:
             run = self._running.get(job_id)
+        if run is None and not self._ledger.handed_out(job_id):
+            raise ValueError(f"wait_on: expected a job id its Offloader handed out, got {job_id!r}")
         if run is None:
             return
         if layer is not None:
             for spec in run.job.specs:
                 self.backend.layout.groups[spec.group].layer_regions(layer)  # ValueError if absent
         run.pending.wait_on(stream, layer)
+
+    def layer_waiter(self, job_id: int, stream: object = None) -> Callable[[int], None]:
+        """``wait_on(job_id, stream, layer)`` bound once, for an engine that waits before each
+        layer's attention: ``waiter = worker.layer_waiter(job_id, stream)``, then ``waiter(i)``
+        per layer (ValueError for a layer the job's groups do not have; the copy's error raised
+        as ``wait_on`` raises it). The job, the stream and the layer count are resolved here, so
+        a call costs one native wait (about a microsecond of Python on top). A job already
+        finished gives a waiter that only checks ``layer``."""
+        with self._lock:
+            run = self._running.get(job_id)
+        if run is None and not self._ledger.handed_out(job_id):
+            raise ValueError(
+                f"layer_waiter: expected a job id its Offloader handed out, got {job_id!r}"
+            )
+        groups = self.backend.layout.groups
+        specs = run.job.specs if run is not None else ()
+        layers = min((groups[s.group].num_layers for s in specs), default=groups[0].num_layers)
+        wait = run.pending.layer_waiter(stream) if run is not None else None
+
+        def waiter(layer: int) -> None:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+                raise ValueError(f"expected a layer in [0, {layers}), got {layer!r}")
+            if wait is not None:
+                wait(layer)
+
+        return waiter
 
     def pending_count(self) -> int:
         with self._lock:
@@ -278,6 +355,29 @@ class TransferWorker:
                 run.job.job_id,
                 self.load_timeout_s,
             )
+
+
+class WorkerGate:
+    """``TransferWorker.layer_gate``: a ``LayerGate`` opened by job ids. A job already finished
+    (or never submitted to this worker) counts as landed."""
+
+    def __init__(self, worker: TransferWorker, gate: LayerGate) -> None:
+        self._worker = worker
+        self.gate = gate
+        self.layers = gate.layers
+
+    def wait(self, stream: object, layer: int) -> None:
+        """Enqueue on ``stream`` (capturable in a CUDA graph): wait until ``layer`` is open,
+        then close it. ValueError for a layer outside the gate."""
+        self.gate.wait(stream, layer)
+
+    def open(self, stream: object, job_ids: Iterable[int]) -> None:
+        """Once per step, before the replay on ``stream``: open each layer once every job in
+        ``job_ids`` has landed it; the host does not wait for the copies."""
+        ids = _job_ids(job_ids, "open")
+        with self._worker._lock:
+            pendings = [run.pending for j in ids if (run := self._worker._running.get(j))]
+        self.gate.open(stream, pendings)
 
 
 def _check_fit(offloader: Offloader, backend: CopyBackend) -> None:

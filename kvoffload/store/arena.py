@@ -4,7 +4,8 @@ A slot holds one block for every layer of a layer group (K and V), contiguous, s
 moves as one DMA descriptor, one file write or one remote object. The memory is an anonymous
 ``mmap`` (page-aligned, committed by the OS on first touch). Pinning it for the GPU is done by the
 caller through ``pin``, a function ``(address, nbytes) -> unpin`` (see
-``kvoffload.transfer.pinning``), so this module never imports torch or CUDA.
+``kvoffload.transfer.pinning``), so this module never imports torch or CUDA. A ``placement``
+(``kvoffload.store.numa``) binds the memory to a NUMA node before it is pinned or touched.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import mmap
 from collections.abc import Callable
 
 import numpy as np
+
+from kvoffload.store import numa
+from kvoffload.store.numa import Placement
 
 PinFn = Callable[[int, int], Callable[[], None]]
 
@@ -30,9 +34,19 @@ def slots_for_capacity(capacity_bytes: int, slot_bytes: int) -> int:
 
 
 class HostArena:
-    """Fixed-size slots; ``slots`` is their (num_slots, slot_bytes) uint8 view."""
+    """Fixed-size slots; ``slots`` is their (num_slots, slot_bytes) uint8 view. ``placement``:
+    where it was asked to go and why (``numa.place``: "auto" degrades to none where the kernel
+    refuses, saying so; a node asked for by id raises ``numa.NumaUnavailable``)."""
 
-    def __init__(self, num_slots: int, slot_bytes: int, pin: PinFn | None = None) -> None:
+    placement = Placement.none("not placed (this arena's memory is not its own)")
+
+    def __init__(
+        self,
+        num_slots: int,
+        slot_bytes: int,
+        pin: PinFn | None = None,
+        placement: Placement | None = None,
+    ) -> None:
         if num_slots <= 0:
             raise ValueError(f"expected num_slots > 0, got {num_slots}")
         if slot_bytes <= 0:
@@ -53,11 +67,19 @@ class HostArena:
             num_slots, slot_bytes
         )
         self.base_address: int = self.slots.ctypes.data
+        if placement is not None:  # before pinning: pinning allocates every page
+            self.placement = numa.place(self.base_address, self.nbytes, placement)
+        else:
+            self.placement = Placement.none("no placement asked for")
         self._unpin = pin(self.base_address, self.nbytes) if pin is not None else None
 
     @property
     def pinned(self) -> bool:
         return self._unpin is not None
+
+    def numa_where(self, samples: int = 64) -> dict[str, object]:
+        """Where this arena's pages are (``numa.where``): its policy and sampled pages' nodes."""
+        return numa.where(self.base_address, self.nbytes, samples)
 
     def slot_address(self, slot: int) -> int:
         if not 0 <= slot < self.num_slots:

@@ -249,8 +249,11 @@ class BlockIndex:
         return slots
 
     def _push_free(self, slots: Sequence[int]) -> None:
+        """Slots freed together come back out of ``_pop_free`` in the order they were freed: a
+        run of consecutive slots stays an ascending run, which a load moves as one pitched copy
+        per layer slice instead of a descriptor per block (transfer/cuda/native/pipeline.c)."""
         top = self._num_free
-        self._free[top : top + len(slots)] = slots
+        self._free[top : top + len(slots)] = np.asarray(slots)[::-1]
         self._num_free = top + len(slots)
 
     # -- checking -----------------------------------------------------------------------------

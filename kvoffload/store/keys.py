@@ -9,7 +9,7 @@ process, so two engine instances (or a restart) would disagree on every key.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,13 +58,19 @@ def as_block_keys(hashes: Iterable[bytes | int]) -> list[BlockKey]:
     return [as_block_key(h) for h in hashes]
 
 
-def checked_keys(keys: Iterable[bytes | int], where: str) -> list[BlockKey]:
+def checked_keys(keys: Iterable[bytes | int], where: str, ordered: bool = True) -> list[BlockKey]:
     """``keys`` as a list of keys: bytes kept, ints converted as by ``as_block_key``.
 
-    Raises ValueError, naming ``where`` and the first bad position, for anything else (a str, a
-    bytearray, a float, empty bytes). Keys that are all non-empty ``bytes`` (the usual case) are
-    checked at C speed and returned as given when already a list.
+    Raises ValueError, naming ``where`` and saying what was given, for a container that is not a
+    list of keys: one key-like object (``bytes``, ``bytearray``, ``memoryview``, ``str``: iterating
+    it would give ints or characters), a non-iterable (an int), and, where ``ordered`` (keys in
+    prefix order), a one-shot iterator such as a generator (a second use would see it empty).
+    Then, naming the first bad position, for a bad key (a str, a bytearray, a float, empty bytes).
+    Keys that are all non-empty ``bytes`` (the usual case) are checked at C speed and returned as
+    given when already a list.
     """
+    if not isinstance(keys, list):
+        check_key_list(keys, where, ordered)
     out: list[Any] = keys if isinstance(keys, list) else list(keys)
     if set(map(type, out)) <= {bytes} and b"" not in out:
         return out
@@ -80,6 +86,24 @@ def checked_keys(keys: Iterable[bytes | int], where: str) -> list[BlockKey]:
             f"{type(key).__name__} {key!r:.60} at position {i}"
         )
     return fixed
+
+
+def check_key_list(keys: object, where: str, ordered: bool = True) -> None:
+    """ValueError unless ``keys`` is a list-like of keys (``checked_keys``)."""
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise ValueError(
+            f"{where}: expected a list of keys, got one {type(keys).__name__} object "
+            f"({keys!r:.40}); pass [key] for a single key"
+        )
+    if not isinstance(keys, Iterable):
+        raise ValueError(
+            f"{where}: expected a list of keys, got {type(keys).__name__} {keys!r:.40}"
+        )
+    if ordered and isinstance(keys, Iterator):
+        raise ValueError(
+            f"{where}: expected a list of keys (in prefix order), got a one-shot "
+            f"{type(keys).__name__}; pass list(...) of it"
+        )
 
 
 def prefix_block_keys(

@@ -57,6 +57,45 @@ class Pending(ABC):
         if error is not None:
             raise error
 
+    def layer_waiter(self, stream: object = None) -> Callable[[int], None]:
+        """``wait_on`` bound to ``stream``, for an engine that waits once per layer: the stream is
+        resolved once, each call then costs what the backend's wait costs (``layer`` checked by
+        the caller, as for ``wait_on``)."""
+        return lambda layer: self.wait_on(stream, layer)
+
+
+class LayerGate:
+    """Per-layer readiness at fixed places, for an engine whose whole forward is one CUDA graph.
+
+    A graph replays the waits it captured with the values it captured, so a wait on "job j's
+    layer i" cannot be captured once and replayed for the next job. A gate can: ``wait(stream,
+    layer)`` is captured inside the graph ("wait until ``layer`` is open, then close it"), and
+    ``open(stream, pendings)``, called eagerly once per step before the replay on the same stream,
+    opens each layer once every listed transfer has landed it (at once for none).
+
+    This default, for backends without GPU flag words (and CPU ones), keeps the contract the
+    plain way: ``wait`` enqueues nothing and ``open`` makes ``stream`` wait for each listed
+    transfer whole (``Pending.wait_on``), so the replay starts once they have all landed.
+    """
+
+    def __init__(self, layers: int) -> None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"expected a layer gate of >= 1 layers, got {layers!r}")
+        self.layers = layers
+
+    def check(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.layers:
+            raise ValueError(f"expected a layer in [0, {self.layers}), got {layer!r}")
+
+    def wait(self, stream: object, layer: int) -> None:
+        """Enqueue on ``stream`` (capturable): wait until ``layer`` is open, then close it."""
+        self.check(layer)
+
+    def open(self, stream: object, pendings: Sequence[Pending]) -> None:
+        """Open every layer for the next replay on ``stream`` once ``pendings`` landed it."""
+        for pending in pendings:
+            pending.wait_on(stream)
+
 
 class CopyBackend(ABC):
     name: str = ""
@@ -84,6 +123,10 @@ class CopyBackend(ABC):
     def validate(self, specs: Sequence[TransferSpec]) -> None:
         for spec in specs:
             spec.validate(self.layout, self.arena.num_slots)
+
+    def layer_gate(self, layers: int) -> LayerGate:
+        """A ``LayerGate`` of ``layers`` layers for this backend's transfers."""
+        return LayerGate(layers)
 
     def close(self) -> None:
         return

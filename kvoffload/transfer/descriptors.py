@@ -1,7 +1,8 @@
 """Copy descriptors (src address, dst address, bytes), built with vectorized numpy.
 
 One descriptor per (block, region), block-major, so the pieces of one host slot are adjacent.
-The DMA backends submit these; the host backend does not need them.
+The ``dma`` backend submits these (``coalesce`` merges those that continue each other); the host
+backend does not need them.
 """
 
 from __future__ import annotations
@@ -65,3 +66,21 @@ def build_descriptors(
     host += offsets[None, :] + arena_base
     out[2, :n].reshape(len(spec), -1)[:] = pages[None, :]
     return out[:, :n]
+
+
+def coalesce(table: np.ndarray) -> np.ndarray:
+    """Merge descriptors that continue each other in both source and destination.
+
+    ``table`` is (3, n) int64 rows (src, dst, bytes); returns the merged table (``table`` itself
+    when nothing merges).
+    """
+    n = table.shape[1]
+    if n < 2:
+        return table
+    src, dst, size = table
+    cuts = np.ones(n, dtype=bool)
+    cuts[1:] = (src[1:] != src[:-1] + size[:-1]) | (dst[1:] != dst[:-1] + size[:-1])
+    starts = np.flatnonzero(cuts)
+    if len(starts) == n:
+        return table
+    return np.stack([src[starts], dst[starts], np.add.reduceat(size, starts)])

@@ -163,13 +163,25 @@ class KVLayout:
         host slot hold all blocks' K (or V); a real 2-block cache passes ``block_dim=0``.
         ``groups`` lists, per layer group, the indices into ``tensors`` it holds (default: one
         group of all).
-        Raises ValueError for mixed dtypes or devices, differing shapes inside a group, a block
-        whose bytes are not contiguous, and tensors that cannot hold KV: on the meta device,
-        without storage (address 0, or less storage than the shape spans), or read-only numpy
-        arrays (loads write into them).
+        Raises ValueError for one tensor instead of a list, mixed dtypes or devices, differing
+        shapes inside a group, a block whose bytes are not contiguous, a layout the shapes
+        contradict (``_check_block_size``: a block of two or more dims must have one of
+        ``block_size``), and tensors that cannot hold KV: on the meta device, without storage
+        (address 0, or less storage than the shape spans), or read-only numpy arrays (loads
+        write into them). A block given as one flat dim (``[num_blocks, page]``) cannot be
+        checked against ``block_size`` (docs/api.md).
         """
+        if hasattr(tensors, "data_ptr") or hasattr(tensors, "__array_interface__"):
+            raise ValueError(
+                f"expected a list of KV tensors (one per layer), got one {type(tensors).__name__} "
+                f"of shape {tuple(getattr(tensors, 'shape', ()))}; pass [tensor] for a single layer"
+            )
+        if not isinstance(tensors, Sequence):
+            raise ValueError(f"expected a list of KV tensors, got {type(tensors).__name__}")
         if not tensors:
             raise ValueError("expected at least one KV tensor, got none")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"expected block_size > 0 (tokens per block), got {block_size!r}")
         infos = [_describe(t, i) for i, t in enumerate(tensors)]
         if block_dim is None:
             _refuse_likely_kv_first(infos)
@@ -196,6 +208,7 @@ class KVLayout:
                     f"{sorted(shapes)}"
                 )
             per_tensor = [_regions(infos[m], block_dim, m) for m in members]
+            _check_block_size(infos[members[0]], block_dim, block_size, members[0])
             starts = [0]
             for tensor_regions in per_tensor[:-1]:
                 starts.append(starts[-1] + len(tensor_regions))
@@ -279,6 +292,26 @@ def _refuse_likely_kv_first(infos: Sequence[_TensorInfo]) -> None:
                 "which looks like [2, num_blocks, ...] (K and V first); pass block_dim=1 "
                 "(or block_dim=0 if dim 0 really indexes 2 blocks)"
             )
+
+
+def _check_block_size(info: _TensorInfo, block_dim: int, block_size: int, index: int) -> None:
+    """A block shaped with two or more dims (``[bs, heads, hd]``, ``[2, bs, heads, hd]``,
+    ``[heads, bs, hd]``...) holds its tokens in one of them: refuse one that has no dim of
+    ``block_size``, which catches a wrong ``block_size`` and a ``block_dim`` pointing at the token
+    dim. A flat block (``[num_blocks, page]``) says nothing and passes."""
+    inner = info.shape[block_dim + 1 :]
+    if len(inner) < 2 or block_size in inner:
+        return
+    hint = ""
+    if info.shape[block_dim] == block_size and block_dim > 0:
+        hint = (
+            f"; dim {block_dim} (block_dim) has size {block_size}: is it the token dim, the "
+            f"blocks being dim {block_dim - 1}?"
+        )
+    raise ValueError(
+        f"expected each block of tensor {index} (shape {info.shape}, block_dim {block_dim}) to "
+        f"hold block_size={block_size} tokens in one of its dims, got block dims {inner}{hint}"
+    )
 
 
 def _regions(info: _TensorInfo, block_dim: int, index: int) -> list[Region]:

@@ -33,19 +33,11 @@ def _staged(layout: KVLayout, arena: HostArena) -> CopyBackend:
     return make_staged(layout, arena)
 
 
-def _staged_python(layout: KVLayout, arena: HostArena) -> CopyBackend:
-    from kvoffload.transfer.cuda.staged import StagedBackend
-    from kvoffload.transfer.cuda.staged_config import StagedConfig
-
-    return StagedBackend(layout, arena, config=StagedConfig(native=False))
-
-
 BACKENDS: dict[str, BackendFactory] = {
     "host": _host,
     "dma": _dma,
     "sm": _sm,
-    "staged": _staged,  # the native engine where it is built, else its Python path
-    "staged-python": _staged_python,  # the Python path always (the fallback, for comparison)
+    "staged": _staged,  # the native engine where it can run, else dma (``path_reason`` says why)
 }
 
 

@@ -1,9 +1,11 @@
 """Byte-oracle tests of the CUDA copy backends against the host backend.
 
 Every model shape and engine layout, odd counts, random data (never zeros), a host arena whose slots
-are larger than a block (slot stride != block bytes), the staging ring wrapping many times, the
-cuMemcpyAsync fallback, both submission modes. After each transfer: destinations equal the
-oracle's, everything else (other slots, other blocks, the sources) is unchanged.
+are larger than a block (slot stride != block bytes), the native engine's staging ring wrapping many
+times and both its submission modes (the caller's thread, the engine's), the cuMemcpyAsync
+fallback of ``dma`` (the backend ``staged`` falls back to where the engine cannot run). After each
+transfer: destinations equal the oracle's, everything else (other slots, other blocks, the sources)
+is unchanged.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.dma import DmaBackend
 from kvoffload.transfer.cuda.driver import CudaDriver
 from kvoffload.transfer.cuda.sm import SmBackend, SmConfig
-from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
+from kvoffload.transfer.cuda.staged_config import StagedConfig
 from kvoffload.transfer.host import HostBackend
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
@@ -77,31 +79,21 @@ def pair(request):
 
 BACKENDS = {
     "dma": lambda kv, a: DmaBackend(kv, a),
-    "dma-one-per-piece": lambda kv, a: DmaBackend(kv, a, merge=False, submit_thread=False),
+    "dma-one-per-piece": lambda kv, a: DmaBackend(kv, a, merge=False),
     "dma-fallback": lambda kv, a: DmaBackend(kv, a, driver=CudaDriver.load(use_batch=False)),
     "sm": lambda kv, a: SmBackend(kv, a),
     "sm-odd": lambda kv, a: SmBackend(kv, a, config=SmConfig(programs=5, chunk_bytes=1024)),
     # the native engine (the compiled extension)
     "staged": lambda kv, a: native_staged(kv, a),
-    "staged-native-wrap": lambda kv, a: native_staged(
-        kv, a, StagedConfig(staging_bytes=4 * kv.slot_bytes, depth=2, first_chunk_bytes=1)
-    ),
-    "staged-native-2dma": lambda kv, a: native_staged(kv, a, StagedConfig(dma_streams=2)),
-    # the Python path (the fallback where the extension is not built)
-    "staged-python": lambda kv, a: StagedBackend(kv, a, config=StagedConfig(native=False)),
-    "staged-sync": lambda kv, a: StagedBackend(kv, a, submit_thread=False),
-    # enqueued in the caller's thread whenever the lane is idle (the default hands every job over)
-    "staged-inline": lambda kv, a: StagedBackend(kv, a, inline_bytes=1 << 40),
-    "dma-inline": lambda kv, a: DmaBackend(kv, a, inline_bytes=1 << 40),
     # Two blocks per area, two areas: a 13-block transfer wraps the ring several times.
-    "staged-wrap": lambda kv, a: StagedBackend(
+    "staged-native-wrap": lambda kv, a: native_staged(
         kv,
         a,
-        config=StagedConfig(
-            staging_bytes=4 * kv.slot_bytes, depth=2, first_chunk_bytes=1, programs=3
-        ),
+        StagedConfig(staging_bytes=4 * kv.slot_bytes, depth=2, first_chunk_bytes=1, programs=3),
     ),
-    "staged-fallback": lambda kv, a: StagedBackend(kv, a, driver=CudaDriver.load(use_batch=False)),
+    "staged-native-2dma": lambda kv, a: native_staged(kv, a, StagedConfig(dma_streams=2)),
+    # every copy enqueued by the engine's threads (by default small ones by the caller's)
+    "staged-native-thread": lambda kv, a: native_staged(kv, a, StagedConfig(native_inline_bytes=0)),
     "auto": lambda kv, a: make_backend("auto", kv, a),
 }
 

@@ -1,5 +1,6 @@
 """Per-layer load completion on the CUDA backends: ``wait_on(stream, layer=i)`` orders a stream
-after layer i's bytes, for every model shape and engine layout.
+after layer i's bytes, for every model shape and engine layout. The native ``staged`` engine cuts a
+load into layer slices (each with its event); ``dma`` and ``sm`` wait for the whole load.
 
 The load is held back on the GPU (ordered after a sleeping stream) and its destination blocks are
 poisoned first, so a layer event recorded too early shows as poisoned bytes read on the side
@@ -13,29 +14,26 @@ import pytest
 import torch
 
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.cuda.base import FIRST_SLICE_BYTES
 from kvoffload.transfer.cuda.chunks import first_slice_layers
 from kvoffload.transfer.cuda.dma import DmaBackend
+from kvoffload.transfer.cuda.engine import NativeStagedBackend
 from kvoffload.transfer.cuda.sm import SmBackend
-from kvoffload.transfer.cuda.staged import StagedBackend, StagedConfig
+from kvoffload.transfer.cuda.staged_config import FIRST_SLICE_BYTES, StagedConfig
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.shapes import LAYOUTS, MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
-from tests.transfer_support import HeldAfterFirstSlice
 
 pytestmark = pytest.mark.gpu
 POOL = 12
 SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU sleep: the load starts after every wait is enqueued
 
 BACKENDS = {
-    "staged": lambda kv, a: sliced(StagedBackend(kv, a)),
+    "staged": lambda kv, a: sliced(kv, a),
     # ramped slices: the first holds one layer where a layer is >= 64 KiB a block
-    "staged-ramp": lambda kv, a: sliced(
-        StagedBackend(kv, a, config=StagedConfig(first_slice_bytes=FIRST_SLICE_BYTES))
-    ),
+    "staged-ramp": lambda kv, a: sliced(kv, a, first_slice_bytes=FIRST_SLICE_BYTES),
     # one layer per slice where possible, two DMA streams, tiny areas: many chunks per slice
-    "staged-fine": lambda kv, a: StagedBackend(
+    "staged-fine": lambda kv, a: NativeStagedBackend(
         kv,
         a,
         config=StagedConfig(
@@ -48,16 +46,22 @@ BACKENDS = {
             layer_slice_transfer_bytes=1,
         ),
     ),
-    "dma": lambda kv, a: sliced(DmaBackend(kv, a)),
-    "sm": lambda kv, a: sliced(SmBackend(kv, a)),
+    "dma": lambda kv, a: DmaBackend(kv, a),
+    "sm": lambda kv, a: SmBackend(kv, a),
 }
 
 
-def sliced(backend):
-    """Slice even these small test loads by layer (by default a load is cut into at most one
-    slice per ``SLICE_TRANSFER_BYTES``)."""
-    backend.min_slice_transfer_bytes = 1
-    return backend
+def sliced(kv, arena, **fields):
+    """The native engine, slicing even these small test loads by layer (by default a load is cut
+    into at most one slice per ``SLICE_TRANSFER_BYTES``)."""
+    config = StagedConfig(layer_slice_transfer_bytes=1, **fields)
+    return NativeStagedBackend(kv, arena, config=config)
+
+
+def slices(pending) -> int:
+    """How many layer slices (events) a load was cut into; 0 for a store or a whole-load wait."""
+    owner = getattr(pending, "layer_slice", None)
+    return 0 if owner is None else int(owner.max()) + 1
 
 
 @pytest.fixture(scope="module", params=[(m, lay) for m in MODELS for lay in LAYOUTS], ids=str)
@@ -103,8 +107,8 @@ def test_wait_on_a_layer_orders_the_stream_after_that_layer(engine, name):
             got_bytes = got.movedim(block_dim, 0).contiguous().view(torch.uint8).cpu().numpy()
             assert np.array_equal(got_bytes.reshape(len(dest), -1), want), f"layer {layer}"
         if name == "staged-fine":
-            assert len(pending.layer_events) == group.num_layers  # a slice per layer
-        if name == "staged-ramp" and len(pending.layer_events) > 1:
+            assert slices(pending) == group.num_layers  # a slice per layer
+        if name == "staged-ramp" and slices(pending) > 1:
             pages = [r.page_bytes for r in group.regions]
             first = first_slice_layers(pages, group.layer_starts, FIRST_SLICE_BYTES)
             assert (pending.layer_slice[:first] == 0).all()
@@ -113,53 +117,18 @@ def test_wait_on_a_layer_orders_the_stream_after_that_layer(engine, name):
         backend.close()
 
 
-def test_a_layer_wait_does_not_wait_for_the_rest_of_the_enqueue(engine):
-    """The submitter thread is held before the load's second slice: ``wait_on(layer=0)`` returns
-    anyway, and the stream it ordered sees layer 0's bytes; the rest arrives once released."""
-    tensors, block_dim, kv, arena = engine
-    group = kv.groups[0]
-    backend = sliced(StagedBackend(kv, arena))
-    dest, slots = [6, 1, 10], [2, 7, 4]
-    load = [TransferSpec.of("load", dest, slots)]
-    hold = HeldAfterFirstSlice(backend, load)
-    go, held = hold.go, hold.held
-    if hold.slices < 2:
-        backend.close()
-        pytest.skip("slots too small to slice: one slice")
-    try:
-        index = torch.tensor(dest, device="cuda")
-        for t in tensors:
-            t.index_fill_(block_dim, index, -1)
-        pending = backend.submit(load)
-        assert held.wait(30)
-        side = torch.cuda.Stream()
-        pending.wait_on(side, layer=0)  # returns while slice 1 is not even enqueued
-        with torch.cuda.stream(side):
-            got = tensors[0].index_select(block_dim, index)
-        side.synchronize()
-        assert not pending.done()
-        regions = group.layer_regions(0)
-        end = group.offsets[regions.stop - 1] + group.regions[regions.stop - 1].page_bytes
-        got_bytes = got.movedim(block_dim, 0).contiguous().view(torch.uint8).cpu().numpy()
-        assert np.array_equal(got_bytes.reshape(len(dest), -1), arena.slots[slots][:, :end])
-        go.set()
-        assert pending.wait(30) and pending.error() is None
-    finally:
-        go.set()
-        backend.close()
-
-
 @pytest.mark.parametrize(("direction", "events"), [("load", 1), ("store", 0)])
 def test_small_loads_and_stores_are_one_piece_and_a_layer_wait_waits_for_all(
     engine, direction, events
 ):
-    """2 blocks are far below ``SLICE_TRANSFER_BYTES``: a load is one slice; a store has no
-    layer events. Either way a wait for the last layer is a wait for the whole copy."""
+    """2 blocks are far below ``SLICE_TRANSFER_BYTES``: the native engine's load is one slice; a
+    store has no layer events. Either way a wait for the last layer is a wait for the whole
+    copy."""
     _tensors, _block_dim, kv, arena = engine
-    backend = StagedBackend(kv, arena)
+    backend = NativeStagedBackend(kv, arena)
     try:
         pending = backend.submit([TransferSpec.of(direction, [1, 2], [1, 2])])
-        assert len(pending.layer_events) == events
+        assert slices(pending) == events
         side = torch.cuda.Stream()
         pending.wait_on(side, layer=kv.groups[0].num_layers - 1)
         side.synchronize()

@@ -12,8 +12,8 @@ import torch
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda.dma import DmaBackend
 from kvoffload.transfer.cuda.driver import CudaDriver
+from kvoffload.transfer.cuda.engine import NativeStagedBackend
 from kvoffload.transfer.cuda.sm import SmBackend
-from kvoffload.transfer.cuda.staged import StagedBackend
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.shapes import MODELS, engine_tensors
@@ -22,7 +22,7 @@ from kvoffload.transfer.spec import TransferSpec
 POOL = 24
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU sleep on a ~2 GHz part
 
-FACTORIES = {"dma": DmaBackend, "sm": SmBackend, "staged": StagedBackend}
+FACTORIES = {"dma": DmaBackend, "sm": SmBackend, "staged": NativeStagedBackend}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_load_then_wait_on_orders_the_engine_stream(engine, name):
 
 def test_wait_is_bounded_and_done_is_honest(engine):
     _tensors, kv, arena = engine
-    backend = StagedBackend(kv, arena)
+    backend = NativeStagedBackend(kv, arena)
     try:
         late = torch.cuda.Stream()
         with torch.cuda.stream(late):
@@ -100,7 +100,7 @@ def test_wait_is_bounded_and_done_is_honest(engine):
 
 def test_mixed_submit_moves_both_directions(engine):
     tensors, kv, arena = engine
-    backend = StagedBackend(kv, arena)
+    backend = NativeStagedBackend(kv, arena)
     try:
         arena.slots[11] = np.random.default_rng(5).integers(0, 256, arena.slot_bytes, np.uint8)
         want_slot = slot_of(tensors, 4)

@@ -8,11 +8,15 @@ time of prefill. ``docs/e2e.md`` reports what it found.
 
 Variants: the modes (``recompute``, ``gpu``, ``gpu_all``), and kvoffload with one thing changed:
 ``evict`` / ``behind`` (when blocks are stored), ``none`` (nothing stored: lookups only),
-``blocking`` (the whole load before prefill), ``*-inline`` (the CUDA backend enqueues every copy
-in the caller's thread: ``submit_thread=False``), ``*-thread`` (every copy is enqueued by the
-backend's thread: ``inline_bytes=0``), ``*-poller`` (a thread that wakes every 100 us and takes
-the GIL, as the CUDA backends' submitter threads did after each job until the data plane stopped
-polling: what such a thread costs the engine).
+``blocking`` (the whole load before prefill), ``*-inline`` (the native ``staged`` engine enqueues
+every copy in the caller's thread, the GIL released: ``native_inline_bytes`` unbounded),
+``*-thread`` (every copy is enqueued by the engine's thread: ``native_inline_bytes=0``),
+``*-ramp`` (ramped load slices: the first holds one layer where a layer is >= 64 KiB a block,
+then doubling), ``*-prio`` (the copy streams at the highest CUDA priority), ``*-whole`` (one slice
+per load: the fewest descriptors, layer 0 waits for the whole load), ``*-poller`` (a thread that
+wakes every 100 us and takes the GIL, as the former Python submitter
+threads did after each job until the data plane stopped polling: what such a thread costs the
+engine). ``dma`` always enqueues in the caller's thread: it takes neither -inline nor -thread.
 """
 
 from __future__ import annotations
@@ -63,9 +67,13 @@ class Variant:
     poller: bool  # a GIL-taking polling thread runs beside the engine
 
 
-SUBMISSION: dict[str, dict[str, Any]] = {
-    "inline": {"submit_thread": False},
-    "thread": {"inline_bytes": 0},
+# the native engine's settings per flag (StagedConfig fields)
+SETTINGS: dict[str, dict[str, int]] = {
+    "inline": {"native_inline_bytes": 1 << 62},
+    "thread": {"native_inline_bytes": 0},
+    "ramp": {"first_slice_bytes": 64 << 10},
+    "prio": {"copy_priority": -5},
+    "whole": {"max_layer_slices": 1},
 }
 
 
@@ -73,33 +81,40 @@ def parse_variant(name: str, backend: str) -> Variant:
     base, *flags = name.split("-")
     if base in ("recompute", "gpu", "gpu_all") and flags in ([], ["poller"]):
         return Variant(name, base, Offload(), backend, bool(flags))
-    if base not in OFFLOADS or any(f not in (*SUBMISSION, "poller") for f in flags):
+    if base not in OFFLOADS or any(f not in (*SETTINGS, "poller") for f in flags):
         raise ValueError(
-            f"expected a mode or one of {sorted(OFFLOADS)} with -inline/-thread/-poller, "
-            f"got {name!r}"
+            f"expected a mode or one of {sorted(OFFLOADS)} with flags from "
+            f"{sorted([*SETTINGS, 'poller'])}, got {name!r}"
         )
-    for flag in flags:
-        if flag in SUBMISSION:
-            backend = _submission(backend, flag)
+    engine_flags = [f for f in flags if f in SETTINGS]
+    if engine_flags:
+        backend = _configured(backend, engine_flags)
     return Variant(name, "kvoffload", OFFLOADS[base], backend, "poller" in flags)
 
 
-def _submission(backend: str, how: str) -> str:
-    """Register ``<backend>-<how>``: the CUDA backend built with ``SUBMISSION[how]``."""
-    name = f"{backend}-{how}"
+def _configured(backend: str, flags: list[str]) -> str:
+    """Register ``staged-<flags>``: the native engine built with those flags' settings."""
+    if backend != "staged":
+        raise ValueError(
+            f"expected backend 'staged' for -{'-'.join(flags)} (its engine's settings), got "
+            f"{backend!r}"
+        )
+    name = "-".join([backend, *flags])
     if name not in BACKENDS:
-        from kvoffload.transfer.cuda.dma import DmaBackend
-        from kvoffload.transfer.cuda.staged import StagedBackend
+        from kvoffload.transfer.cuda.engine import make_staged
+        from kvoffload.transfer.cuda.staged_config import StagedConfig
 
-        cls = {"staged": StagedBackend, "dma": DmaBackend}[backend]
-        kwargs = SUBMISSION[how]
-        register_backend(name, lambda layout, arena: cls(layout, arena, **kwargs))
+        fields: dict[str, int] = {}
+        for flag in flags:
+            fields.update(SETTINGS[flag])
+        config = StagedConfig(**fields)
+        register_backend(name, lambda layout, arena: make_staged(layout, arena, config))
     return name
 
 
 @contextmanager
 def poller(enabled: bool) -> Iterator[None]:
-    """A thread that looks at an empty queue every 100 us (the old submitter's poll loop)."""
+    """A thread that looks at an empty queue every 100 us (the former submitter's poll loop)."""
     if not enabled:
         yield
         return

@@ -49,6 +49,7 @@ from kvoffload.transfer.backend import (
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.registry import make_backend
 from kvoffload.transfer.spec import Direction, TransferSpec
+from kvoffload.transfer.topology import arena_placement
 
 log = logging.getLogger(__name__)
 Fence = Callable[[], None]
@@ -105,7 +106,9 @@ class TransferEngine:
         pin = _pin_fn(config.pin_memory if config.pin_memory is not None else layout.is_cuda)
         num_slots = num_chunks * blocks_per_chunk
         if arena is None:
-            self.arena = HostArena(num_slots, layout.slot_bytes, pin=pin)
+            nbytes = num_slots * layout.slot_bytes
+            placement = arena_placement(config.numa_node, layout.device, nbytes)
+            self.arena = HostArena(num_slots, layout.slot_bytes, pin=pin, placement=placement)
         else:
             self.arena = arena(pin)
             if self.arena.num_slots != num_slots:

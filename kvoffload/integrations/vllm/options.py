@@ -76,6 +76,7 @@ _NOT_HERE = {
     "host_capacity_blocks": f"the host tier is sized by {CAPACITY_KEY}",
     "tier_write_backlog_bytes": "vLLM's tiering manager writes every stored chunk down "
     "(bound it with a tier's 'backpressure' entry)",
+    "numa_node": "the workers' shared host region is not NUMA-placed yet (docs/transfer.md)",
 }
 
 

@@ -14,29 +14,31 @@ backend addresses them as ``base + slot * stride``, unchanged (``RankArena``), a
 for every rank are one contiguous row (``RowArena``), which is what makes one key per chunk safe
 under tensor and pipeline parallelism (a value always holds every rank's shard, in rank order).
 
-The file is created by whichever process opens it first (``O_EXCL``), sized with
-``posix_fallocate`` (so a ``/dev/shm`` too small for ``cpu_bytes_to_use`` fails at start-up, not
-with a SIGBUS later), and its name is unlinked as soon as all ``mappers`` processes have opened it
-(``shm.py``): from then on the memory lives exactly as long as the processes that map it, however
-they end (SIGTERM, SIGKILL, a crash). A name left by an engine killed before that point is
-reclaimed at the next start, never while a live process maps it.
+Each process opens the region under its own role (0 for the scheduler, ``r + 1`` for worker rank
+``r``). It is built under no name and only then named, sized with ``posix_fallocate`` (so a
+``/dev/shm`` too small for ``cpu_bytes_to_use`` fails at start-up, not with a SIGBUS later), and
+its name is unlinked as soon as all ``mappers`` processes have opened it (``shm.py``): from then on
+the memory lives exactly as long as the processes that map it, however they end (SIGTERM, SIGKILL,
+a crash). Two engines given one ``engine_id`` on a host never share a region and no engine is
+split over two: a process that would make either happen is refused (``shm.py`` says why that is
+the only safe answer). What an engine killed while starting leaves is reclaimed at the next start,
+never while a live process maps it.
 """
 
 from __future__ import annotations
 
 import mmap
-import re
 from pathlib import Path
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvoffload.integrations.vllm.shm import (
-    PREFIX,
     SUFFIX,
     ShmFile,
     close_shared,
     open_shared,
+    region_name,
     still_named,
 )
 from kvoffload.store.arena import HostArena, PinFn
@@ -45,21 +47,34 @@ SHM_DIR = Path("/dev/shm")
 
 
 class SharedRegion:
-    """``nbytes`` of shared memory named by ``engine_id`` and mapped by ``mappers`` processes
-    (each constructs one ``SharedRegion``); ``array`` is its flat uint8 view."""
+    """``nbytes`` of shared memory named by ``engine_id`` and mapped by ``mappers`` processes,
+    each constructing one ``SharedRegion`` with its own ``role`` in ``range(mappers)`` (vLLM: 0
+    for the scheduler, ``r + 1`` for worker rank ``r``); ``array`` is its flat uint8 view and
+    ``token`` the random 16 bytes naming this region (equal in every process that maps it).
+
+    ValueError: bad arguments, no room in ``directory``, or ``engine_id`` in use by another
+    engine on this host (``shm.open_shared``); nothing is created or counted then.
+    """
 
     def __init__(
-        self, engine_id: str, nbytes: int, directory: Path = SHM_DIR, mappers: int = 1
+        self,
+        engine_id: str,
+        nbytes: int,
+        directory: Path = SHM_DIR,
+        mappers: int = 1,
+        role: int = 0,
     ) -> None:
         if nbytes <= 0:
             raise ValueError(f"expected a shared region of > 0 bytes, got {nbytes}")
         if mappers < 1:
             raise ValueError(f"expected mappers >= 1 (processes mapping the region), got {mappers}")
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)
-        self.path = directory / f"{PREFIX}{safe}{SUFFIX}"
+        if not 0 <= role < mappers:
+            raise ValueError(f"expected a role in [0, {mappers}) (one per mapper), got {role}")
+        self.path = directory / f"{region_name(engine_id)}{SUFFIX}"
         self.nbytes = nbytes
-        self._shm: ShmFile | None = open_shared(self.path, nbytes, mappers)
+        self._shm: ShmFile | None = open_shared(self.path, nbytes, mappers, role)
         self.created = self._shm.created
+        self.token = self._shm.token
         try:
             self._mmap: mmap.mmap | None = mmap.mmap(self._shm.fd, nbytes, mmap.MAP_SHARED)
         except BaseException:

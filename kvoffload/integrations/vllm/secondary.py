@@ -39,12 +39,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import tempfile
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import urlsplit, urlunsplit
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -73,6 +72,8 @@ from kvoffload.integrations.vllm.row_identity import model_identity, row_fingerp
 from kvoffload.integrations.vllm.tier_events import Residency
 from kvoffload.offload.tiers import TierMover, TierOp, TierResult, build_tiers
 from kvoffload.store.tiers.disk import DiskTier
+from kvoffload.store.tiers.endpoint import redact_url
+from kvoffload.store.tiers.private import make_private_dirs
 from kvoffload.store.tiers.valkey import ValkeyTier
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ EVENTS_KEY = "enable_kv_events"
 def check_disk_path(path: str) -> None:
     """ValueError unless ``path`` is (or can be made) a directory this process can write in."""
     try:
-        os.makedirs(path, exist_ok=True)
+        make_private_dirs(Path(path))  # 0700: the tier's blocks hold the users' prompts
     except OSError as e:
         raise ValueError(
             f"expected disk_path to be a directory kvoffload can create, got {path!r}: "
@@ -290,7 +291,7 @@ class _KVOffloadTier(SecondaryTierManager):
 
     def config_info(self) -> dict[str, str | int | float | bool]:
         config = self.options.config
-        location = config.disk_path or _redact(config.valkey_url or "")
+        location = config.disk_path or redact_url(config.valkey_url or "")
         return {
             "kvoffload_model_id": config.model_id,
             "kvoffload_fingerprint": self.fingerprint,
@@ -406,12 +407,3 @@ def _touch_disk(tier: DiskTier, keys: list[OffloadKey]) -> None:
         for key in keys:
             if key in where:
                 where.move_to_end(key)
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + netloc))

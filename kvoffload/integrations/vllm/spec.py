@@ -113,7 +113,8 @@ class KVOffloadSpec(OffloadingSpec):
 
     @property
     def mappers(self) -> int:
-        """Processes that map the host region: the scheduler and every worker (region.py)."""
+        """Processes that map the host region: the scheduler (role 0) and every worker (role
+        rank + 1) (region.py)."""
         workers: int = self.config.parallel.world_size
         return workers + 1
 
@@ -123,7 +124,9 @@ class KVOffloadSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            region = SharedRegion(self.config.engine_id, self.region_bytes, mappers=self.mappers)
+            region = SharedRegion(
+                self.config.engine_id, self.region_bytes, mappers=self.mappers, role=0
+            )
             rows = region.rows(self.num_chunks)
             tier = HostTier(
                 self.num_chunks,
@@ -148,7 +151,12 @@ class KVOffloadSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            region = SharedRegion(self.config.engine_id, self.region_bytes, mappers=self.mappers)
+            region = SharedRegion(
+                self.config.engine_id,
+                self.region_bytes,
+                mappers=self.mappers,
+                role=1 + self.config.parallel.rank,  # 0 is the scheduler's (shm.py)
+            )
             try:
                 self._worker = KVOffloadWorker(
                     kv_caches,

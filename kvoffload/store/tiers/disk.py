@@ -42,6 +42,16 @@ the blocks it had (misses from then on) and reopens: it recreates the directory,
 again and grows new slabs (``reconnects`` counts it). Where the directory cannot be recreated or
 is locked by another process by then, the tier stays empty and read-only, which its log line
 says. The reopen waits for a moment with no read or write in flight.
+
+Who may see the KV: the blocks encode the users' prompts, so every directory the tier creates is
+``0700`` and every file ``0600`` (set with ``chmod`` after creating, so whatever the umask), and
+its own files and fingerprint directory left more open by an older kvoffload are narrowed at
+start. Before opening, ``check_private_dirs`` refuses (ValueError) a ``disk_path`` or fingerprint
+directory that other users can write into without the sticky bit (they could plant blocks, which
+would be served as KV, or replace the tier's files), and a fingerprint directory another user
+owns; it warns about a sticky one (they cannot touch our files but can fill it) and about one
+they can read (they can list it; the files stay 0600). ``docs/tiers.md`` says how to share a disk
+tier on purpose.
 """
 
 from __future__ import annotations
@@ -66,6 +76,7 @@ from kvoffload.store.tiers.payload import (
     pack_header,
     parse_header,
 )
+from kvoffload.store.tiers.private import check_private_dirs, make_private_dirs, narrow
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +111,7 @@ class DiskTier(Tier):
             1, min(self.capacity_records, SLAB_TARGET_BYTES // self.record_bytes)
         )
         self.dir = Path(path) / fingerprint
+        check_private_dirs(Path(path), self.dir)
         self._warn = RateLimitedLog(log)
         self._lock = threading.Lock()
         self._fds: list[int] = []  # one per slab, in slab order
@@ -254,7 +266,8 @@ class DiskTier(Tier):
             return
         path = self.dir / f"slab-{slab:05d}.kvs"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            os.fchmod(fd, 0o600)
         except OSError as e:
             self._can_grow = False
             self._warn.warn("grow", "disk tier: cannot create %s (%s)", path, e)
@@ -337,7 +350,7 @@ class DiskTier(Tier):
 
     def _open(self) -> None:
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(self.dir)
         except OSError as e:
             self._warn.warn("open", "disk tier: cannot create %s (%s)", self.dir, e)
         if not self._take_lock():
@@ -365,7 +378,8 @@ class DiskTier(Tier):
         path = self.dir / "LOCK"
         for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
             try:
-                self._lock_fd = os.open(path, flags, 0o644)
+                self._lock_fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
+                narrow(self._lock_fd, path)
                 break
             except OSError:
                 continue
@@ -387,7 +401,9 @@ class DiskTier(Tier):
     def _open_slab(self, path: Path) -> int | None:
         if self._writable:
             try:
-                return os.open(path, os.O_RDWR)
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+                narrow(fd, path)
+                return fd
             except OSError as e:
                 if e.errno not in _READ_ONLY_ERRNOS:
                     self._warn.warn("open", "disk tier: cannot open %s (%s)", path, e)

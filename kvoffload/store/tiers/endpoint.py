@@ -57,9 +57,21 @@ class ValkeyEndpoint:
 
 
 def redact_url(url: object) -> str:
-    """``url`` for a message: any ``user:password@`` part shown as ``user:***@``."""
+    """``url`` for a message, keeping nothing that could be a secret: everything before the
+    *last* ``@`` shown as ``user:***@`` (a password may hold ``/``, ``@``, ``:``, ``?``, ``#`` or
+    percent-escapes, so no other boundary is safe; no host, port or db holds an ``@``), and a
+    query or fragment after it as ``?***`` (options there could carry one)."""
     text = str(url)
-    return re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", text)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "", text
+    userinfo, at, rest = rest.rpartition("@")
+    if at and ":" in userinfo:
+        userinfo = userinfo.partition(":")[0] + ":***"
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=-1)
+    if cut >= 0:
+        rest = rest[:cut] + "?***"
+    return f"{scheme}{sep}{userinfo}{at}{rest}"
 
 
 def parse_valkey_url(url: object) -> ValkeyEndpoint:
@@ -70,6 +82,13 @@ def parse_valkey_url(url: object) -> ValkeyEndpoint:
     shown = redact_url(url)
     if not sep or (scheme not in SCHEMES and scheme != "unix"):
         raise ValueError(f"expected valkey_url like {URL_FORMS}, got {shown!r}")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if at and ":" in userinfo:
+        raise ValueError(
+            f"expected valkey_url without a password (it would show in logs and process lists); "
+            f"put it in the environment variable named by valkey_password_env or in the file "
+            f"named by valkey_password_file, got {shown!r}"
+        )
     if "?" in rest or "#" in rest:
         raise ValueError(
             f"expected valkey_url without a query or fragment (options are OffloadConfig "
@@ -80,13 +99,6 @@ def parse_valkey_url(url: object) -> ValkeyEndpoint:
             raise ValueError(f"expected valkey_url unix:///path/to/socket, got {shown!r}")
         return ValkeyEndpoint(url, cluster=False, tls=False, unix_path=rest)
     cluster, tls = SCHEMES[scheme]
-    userinfo, at, hostpart = rest.rpartition("@")
-    if at and ":" in userinfo:
-        raise ValueError(
-            f"expected valkey_url without a password (it would show in logs and process lists); "
-            f"put it in the environment variable named by valkey_password_env or in the file "
-            f"named by valkey_password_file, got {shown!r}"
-        )
     hosts, _, path = hostpart.partition("/")
     db = _db(path, shown)
     if cluster and db:

@@ -64,6 +64,7 @@ from kvoffload.store.tiers.endpoint import (
     TlsFiles,
     check_namespace,
     parse_valkey_url,
+    redact_url,
 )
 from kvoffload.store.tiers.payload import (
     FORMAT_VERSION,
@@ -133,7 +134,7 @@ class ValkeyTier(Tier):
         self._credentials.check()
         if self._credentials.has_password:
             self._credentials.read_password()  # ValueError now, not at the first connection
-        self.url = url  # never holds a password (parse_valkey_url refuses one)
+        self.url = redact_url(url)  # for messages; parse_valkey_url refused any password
         self.ttl_s = ttl_s
         self.max_value_bytes = max_value_bytes
         self.timeout_s = timeout_s

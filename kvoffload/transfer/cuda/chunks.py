@@ -1,6 +1,10 @@
-"""Pure numpy helpers of the copy pipelines: chunk schedules, layer slices, descriptor coalescing.
+"""What the native engine's description needs from the layout, computed once per backend: the
+layer-slice schedules of loads and the copy kernel's tile (``engine.NativeStagedBackend`` packs
+them into its ``EngineSpec``).
 
-No torch, no CUDA: the CPU tests cover these directly.
+Nothing here runs per transfer: the chunk plan, the staging ring and the choice of a schedule for a
+load are the engine's (``native/pipeline.c``). No torch, no CUDA: the CPU tests cover these
+directly.
 """
 
 from __future__ import annotations
@@ -9,47 +13,6 @@ import itertools
 from collections.abc import Sequence
 
 import numpy as np
-
-Ramp = str  # "up": small chunks first (stores); "down": small chunks last (loads)
-
-
-def chunk_sizes(n_blocks: int, first: int, largest: int, ramp: Ramp = "up") -> np.ndarray:
-    """Blocks per pipeline chunk for an ``n_blocks`` transfer, summing to ``n_blocks``.
-
-    Sizes double from ``first`` up to ``largest``. A store gathers chunk k+1 while chunk k is on
-    the link, so only the first gather is exposed: small first chunks shrink it. A load scatters
-    chunk k while chunk k+1 is on the link, so only the last scatter is exposed: ``ramp="down"``
-    puts the small chunks last.
-    """
-    if n_blocks < 0 or first <= 0 or largest <= 0:
-        raise ValueError(
-            f"expected n_blocks >= 0 and first, largest > 0, got {n_blocks}, {first}, {largest}"
-        )
-    if ramp not in ("up", "down"):
-        raise ValueError(f"expected ramp 'up' or 'down', got {ramp!r}")
-    sizes: list[int] = []
-    size, left = min(first, largest), n_blocks
-    while left > 0:
-        take = min(size, left)
-        sizes.append(take)
-        left -= take
-        size = min(size * 2, largest)
-    out = np.array(sizes, dtype=np.int64)
-    return out[::-1].copy() if ramp == "down" else out
-
-
-def chunk_blocks(
-    n_blocks: int, unit_bytes: int, first_bytes: int, area_bytes: int, ramp: Ramp = "up"
-) -> np.ndarray:
-    """``chunk_sizes`` with the pipeline's chunks sized in bytes: ``unit_bytes`` per block (a slot,
-    or a slice of one), the first chunk ``first_bytes`` (at least one block), none above one
-    staging area of ``area_bytes``."""
-    if unit_bytes <= 0 or area_bytes < unit_bytes:
-        raise ValueError(
-            f"expected 0 < unit_bytes <= area_bytes, got {unit_bytes} and {area_bytes}"
-        )
-    largest = area_bytes // unit_bytes
-    return chunk_sizes(n_blocks, max(1, first_bytes // unit_bytes), largest, ramp)
 
 
 def slice_bounds(layers: int, count: int, first: int = 0) -> list[int]:
@@ -113,18 +76,6 @@ def load_schedules(
     return flat, plans
 
 
-def layer_slices(layer_starts: Sequence[int], n_regions: int, slices: int) -> list[range]:
-    """Cut a group's layers into ``slices`` near-equal runs of consecutive layers and return each
-    run's regions (``slice_bounds`` with no ramp)."""
-    layers = len(layer_starts) or n_regions
-    return bound_regions(layer_starts, n_regions, slice_bounds(layers, slices))
-
-
-def slice_of_layer(layer_starts: Sequence[int], n_regions: int, slices: int) -> np.ndarray:
-    """For each layer, the index of the slice (``layer_slices``) that holds it."""
-    return bound_owner(slice_bounds(len(layer_starts) or n_regions, slices))
-
-
 def first_slice_layers(page_bytes: Sequence[int], layer_starts: Sequence[int], nbytes: int) -> int:
     """The fewest leading layers whose pages add up to at least ``nbytes`` per block (at least 1,
     at most every layer): a ramp's first slice, kept large enough for the copy engines."""
@@ -147,36 +98,6 @@ def slice_count(slot_bytes: int, layers: int, min_slice_bytes: int, most: int) -
             f"expected min_slice_bytes > 0 and most > 0, got {min_slice_bytes}, {most}"
         )
     return max(1, min(layers, most, slot_bytes // min_slice_bytes))
-
-
-def coalesce(table: np.ndarray, breaks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Merge descriptors that continue each other in both source and destination.
-
-    ``table`` is (3, n) int64 rows (src, dst, bytes). ``breaks`` (sorted indices) start a new
-    descriptor whatever the addresses (pipeline chunk boundaries). Returns the merged table and, per
-    entry of ``breaks``, the index in it where that chunk starts.
-    """
-    n = table.shape[1]
-    cuts = np.zeros(n, dtype=bool)
-    if n:
-        cuts[0] = True
-        src, dst, size = table
-        ends_src = src[:-1] + size[:-1]
-        ends_dst = dst[:-1] + size[:-1]
-        cuts[1:] = (src[1:] != ends_src) | (dst[1:] != ends_dst)
-    if breaks is not None and len(breaks):
-        cuts[breaks] = True
-    starts = np.flatnonzero(cuts)
-    if len(starts) == n:
-        merged = table
-    else:
-        merged = (
-            np.stack([table[0, starts], table[1, starts], np.add.reduceat(table[2], starts)])
-            if n
-            else table
-        )
-    where = np.searchsorted(starts, breaks) if breaks is not None else np.zeros(0, dtype=np.int64)
-    return merged, where
 
 
 def tile(max_page_bytes: int, tile_bytes: int) -> tuple[int, int]:

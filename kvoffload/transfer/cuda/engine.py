@@ -10,21 +10,24 @@ to C as one frozen ``EngineSpec``.
 
 ``NativePending`` is the ``Pending`` of one submit (one engine job per direction): ``done``,
 ``wait``, ``wait_on(stream, layer)`` and ``cancel`` are single native calls that never hold the
-GIL while they wait. Ordering, layer slices and the reuse rule for memory of a timed-out
-transfer are those of ``base.py``'s module docstring.
+GIL while they wait. ``wait_on`` enqueues one GPU-side wait on a flag word the copy writes once
+that layer has landed and returns at once: the engine's thread never waits for the copy.
+``NativeGate`` is the engine's ``LayerGate`` (a forward captured whole in a CUDA graph). Ordering
+and the reuse rule for memory of a timed-out transfer are those of ``base.py``'s module
+docstring.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.backend import CopyBackend, Pending
+from kvoffload.transfer.backend import CopyBackend, LayerGate, Pending
 from kvoffload.transfer.cuda import native
 from kvoffload.transfer.cuda.base import _current_stream, check_cuda_pair
 from kvoffload.transfer.cuda.chunks import (
@@ -47,27 +50,29 @@ ENQUEUE_TIMEOUT = 30.0
 
 
 class NativeUnavailable(RuntimeError):
-    """The native engine cannot run this layout here (the factory falls back to Python)."""
+    """The native engine cannot run this layout here (the factory falls back to ``dma``)."""
 
 
 def make_staged(
     layout: KVLayout, arena: HostArena, config: StagedConfig | None = None
 ) -> CopyBackend:
-    """The ``staged`` backend: on the native engine where it can run, else the Python path,
-    which says why (``path_reason``; logged once per reason)."""
-    from kvoffload.transfer.cuda.staged import StagedBackend
+    """The ``staged`` backend on the native engine where it can run. Elsewhere (the extension not
+    built, ``KVOFFLOAD_NATIVE=0``, a layout or Triton it cannot drive) the ``dma`` backend, which
+    says why (``path_reason``; logged once per reason): the staged pipeline exists in C only, and
+    ``dma`` is a different, simpler path (one batch of descriptors per transfer, no staging), as
+    vLLM falls back to batch DMA."""
+    from kvoffload.transfer.cuda.dma import DmaBackend
 
-    config = config or StagedConfig()
-    reason = "StagedConfig(native=False)"
-    if config.native:
-        try:
-            return NativeStagedBackend(layout, arena, config=config)
-        except NativeUnavailable as err:
-            reason = str(err)
-            if reason not in _warned:
-                _warned.add(reason)
-                log.warning("kvoffload: the staged backend runs its Python path: %s", reason)
-    return StagedBackend(layout, arena, config=config, path_reason=reason)
+    try:
+        return NativeStagedBackend(layout, arena, config=config or StagedConfig())
+    except NativeUnavailable as err:
+        reason = str(err)
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("kvoffload: the staged backend is unavailable, using dma: %s", reason)
+    backend = DmaBackend(layout, arena)
+    backend.path_reason = reason
+    return backend
 
 
 _warned: set[str] = set()
@@ -119,9 +124,13 @@ class NativeStagedBackend(CopyBackend):
         with torch.cuda.device(self.device):
             self._keep: list[Any] = []  # device memory the engine uses by address
             self._streams = {
-                d: [torch.cuda.Stream(self.device) for _ in range(1 + config.dma_streams)]  # type: ignore[no-untyped-call]
+                d: [
+                    torch.cuda.Stream(self.device, priority=config.copy_priority)  # type: ignore[no-untyped-call]
+                    for _ in range(1 + config.dma_streams)
+                ]
                 for d in ("store", "load")
             }
+            self._gate_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             rings = {
                 d: torch.empty(
                     config.depth * self.area_bytes, dtype=torch.uint8, device=self.device
@@ -154,6 +163,7 @@ class NativeStagedBackend(CopyBackend):
                 inline_bytes=config.native_inline_bytes,
                 gather=(handle["store"][0], handle["load"][0]),
                 dmas=(tuple(handle["store"][1:]), tuple(handle["load"][1:])),
+                gate=int(self._gate_stream.cuda_stream),
                 bases=(bases["store"], bases["load"]),
                 groups=groups,
             )
@@ -239,6 +249,12 @@ class NativeStagedBackend(CopyBackend):
     def submit_checked(self, specs: Sequence[TransferSpec], **kw: Any) -> Pending:
         return self.submit(specs, **kw)  # the engine's checks cost O(n) in C: nothing to skip
 
+    def layer_gate(self, layers: int) -> LayerGate:
+        """A gate of flag words in the engine (at most 8 per engine)."""
+        if self._closed:
+            raise ValueError(f"layer_gate: expected an open {self.name} backend, got a closed one")
+        return NativeGate(self._engine, layers)
+
     def drain_finished(self) -> list[int]:
         """Ids of the engine jobs finished since the last call (``NativePending.ids``)."""
         return list(self._engine.finished())
@@ -255,6 +271,7 @@ class NativeStagedBackend(CopyBackend):
         for ss in self._streams.values():
             for s in ss:
                 s.synchronize()
+        self._gate_stream.synchronize()
         self._keep.clear()
 
     def _order(self, order_after: Any) -> int | None:
@@ -314,11 +331,29 @@ class NativePending(Pending):
         return all([j.cancel() for j in self.jobs])
 
     def wait_on(self, stream: object = None, layer: int | None = None) -> None:
+        """One GPU-side wait per job, enqueued at once (the host waits only for a job still
+        queued behind another); raises the copy's error where it failed while being enqueued (the
+        stream then does not wait for it: the engine recomputes)."""
         handle = _handle(stream)
         for j in self.jobs:
             at = -1 if layer is None or j.direction != "load" else int(layer)
             if not j.wait_on(handle, at, ENQUEUE_TIMEOUT):
                 raise _exception(j.error())
+
+    def layer_waiter(self, stream: object = None) -> Callable[[int], None]:
+        handle = _handle(stream)
+        loads = [j for j in self.jobs if j.direction == "load"]
+        whole = [j for j in self.jobs if j.direction != "load"]
+        for j in whole:  # a store has no layers: its wait is enqueued once, here
+            if not j.wait_on(handle, -1, ENQUEUE_TIMEOUT):
+                raise _exception(j.error())
+
+        def wait(layer: int) -> None:
+            for j in loads:
+                if not j.wait_on(handle, layer, ENQUEUE_TIMEOUT):
+                    raise _exception(j.error())
+
+        return wait
 
     @property
     def layer_slice(self) -> np.ndarray | None:
@@ -329,17 +364,32 @@ class NativePending(Pending):
 
     @property
     def enqueue_seconds(self) -> float:
-        """Host time of the engine's enqueue (its worker threads), summed over directions."""
+        """Host time of the engine's enqueue (the caller's or a worker's), summed over
+        directions."""
         times = [j.times() for j in self.jobs]
         return float(sum(float(t[2]) - float(t[1]) for t in times if t[2] >= t[1] > 0))
 
-    @property
-    def first_slice_seconds(self) -> float:
-        for j in self.jobs:
-            t = j.times()
-            if j.direction == "load" and t[3] > 0:
-                return float(t[3]) - float(t[1])
-        return 0.0
+
+class NativeGate(LayerGate):
+    """``LayerGate`` on the engine's flag words: ``wait`` is one captured stream memory operation
+    (wait until 1, write 0), ``open`` one batch of them on the engine's gate stream."""
+
+    def __init__(self, engine: Any, layers: int) -> None:
+        super().__init__(layers)
+        self._engine = engine
+        self.index = int(engine.gate(layers))
+
+    def wait(self, stream: object, layer: int) -> None:
+        self.check(layer)
+        self._engine.gate_wait(self.index, _handle(stream), layer)
+
+    def open(self, stream: object, pendings: Sequence[Pending]) -> None:
+        jobs: list[Any] = []
+        for p in pendings:
+            if not isinstance(p, NativePending):
+                raise ValueError(f"expected this engine's transfers, got {type(p).__name__}")
+            jobs += p.jobs
+        self._engine.gate_open(self.index, _handle(stream), jobs, ENQUEUE_TIMEOUT)
 
 
 class _Nothing(Pending):

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ABI = 1
+from kvoffload.transfer.cuda.native import ABI
+
 MAX_DMAS = 4
 
 
@@ -48,6 +49,7 @@ class EngineSpec:
     inline_bytes: int  # jobs up to this size are enqueued in the caller's thread when idle
     gather: tuple[int, int]  # (store, load) kernel stream handles
     dmas: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) DMA stream handles
+    gate: int  # the stream that opens layer gates (LayerGate.open)
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
     groups: tuple[GroupSpec, ...]
 
@@ -73,6 +75,7 @@ class EngineSpec:
             *self.dmas[1],
             *pad,
             self.inline_bytes,
+            self.gate,
             *self.bases[0],
             *self.bases[1],
         ]

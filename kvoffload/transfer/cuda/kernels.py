@@ -85,7 +85,7 @@ class CopyLauncher:
 
     def __init__(self) -> None:
         self._compiled: dict[tuple[Any, ...], Any] = {}
-        self._lock = threading.Lock()  # the store and load submitter threads share a launcher
+        self._lock = threading.Lock()  # threads submitting at once share a launcher
 
     def launch(
         self,

@@ -4,8 +4,8 @@ is there, and why not.
 The extension is compiled when the package is installed (``setup.py``: plain C, no CUDA toolkit;
 the driver is resolved from ``libcuda.so.1`` at run time), never at run time. Where it is missing
 (an install without a C compiler) or disabled (``KVOFFLOAD_NATIVE=0``), ``module()`` returns None,
-``unavailable()`` says why, and the ``staged`` backend runs its pure-Python path
-(``kvoffload.transfer.cuda.staged``), which moves the same bytes in the same order.
+``unavailable()`` says why, and ``make_staged`` returns the ``dma`` backend instead (a different,
+simpler path: the staged pipeline exists in C only).
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from types import ModuleType
 
 import numpy as np
 
-ABI = 1
-# kvo_driver's entry points, in order (kvoffload/transfer/cuda/native/kvo.h)
+ABI = 2  # KVO_ABI (native/kvo.h): the packed spec's and the driver table's layout
+# kvo_driver's entry points, in order (kvoffload/transfer/cuda/native/driver.h)
 DRIVER_FIELDS = (
     *("launch", "batch", "copy", "record", "wait", "event_create", "event_destroy"),
     *("event_query", "event_sync", "ctx_get", "ctx_set", "mem_alloc", "mem_free"),
     *("host_alloc", "host_free", "stream_sync", "error_name"),
+    *("write32", "wait32", "memops", "host_dptr", "ctx_sync", "copy2d"),
 )
-STEP_COPY = 2  # a copy the driver refused (native/kvo.h's step codes)
+STEP_COPY = 2  # a copy the driver refused (native/job.h's step codes)
 
 _reason: str | None = None
 

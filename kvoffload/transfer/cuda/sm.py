@@ -1,18 +1,21 @@
 """The ``sm`` backend: a Triton copy kernel reads and writes the host arena through UVA.
 
 Fast on small pieces (the SMs issue many PCIe requests at once), but it occupies SMs for the whole
-transfer, so it slows the model running beside it; kept for comparison and tiny transfers. The
-defaults are vLLM's tuned constants (12 programs, 8 KiB per step).
+transfer, so it slows the model running beside it; kept for comparison and tiny transfers. One
+launch per spec, enqueued in the caller's thread (``base``). The defaults are vLLM's tuned
+constants (12 programs, 8 KiB per step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.cuda import driver as cu
-from kvoffload.transfer.cuda.base import INLINE_BYTES, CudaBackend, Lane
-from kvoffload.transfer.cuda.buffers import Buffer, BufferRing
+from kvoffload.transfer.cuda.base import CudaBackend, upload
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
 
@@ -58,8 +61,6 @@ class SmBackend(CudaBackend):
         *,
         config: SmConfig | None = None,
         driver: cu.CudaDriver | None = None,
-        submit_thread: bool = True,
-        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         check_words(layout)
         if arena.slot_bytes % 8:
@@ -70,52 +71,27 @@ class SmBackend(CudaBackend):
         from kvoffload.transfer.cuda.kernels import CopyLauncher  # imports Triton
 
         self._launcher = CopyLauncher()
-        super().__init__(
-            layout, arena, driver=driver, submit_thread=submit_thread, inline_bytes=inline_bytes
-        )
+        super().__init__(layout, arena, driver=driver)
         import torch
 
         with torch.cuda.device(self.device):
             self._host_base = cu.host_device_pointer(arena.base_address)
-        # per group, per layer slice of a load: that slice's columns of the region table
-        self._slice_regions = [
-            [table[:, p.start : p.stop].contiguous() for p in parts]
-            for table, parts in zip(self._regions, self.load_parts, strict=True)
-        ]
-        self._index = BufferRing(self.device, with_device=True)
 
-    def _prepare(self, spec: TransferSpec, lane: Lane) -> Buffer | None:
-        """Block and slot ids uploaded once for every layer slice of the spec."""
-        n = len(spec)
-        if n == 0:
-            return None
-        half = (n + 1) // 2 * 2  # slots start 16-byte aligned, as the compiled kernel assumes
-        buf = self._index.take(2 * half)
-        buf.host[:n] = spec.blocks
-        buf.host[half : half + n] = spec.slots
-        buf.upload(self.driver, half + n, lane.tail)
-        return buf
-
-    def _release(self, prepared: Buffer | None, lane: Lane) -> None:
-        if prepared is not None:
-            self._index.release(prepared, lane.tail)
-
-    def _enqueue(
-        self, spec: TransferSpec, lane: Lane, part: int | None, prepared: Buffer | None
-    ) -> None:
-        if prepared is None:
-            return
+    def _enqueue(self, spec: TransferSpec, stream: Any) -> tuple[Any, Any]:
+        """One launch over every region of every block; the block and slot ids uploaded first
+        (slots start 16-byte aligned, as the compiled kernel assumes)."""
         n = len(spec)
         half = (n + 1) // 2 * 2
-        if part is None:
-            regions = self._regions[spec.group]
-        else:
-            regions = self._slice_regions[spec.group][part]
+        ids = np.zeros(2 * half, dtype=np.int64)
+        ids[:n] = spec.blocks
+        ids[half : half + n] = spec.slots
+        host, dev = upload(self.driver, ids, self.device, stream)
+        regions = self._regions[spec.group]
         self._launcher.launch(
-            lane.streams[0],
+            stream,
             self.config.programs,
-            prepared.device,
-            prepared.device[half:],
+            dev,
+            dev[half:],
             regions,
             0,
             n,
@@ -128,6 +104,4 @@ class SmBackend(CudaBackend):
             words=self.config.chunk_bytes // 8,
             num_warps=self.config.num_warps,
         )
-
-    def _close_buffers(self) -> None:
-        self._index.close()
+        return host, dev

@@ -1,4 +1,5 @@
-"""``StagedConfig``: the settings of the ``staged`` path (native engine and Python fallback alike).
+"""``StagedConfig``: the settings of the ``staged`` backend (the native engine; where it cannot run,
+``make_staged`` falls back to ``dma``, which takes none of these).
 
 Each constant keeps one line of reason here; the measurements that chose it are in
 docs/transfer.md ("Staged settings").
@@ -8,8 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvoffload.transfer.cuda.base import SLICE_TRANSFER_BYTES
 from kvoffload.transfer.cuda.sm import check_kernel_shape
+
+# At most one layer slice per this many bytes of a load: ~0.6 ms of link time at 54 GB/s against
+# ~0.2 ms of host time per slice that the former Python enqueue took (H100 VM, 2026-11-23); the
+# native engine kept the rule (its per-slice cost is lower; not re-measured).
+SLICE_TRANSFER_BYTES = 32 << 20
+# A ramped load's first slice holds >= this many bytes per block (one Llama-3-8B layer at 16-token
+# blocks); off by default (docs/transfer.md, "Layer slices").
+FIRST_SLICE_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -34,16 +42,20 @@ class StagedConfig:
     # slice), at most ``max_layer_slices`` of them (docs/transfer.md, "Layer slices").
     layer_slice_bytes: int = 128 << 10
     max_layer_slices: int = 16
-    # ... and at most one slice per this many bytes of the load (``base.SLICE_TRANSFER_BYTES``).
+    # ... and at most one slice per this many bytes of the load (``SLICE_TRANSFER_BYTES``).
     layer_slice_transfer_bytes: int = SLICE_TRANSFER_BYTES
     # > 0: ramped slices from this many bytes per block (``FIRST_SLICE_BYTES``); 0: equal slices,
     # which waited less unless the engine computes a layer in ~2x its link time.
     first_slice_bytes: int = 0
-    # Run on the native engine where it is built; False (or ``KVOFFLOAD_NATIVE=0``): Python path.
-    native: bool = True
-    # Native engine: transfers up to this size are enqueued by the caller (GIL released) when
-    # their direction is idle; a thread wake-up costs more than their whole enqueue.
-    native_inline_bytes: int = 32 << 20
+    # Native engine: transfers up to this size are enqueued whole by the caller (GIL released)
+    # when their direction is idle, so no thread of ours makes driver calls while the engine then
+    # launches its forward (such calls slowed a launch-bound step by 13-160%, docs/transfer.md,
+    # "Quiet beside the forward"); larger ones go to the direction's worker thread. Default: all.
+    native_inline_bytes: int = 1 << 62
+    # CUDA priority of the copy streams (torch.cuda.Stream(priority=...); lower is more urgent,
+    # 0 is the default and lowest): the gather/scatter kernels queue behind the model's or ahead
+    # of them (docs/transfer.md, "Stream priority").
+    copy_priority: int = 0
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -63,6 +75,10 @@ class StagedConfig:
         if not isinstance(self.native_inline_bytes, int) or self.native_inline_bytes < 0:
             raise ValueError(
                 f"StagedConfig: expected native_inline_bytes >= 0, got {self.native_inline_bytes!r}"
+            )
+        if isinstance(self.copy_priority, bool) or not isinstance(self.copy_priority, int):
+            raise ValueError(
+                f"StagedConfig: expected copy_priority as an int, got {self.copy_priority!r}"
             )
         if not isinstance(self.first_slice_bytes, int) or self.first_slice_bytes < 0:
             raise ValueError(

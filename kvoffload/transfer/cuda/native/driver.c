@@ -3,11 +3,12 @@
  * and imports on a machine without a GPU). cuMemcpyBatchAsync is asked for at version 12080, the
  * CUDA 12.8 ABI with its failIdx out-parameter (CUDA 13's headers map the name to an entry point
  * without it; 13.x drivers keep serving the 12.8 one); where the driver lacks it the engine copies
- * with one cuMemcpyAsync per descriptor. */
+ * with one cuMemcpyAsync per descriptor. The stream memory operations are required: a driver
+ * without them cannot run this engine, and the staged backend falls back to dma there. */
 #include <dlfcn.h>
 #include <stdio.h>
 
-#include "kvo.h"
+#include "driver.h"
 
 typedef int (*get_proc_fn)(const char *, void **, int, uint64_t, int *);
 
@@ -18,23 +19,19 @@ static void *lookup(get_proc_fn get, const char *name, int version) {
     return fn;
 }
 
-/* NULL, or why the driver cannot be used. */
-const char *kvo_resolve(kvo_driver *d) {
-    static char why[256];
+kvo_status kvo_resolve(kvo_driver *d, char *msg) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL) {
-        snprintf(why, sizeof why, "expected the CUDA driver (libcuda.so.1), got: %s", dlerror());
-        return why;
+        return kvo_say(msg, KVO_FAILED, "expected the CUDA driver (libcuda.so.1), got: %s",
+                       dlerror());
     }
     get_proc_fn get = (get_proc_fn)dlsym(lib, "cuGetProcAddress_v2");
     if (get == NULL) {
-        snprintf(why, sizeof why, "expected cuGetProcAddress_v2 in libcuda.so.1 (CUDA >= 12)");
-        return why;
+        return kvo_say(msg, KVO_FAILED, "expected cuGetProcAddress_v2 in libcuda.so.1 (CUDA >= 12)");
     }
     int (*init)(unsigned) = (int (*)(unsigned))lookup(get, "cuInit", 12000);
     if (init == NULL || init(0) != 0) {
-        snprintf(why, sizeof why, "cuInit failed: no usable CUDA device or driver");
-        return why;
+        return kvo_say(msg, KVO_FAILED, "cuInit failed: no usable CUDA device or driver");
     }
     struct { void **slot; const char *name; int version; int required; } want[] = {
         {(void **)&d->launch, "cuLaunchKernel", 12000, 1},
@@ -54,16 +51,22 @@ const char *kvo_resolve(kvo_driver *d) {
         {(void **)&d->host_free, "cuMemFreeHost", 12000, 1},
         {(void **)&d->stream_sync, "cuStreamSynchronize", 12000, 1},
         {(void **)&d->error_name, "cuGetErrorName", 12000, 0},
+        /* stream memory operations: the engine's readiness and completion flags (flags.c) */
+        {(void **)&d->write32, "cuStreamWriteValue32", 12000, 1},
+        {(void **)&d->wait32, "cuStreamWaitValue32", 12000, 1},
+        {(void **)&d->memops, "cuStreamBatchMemOp", 12000, 1},
+        {(void **)&d->host_dptr, "cuMemHostGetDevicePointer", 12000, 1},
+        {(void **)&d->ctx_sync, "cuCtxSynchronize", 12000, 1},
+        {(void **)&d->copy2d, "cuMemcpy2DAsync", 12000, 1},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         *want[i].slot = lookup(get, want[i].name, want[i].version);
         if (*want[i].slot == NULL && want[i].required) {
-            snprintf(why, sizeof why, "expected %s in the CUDA driver, it has none",
-                     want[i].name);
-            return why;
+            return kvo_say(msg, KVO_FAILED, "expected %s in the CUDA driver, it has none",
+                           want[i].name);
         }
     }
-    return NULL;
+    return KVO_OK;
 }
 
 const char *kvo_error_name(const kvo_driver *d, int code) {

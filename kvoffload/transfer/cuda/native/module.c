@@ -1,57 +1,55 @@
-/* kvoffload.transfer.cuda._engine: the Python face of the native transfer engine.
+/* kvoffload.transfer.cuda._engine: the Python face of the native transfer engine (engine.h).
  *
  * Engine(driver, spec): driver is the address of a kvo_driver table (0: resolve libcuda.so.1's
  * entry points here), spec an int64 array (EngineSpec.pack()). Engine.submit(specs, order) reads
- * each TransferSpec's direction, group and id arrays (by pointer), then, without the GIL,
- * validates, copies the ids, records the order event on the caller's stream and queues the job:
- * it returns one Job per direction. Jobs answer done(), wait(timeout), error(), cancel(),
- * wait_on(stream, layer) and times(); Engine.finished() drains the ids of jobs finished since the
- * last call. Every wait runs with the GIL released.
+ * each TransferSpec's direction, group and id arrays (by pointer) and hands them to the engine
+ * without the GIL: it returns one Job per direction. Jobs answer done(), wait(timeout), error(),
+ * cancel(), wait_on(stream, layer, timeout) and times(); Engine.finished() drains the ids of jobs
+ * finished since the last call; Engine.gate / gate_wait / gate_open are the layer gates.
  *
- * LOCKING: a thread holding the GIL never waits for the engine's mutex. The engine's threads call
- * driver entry points while holding it, and entry points may need the GIL (the CPU tests' fakes
- * are Python callbacks), so every call here that takes the mutex releases the GIL first, and
- * Python objects are built only after the mutex is released.
+ * module.c binds the module and Engine, module_job.c the Job type (binding.h). They only bind: it calls engine.h's functions, never the engine's lock or fields, and
+ * releases the GIL around every call that can block (the engine's threads may call driver entry
+ * points that need the GIL: the CPU tests' fakes are Python callbacks). Status codes map to
+ * exceptions in one place (raise_status).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvo.h"
+#include "binding.h"
 
-#define ABI 1
-
-typedef struct {
-    PyObject_HEAD
-    kvo_engine *e;
-    int started;
-} EngineObject;
-
-typedef struct {
-    PyObject_HEAD
-    EngineObject *owner;
-    kvo_job *job;
-} JobObject;
-
-static PyTypeObject EngineType, JobType;
 static kvo_driver cuda_table;
 static int cuda_resolved;
+
+PyObject *raise_status(kvo_status rc, const char *msg) {
+    PyObject *type = rc == KVO_REFUSED ? PyExc_ValueError
+                     : rc == KVO_TIMEOUT ? PyExc_TimeoutError
+                                         : PyExc_RuntimeError;
+    PyErr_SetString(type, msg);
+    return NULL;
+}
 
 static PyObject *resolve_cuda(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
     if (!cuda_resolved) {
-        const char *why;
-        Py_BEGIN_ALLOW_THREADS why = kvo_resolve(&cuda_table);
-        Py_END_ALLOW_THREADS if (why != NULL) {
+        char msg[KVO_MSG] = "";
+        kvo_status rc;
+        Py_BEGIN_ALLOW_THREADS rc = kvo_resolve(&cuda_table, msg);
+        Py_END_ALLOW_THREADS if (rc != KVO_OK) {
             memset(&cuda_table, 0, sizeof cuda_table);
-            PyErr_SetString(PyExc_RuntimeError, why);
-            return NULL;
+            return raise_status(KVO_FAILED, msg);
         }
         cuda_resolved = 1;
     }
     return PyLong_FromVoidPtr(&cuda_table);
+}
+
+static int check_open(EngineObject *self) {
+    if (self->e != NULL) return 0;
+    PyErr_SetString(PyExc_ValueError, "expected an initialized native engine");
+    return -1;
 }
 
 /* -- Engine ------------------------------------------------------------------------------------ */
@@ -61,78 +59,43 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     unsigned long long driver;
     Py_buffer spec;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "Ky*", names, &driver, &spec)) return -1;
-    if (self->e != NULL) {
+    if (self->e != NULL || spec.itemsize != 8 || spec.len % 8 != 0 ||
+        !PyBuffer_IsContiguous(&spec, 'C')) {
         PyBuffer_Release(&spec);
-        PyErr_SetString(PyExc_RuntimeError, "Engine.__init__: expected a new engine");
-        return -1;
-    }
-    if (spec.itemsize != 8 || spec.len % 8 != 0 || !PyBuffer_IsContiguous(&spec, 'C')) {
-        PyBuffer_Release(&spec);
-        PyErr_SetString(PyExc_ValueError, "expected the engine spec as a contiguous int64 array");
-        return -1;
-    }
-    kvo_engine *e = calloc(1, sizeof *e);
-    if (e == NULL) {
-        PyBuffer_Release(&spec);
-        PyErr_NoMemory();
+        PyErr_SetString(PyExc_ValueError, self->e != NULL
+                                              ? "Engine.__init__: expected a new engine"
+                                              : "expected the engine spec as a contiguous int64 array");
         return -1;
     }
     if (driver == 0) {
         PyObject *addr = resolve_cuda(NULL, NULL);
         if (addr == NULL) {
-            free(e);
             PyBuffer_Release(&spec);
             return -1;
         }
         Py_DECREF(addr);
-        e->d = cuda_table;
-    } else {
-        memcpy(&e->d, (void *)(uintptr_t)driver, sizeof e->d);
     }
-    const char *why = kvo_spec_parse(&e->spec, spec.buf, spec.len / 8);
-    PyBuffer_Release(&spec);
-    if (why != NULL) {
-        kvo_spec_free(&e->spec);
-        free(e);
-        PyErr_SetString(PyExc_ValueError, why);
+    const kvo_driver *table = driver ? (const kvo_driver *)(uintptr_t)driver : &cuda_table;
+    char msg[KVO_MSG] = "";
+    kvo_status rc;
+    kvo_engine *e = NULL;
+    Py_BEGIN_ALLOW_THREADS rc = kvo_engine_open(table, spec.buf, spec.len / 8, &e, msg);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&spec);
+    if (rc != KVO_OK) {
+        raise_status(rc, msg);
         return -1;
     }
-    Py_BEGIN_ALLOW_THREADS why = kvo_engine_start(e);
-    Py_END_ALLOW_THREADS self->e = e;
-    self->started = 1;
-    if (why != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, why);
-        return -1;
-    }
+    self->e = e;
     return 0;
-}
-
-static void engine_close_now(EngineObject *self) {
-    if (self->e == NULL || !self->started) return;
-    Py_BEGIN_ALLOW_THREADS kvo_engine_close(self->e);
-    Py_END_ALLOW_THREADS
 }
 
 static void engine_dealloc(EngineObject *self) {
     if (self->e != NULL) {
-        engine_close_now(self);
-        kvo_spec_free(&self->e->spec);
-        free(self->e->seen_slots);
-        free(self->e->seen_blocks);
-        free(self->e->finished);
-        free(self->e->pool);
-        free(self->e);
-        self->e = NULL;
+        kvo_engine *e = self->e;
+        Py_BEGIN_ALLOW_THREADS kvo_engine_free(e);
+        Py_END_ALLOW_THREADS self->e = NULL;
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static int check_open(EngineObject *self) {
-    if (self->e == NULL) {
-        PyErr_SetString(PyExc_ValueError, "expected an initialized native engine");
-        return -1;
-    }
-    return 0;
 }
 
 static int ids_of(PyObject *spec, const char *name, Py_buffer *view) {
@@ -155,11 +118,12 @@ static int ids_of(PyObject *spec, const char *name, Py_buffer *view) {
     return 0;
 }
 
-static PyObject *new_job(EngineObject *owner, kvo_job *job) {
+PyObject *new_job(EngineObject *owner, kvo_job *job) {
     JobObject *j = PyObject_New(JobObject, &JobType);
     if (j == NULL) {
-        kvo_job_release(owner->e, job);
-        return NULL;
+        kvo_engine *e = owner->e;
+        Py_BEGIN_ALLOW_THREADS kvo_job_release(e, job);
+        Py_END_ALLOW_THREADS return NULL;
     }
     Py_INCREF(owner);
     j->owner = owner;
@@ -232,19 +196,25 @@ static PyObject *engine_submit(EngineObject *self, PyObject *args) {
     }
     {
         kvo_job *jobs[2];
-        int n_out = 0, rc;
-        char err[300] = "";
-        Py_BEGIN_ALLOW_THREADS rc = kvo_engine_submit(self->e, in, n, (kvo_stream)(uintptr_t)order,
-                                                      has_order, jobs, &n_out, err, sizeof err);
-        Py_END_ALLOW_THREADS if (rc != 0) {
-            PyErr_SetString(rc > 0 ? PyExc_ValueError : PyExc_RuntimeError, err);
+        int n_out = 0;
+        char msg[KVO_MSG] = "";
+        kvo_status rc;
+        kvo_engine *e = self->e;
+        Py_BEGIN_ALLOW_THREADS rc = kvo_engine_submit(e, in, n, (kvo_stream)(uintptr_t)order,
+                                                      has_order, jobs, &n_out, msg);
+        Py_END_ALLOW_THREADS if (rc != KVO_OK) {
+            raise_status(rc, msg);
             goto out;
         }
         result = PyTuple_New(n_out);
         for (int k = 0; k < n_out; k++) {
             PyObject *job = result ? new_job(self, jobs[k]) : NULL;
             if (job == NULL) {
-                for (int m = k + (result ? 1 : 0); m < n_out; m++) kvo_job_release(self->e, jobs[m]);
+                for (int m = k + (result ? 1 : 0); m < n_out; m++) {
+                    kvo_job *left = jobs[m];
+                    Py_BEGIN_ALLOW_THREADS kvo_job_release(e, left);
+                    Py_END_ALLOW_THREADS
+                }
                 Py_CLEAR(result);
                 break;
             }
@@ -263,19 +233,10 @@ static PyObject *engine_finished(EngineObject *self, PyObject *noargs) {
     (void)noargs;
     if (check_open(self) < 0) return NULL;
     kvo_engine *e = self->e;
-    int64_t n, *ids;
-    Py_BEGIN_ALLOW_THREADS /* see LOCKING */
-    pthread_mutex_lock(&e->mu);
-    e->track_finished = 1;
-    n = e->finished_n;
-    ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
-    if (ids != NULL) {
-        memcpy(ids, e->finished, (size_t)n * sizeof *ids);
-        e->finished_n = 0;
-    }
-    pthread_mutex_unlock(&e->mu);
-    Py_END_ALLOW_THREADS
-    if (ids == NULL) return PyErr_NoMemory();
+    int64_t n = 0, *ids = NULL;
+    kvo_status rc;
+    Py_BEGIN_ALLOW_THREADS rc = kvo_engine_finished(e, &ids, &n);
+    Py_END_ALLOW_THREADS if (rc != KVO_OK) return PyErr_NoMemory();
     PyObject *out = PyList_New(n);
     for (int64_t i = 0; out && i < n; i++) PyList_SET_ITEM(out, i, PyLong_FromLongLong(ids[i]));
     free(ids);
@@ -284,32 +245,85 @@ static PyObject *engine_finished(EngineObject *self, PyObject *noargs) {
 
 static PyObject *engine_close(EngineObject *self, PyObject *noargs) {
     (void)noargs;
-    engine_close_now(self);
+    if (self->e != NULL) {
+        kvo_engine *e = self->e;
+        Py_BEGIN_ALLOW_THREADS kvo_engine_close(e);
+        Py_END_ALLOW_THREADS
+    }
     Py_RETURN_NONE;
 }
 
 static PyObject *engine_stats(EngineObject *self, PyObject *noargs) {
     (void)noargs;
     if (check_open(self) < 0) return NULL;
+    kvo_stats s;
     kvo_engine *e = self->e;
-    long long queued = 0, inflight = 0, submitted, completed, failures, parts;
-    int closing;
-    Py_BEGIN_ALLOW_THREADS /* copied under the lock, built after it: see LOCKING */
-    pthread_mutex_lock(&e->mu);
-    for (int d = 0; d < 2; d++)
-        for (kvo_job *j = e->queue_head[d]; j; j = j->next) queued++;
-    for (kvo_job *j = e->inflight; j; j = j->next) inflight++;
-    submitted = e->submitted;
-    completed = e->completed;
-    failures = e->failures;
-    parts = e->native_parts;
-    closing = e->closing;
-    pthread_mutex_unlock(&e->mu);
-    Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:i,s:i}", "submitted", submitted,
-                         "completed", completed, "failed", failures, "parts", parts, "queued",
-                         queued, "in_flight", inflight, "closed", closing, "batch_copies",
-                         e->d.batch != NULL);
+    Py_BEGIN_ALLOW_THREADS kvo_engine_stats(e, &s);
+    Py_END_ALLOW_THREADS return Py_BuildValue(
+        "{s:L,s:L,s:L,s:L,s:L,s:L,s:i,s:i}", "submitted", (long long)s.submitted, "completed",
+        (long long)s.completed, "failed", (long long)s.failed, "parts", (long long)s.parts,
+        "queued", (long long)s.queued, "in_flight", (long long)s.in_flight, "closed", s.closed,
+        "batch_copies", s.batch_copies);
+}
+
+static PyObject *engine_gate(EngineObject *self, PyObject *args) {
+    long long layers;
+    if (check_open(self) < 0 || !PyArg_ParseTuple(args, "L", &layers)) return NULL;
+    int64_t gate = -1;
+    char msg[KVO_MSG] = "";
+    kvo_status rc;
+    kvo_engine *e = self->e;
+    Py_BEGIN_ALLOW_THREADS rc = kvo_gate_create(e, layers, &gate, msg);
+    Py_END_ALLOW_THREADS if (rc != KVO_OK) return raise_status(rc, msg);
+    return PyLong_FromLongLong(gate);
+}
+
+static PyObject *engine_gate_wait(EngineObject *self, PyObject *args) {
+    long long gate, layer;
+    unsigned long long stream;
+    if (check_open(self) < 0 || !PyArg_ParseTuple(args, "LKL", &gate, &stream, &layer)) return NULL;
+    char msg[KVO_MSG] = "";
+    kvo_status rc;
+    kvo_engine *e = self->e;
+    Py_BEGIN_ALLOW_THREADS rc = kvo_gate_wait(e, gate, (kvo_stream)(uintptr_t)stream, layer, msg);
+    Py_END_ALLOW_THREADS if (rc != KVO_OK) return raise_status(rc, msg);
+    Py_RETURN_NONE;
+}
+
+static PyObject *engine_gate_open(EngineObject *self, PyObject *args) {
+    long long gate;
+    unsigned long long stream;
+    PyObject *jobs_obj;
+    double timeout = 30.0;
+    if (check_open(self) < 0 || !PyArg_ParseTuple(args, "LKO|d", &gate, &stream, &jobs_obj, &timeout))
+        return NULL;
+    PyObject *seq = PySequence_Fast(jobs_obj, "expected a sequence of Job");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    kvo_job **jobs = calloc((size_t)(n > 0 ? n : 1), sizeof *jobs);
+    if (jobs == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyObject_TypeCheck(item, &JobType) || ((JobObject *)item)->owner != self) {
+            free(jobs);
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError, "expected jobs of this engine, got %R", item);
+            return NULL;
+        }
+        jobs[i] = ((JobObject *)item)->job;
+    }
+    char msg[KVO_MSG] = "";
+    kvo_status rc;
+    kvo_engine *e = self->e;
+    Py_BEGIN_ALLOW_THREADS rc = kvo_gate_open(e, gate, (kvo_stream)(uintptr_t)stream, jobs, n,
+                                              timeout, msg);
+    Py_END_ALLOW_THREADS free(jobs);
+    Py_DECREF(seq); /* the jobs stay alive while seq holds them */
+    if (rc != KVO_OK) return raise_status(rc, msg);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef engine_methods[] = {
@@ -320,191 +334,15 @@ static PyMethodDef engine_methods[] = {
     {"close", (PyCFunction)engine_close, METH_NOARGS,
      "cancel queued jobs, wait for those in flight, stop the threads"},
     {"stats", (PyCFunction)engine_stats, METH_NOARGS, "counters"},
+    {"gate", (PyCFunction)engine_gate, METH_VARARGS, "gate(layers) -> a new layer gate's index"},
+    {"gate_wait", (PyCFunction)engine_gate_wait, METH_VARARGS,
+     "gate_wait(gate, stream, layer): enqueue 'wait until open, then close' (capturable)"},
+    {"gate_open", (PyCFunction)engine_gate_open, METH_VARARGS,
+     "gate_open(gate, stream, jobs, timeout=30): open each layer once the jobs landed it"},
     {NULL, NULL, 0, NULL},
 };
 
-/* -- Job --------------------------------------------------------------------------------------- */
-
-static void job_dealloc(JobObject *self) {
-    if (self->job != NULL) {
-        kvo_engine *e = self->owner->e;
-        kvo_job *job = self->job;
-        Py_BEGIN_ALLOW_THREADS kvo_job_release(e, job); /* see LOCKING */
-        Py_END_ALLOW_THREADS
-    }
-    Py_XDECREF(self->owner);
-    PyObject_Free(self);
-}
-
-static PyObject *job_done(JobObject *self, PyObject *noargs) {
-    (void)noargs;
-    return PyBool_FromLong(__atomic_load_n(&self->job->state, __ATOMIC_ACQUIRE) == KVO_DONE);
-}
-
-static PyObject *job_wait(JobObject *self, PyObject *args) {
-    PyObject *t = Py_None;
-    if (!PyArg_ParseTuple(args, "|O", &t)) return NULL;
-    double timeout = t == Py_None ? -1.0 : PyFloat_AsDouble(t);
-    if (PyErr_Occurred()) return NULL;
-    if (timeout < 0 && t != Py_None) timeout = 0;
-    int ok;
-    Py_BEGIN_ALLOW_THREADS ok = kvo_job_wait(self->owner->e, self->job, timeout);
-    Py_END_ALLOW_THREADS return PyBool_FromLong(ok);
-}
-
-static PyObject *job_error(JobObject *self, PyObject *noargs) {
-    (void)noargs;
-    kvo_job *j = self->job;
-    kvo_engine *e = self->owner->e;
-    /* copied under the lock, built after it: building objects may run the garbage collector,
-     * whose Job deallocations take the same lock */
-    char message[sizeof j->message];
-    int done, failed, code, step, cancelled;
-    long long chunk, desc;
-    Py_BEGIN_ALLOW_THREADS /* never wait for the lock holding the GIL: see LOCKING */
-    pthread_mutex_lock(&e->mu);
-    done = j->state >= KVO_INFLIGHT; /* the message is final */
-    failed = j->failed;
-    code = j->code;
-    step = j->step;
-    cancelled = j->cancelled;
-    chunk = j->chunk;
-    desc = j->desc;
-    memcpy(message, j->message, sizeof message);
-    pthread_mutex_unlock(&e->mu);
-    Py_END_ALLOW_THREADS
-    if (done && failed)
-        return Py_BuildValue("(iiLLsi)", code, step, chunk, desc, message, cancelled);
-    Py_RETURN_NONE;
-}
-
-static PyObject *job_cancel(JobObject *self, PyObject *noargs) {
-    (void)noargs;
-    int ok;
-    Py_BEGIN_ALLOW_THREADS ok = kvo_job_cancel(self->owner->e, self->job); /* see LOCKING */
-    Py_END_ALLOW_THREADS return PyBool_FromLong(ok);
-}
-
-/* wait_on(stream, layer=-1, timeout): make `stream` wait on the GPU for the job (or for the
- * slice of a load holding `layer`); on the host only until that event is recorded. Returns
- * False when the job failed before it (the stream still waits for the job's end), True else;
- * raises TimeoutError after `timeout` s of waiting for the enqueue. */
-static PyObject *job_wait_on(JobObject *self, PyObject *args) {
-    unsigned long long stream;
-    long long layer = -1;
-    double timeout = 30.0;
-    if (!PyArg_ParseTuple(args, "K|Ld", &stream, &layer, &timeout)) return NULL;
-    kvo_engine *e = self->owner->e;
-    kvo_job *j = self->job;
-    int rc = 0, ok = 1;
-    Py_BEGIN_ALLOW_THREADS
-    void *prev = kvo_ctx_enter(e);
-    int64_t k = -1;
-    if (layer >= 0 && layer < j->n_layers && j->layer_slice && j->n_slices > 0)
-        k = j->layer_slice[layer];
-    int have = k >= 0 ? kvo_job_wait_slice(e, j, k, timeout) : 0;
-    if (have < 0) {
-        rc = -1;
-    } else {
-        pthread_mutex_lock(&e->mu);
-        int state = j->state, failed = j->failed, closed = e->closing;
-        pthread_mutex_unlock(&e->mu);
-        if (have == 1 && !(failed && (int64_t)j->recorded <= k)) {
-            rc = closed && state == KVO_DONE ? 0 : e->d.wait((kvo_stream)(uintptr_t)stream, j->slices[k], 0);
-        } else {
-            /* the whole job: wait for its enqueue, then for its done event */
-            double deadline = kvo_now() + timeout;
-            pthread_mutex_lock(&e->mu);
-            while (j->state < KVO_INFLIGHT && kvo_now() < deadline) {
-                struct timespec ts;
-                ts.tv_sec = (time_t)deadline;
-                ts.tv_nsec = (long)((deadline - (double)ts.tv_sec) * 1e9);
-                pthread_cond_timedwait(&e->changed, &e->mu, &ts);
-            }
-            state = j->state;
-            failed = j->failed;
-            int recorded = j->done_recorded;
-            closed = e->closing;
-            pthread_mutex_unlock(&e->mu);
-            if (state < KVO_INFLIGHT) rc = -1;
-            else {
-                if (recorded && !(closed && state == KVO_DONE))
-                    rc = e->d.wait((kvo_stream)(uintptr_t)stream, j->done_ev, 0);
-                ok = !failed;
-            }
-        }
-    }
-    kvo_ctx_leave(e, prev);
-    Py_END_ALLOW_THREADS
-    if (rc == -1) {
-        PyErr_Format(PyExc_TimeoutError, "the copy was not enqueued within %g s", timeout);
-        return NULL;
-    }
-    if (rc != 0) {
-        PyErr_Format(PyExc_RuntimeError, "cuStreamWaitEvent failed: %s", kvo_error_name(&e->d, rc));
-        return NULL;
-    }
-    return PyBool_FromLong(ok);
-}
-
-static PyObject *job_times(JobObject *self, PyObject *noargs) {
-    (void)noargs;
-    kvo_job *j = self->job;
-    double t[5];
-    Py_BEGIN_ALLOW_THREADS /* copied under the lock, built after it: see LOCKING */
-    pthread_mutex_lock(&self->owner->e->mu);
-    t[0] = j->t_submit;
-    t[1] = j->t_start;
-    t[2] = j->t_enqueued;
-    t[3] = j->t_first_slice;
-    t[4] = j->t_done;
-    pthread_mutex_unlock(&self->owner->e->mu);
-    Py_END_ALLOW_THREADS
-    return Py_BuildValue("(ddddd)", t[0], t[1], t[2], t[3], t[4]);
-}
-
-static PyObject *job_get_id(JobObject *self, void *c) {
-    (void)c;
-    return PyLong_FromLongLong(self->job->id);
-}
-static PyObject *job_get_direction(JobObject *self, void *c) {
-    (void)c;
-    return PyUnicode_FromString(self->job->dir == KVO_STORE ? "store" : "load");
-}
-static PyObject *job_get_slices(JobObject *self, void *c) {
-    (void)c;
-    return PyLong_FromLongLong(self->job->n_slices);
-}
-static PyObject *job_get_layer_slice(JobObject *self, void *c) {
-    (void)c;
-    kvo_job *j = self->job;
-    PyObject *out = PyList_New(j->n_slices > 0 ? j->n_layers : 0);
-    for (int64_t l = 0; out && j->n_slices > 0 && l < j->n_layers; l++)
-        PyList_SET_ITEM(out, l, PyLong_FromLongLong(j->layer_slice[l]));
-    return out;
-}
-
-static PyMethodDef job_methods[] = {
-    {"done", (PyCFunction)job_done, METH_NOARGS, "True once finished (never blocks)"},
-    {"wait", (PyCFunction)job_wait, METH_VARARGS, "wait(timeout=None) -> finished"},
-    {"error", (PyCFunction)job_error, METH_NOARGS,
-     "None, or (code, step, chunk, descriptor, message, cancelled) of a failed job"},
-    {"cancel", (PyCFunction)job_cancel, METH_NOARGS, "True if the job will never run"},
-    {"wait_on", (PyCFunction)job_wait_on, METH_VARARGS, "wait_on(stream, layer=-1, timeout=30)"},
-    {"times", (PyCFunction)job_times, METH_NOARGS,
-     "(submitted, started, enqueued, first slice recorded, done): monotonic seconds"},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef job_getset[] = {
-    {"id", (getter)job_get_id, NULL, "job id", NULL},
-    {"direction", (getter)job_get_direction, NULL, "'store' or 'load'", NULL},
-    {"slices", (getter)job_get_slices, NULL, "layer slices of a load (0 for a store)", NULL},
-    {"layer_slice", (getter)job_get_layer_slice, NULL, "per layer, its slice (loads)", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject EngineType = {
+PyTypeObject EngineType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvoffload.transfer.cuda._engine.Engine",
     .tp_basicsize = sizeof(EngineObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -513,16 +351,6 @@ static PyTypeObject EngineType = {
     .tp_init = (initproc)engine_init,
     .tp_dealloc = (destructor)engine_dealloc,
     .tp_methods = engine_methods,
-};
-
-static PyTypeObject JobType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvoffload.transfer.cuda._engine.Job",
-    .tp_basicsize = sizeof(JobObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "one submitted transfer of one direction",
-    .tp_dealloc = (destructor)job_dealloc,
-    .tp_methods = job_methods,
-    .tp_getset = job_getset,
 };
 
 static PyMethodDef module_methods[] = {
@@ -544,7 +372,7 @@ PyMODINIT_FUNC PyInit__engine(void) {
     Py_INCREF(&JobType);
     PyModule_AddObject(m, "Engine", (PyObject *)&EngineType);
     PyModule_AddObject(m, "Job", (PyObject *)&JobType);
-    PyModule_AddIntConstant(m, "ABI", ABI);
+    PyModule_AddIntConstant(m, "ABI", KVO_ABI);
     PyModule_AddIntConstant(m, "DRIVER_FIELDS", KVO_DRIVER_FIELDS);
     return m;
 }

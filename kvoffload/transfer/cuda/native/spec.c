@@ -4,9 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvo.h"
+#include "spec.h"
 
-#define KVO_ABI 1
+#define HEAD 22 /* fields before the staging bases */
 
 typedef struct {
     const int64_t *p;
@@ -29,17 +29,12 @@ static int64_t *take_array(cursor *c, int64_t count) {
     return out;
 }
 
-const char *kvo_spec_parse(kvo_spec *s, const int64_t *packed, int64_t n) {
-    static __thread char why[200];
+static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     cursor c = {packed, n, 0};
-    int64_t head[21];
+    int64_t head[HEAD];
     memset(s, 0, sizeof *s);
-    if (take(&c, head, 21) != 0) return "expected an engine spec of at least 21 fields";
-    if (head[0] != KVO_ABI) {
-        snprintf(why, sizeof why, "expected engine spec ABI %d, got %lld", KVO_ABI,
-                 (long long)head[0]);
-        return why;
-    }
+    if (take(&c, head, HEAD) != 0) return "expected an engine spec of at least 22 fields";
+    if (head[0] != KVO_ABI) return "expected an engine spec of this build's ABI (a stale build)";
     s->n_groups = head[1];
     s->num_slots = head[2];
     s->arena_base = head[3];
@@ -56,8 +51,9 @@ const char *kvo_spec_parse(kvo_spec *s, const int64_t *packed, int64_t n) {
         s->dmas[KVO_LOAD][j] = head[16 + j];
     }
     s->inline_bytes = head[20];
+    s->gate = head[21];
     if (s->n_groups < 1 || s->num_slots < 1 || s->arena_slot_bytes < 1 || s->depth < 1 ||
-        s->depth > 64 || s->area_bytes < 1 || s->first_chunk_bytes < 1 ||
+        s->depth > KVO_MAX_DEPTH || s->area_bytes < 1 || s->first_chunk_bytes < 1 ||
         s->min_slice_transfer_bytes < 1 || s->n_dmas < 1 || s->n_dmas > KVO_MAX_DMAS)
         return "expected groups, slots, slot bytes, 1 <= depth <= 64, area bytes, chunk bytes, "
                "slice bytes >= 1 and 1 <= DMA streams <= 4 in the engine spec";
@@ -105,6 +101,18 @@ const char *kvo_spec_parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     }
     if (c.at != c.n) return "expected no fields after the last group in the engine spec";
     return NULL;
+}
+
+kvo_status kvo_spec_parse(kvo_spec *s, const int64_t *packed, int64_t n, char *msg) {
+    if (n >= 1 && packed[0] != KVO_ABI) {
+        memset(s, 0, sizeof *s);
+        return kvo_say(msg, KVO_REFUSED, "expected engine spec ABI %d, got %lld", KVO_ABI,
+                       (long long)packed[0]);
+    }
+    const char *why = parse(s, packed, n);
+    if (why == NULL) return KVO_OK;
+    kvo_spec_free(s);
+    return kvo_say(msg, KVO_REFUSED, "%s", why);
 }
 
 void kvo_spec_free(kvo_spec *s) {

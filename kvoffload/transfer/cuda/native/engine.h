@@ -1,0 +1,67 @@
+/* The native transfer engine's API: what the binding (module.c) calls. The engine's state,
+ * lock and threads are private to engine.c and waits.c. Every entry point returns a kvo_status
+ * (kvo.h); messages go into a caller-owned buffer of KVO_MSG bytes; none of them needs the GIL,
+ * and none may be called holding it where it can block (the binding releases it). */
+#ifndef KVO_ENGINE_H
+#define KVO_ENGINE_H
+
+#include "job.h"
+
+typedef struct kvo_engine kvo_engine;
+
+typedef struct {
+    int64_t submitted, completed, failed, parts, queued, in_flight;
+    int closed, batch_copies;
+} kvo_stats;
+
+/* What a job reports (copied under the engine's lock). */
+typedef struct {
+    int64_t id, slices, layers;
+    int dir, settled; /* settled: enqueued (or never to be): the failure fields are final */
+    int failed, cancelled, code, step;
+    int64_t chunk, desc;
+    double t_submit, t_start, t_enqueued, t_done;
+    char message[KVO_MSG];
+} kvo_job_info;
+
+/* engine.c */
+kvo_status kvo_engine_open(const kvo_driver *d, const int64_t *spec, int64_t n, kvo_engine **out,
+                           char *msg);
+/* Validate every spec (a refusal changes nothing), then enqueue a store job and/or a load job:
+ * here, where its direction is idle and it is at most inline_bytes, else by the direction's
+ * worker thread. out[0..*n_out): the jobs, each holding a reference the caller releases. */
+kvo_status kvo_engine_submit(kvo_engine *e, const kvo_input *in, int64_t n_in, kvo_stream order,
+                             int has_order, kvo_job **out, int *n_out, char *msg);
+/* Ids of the jobs finished since the last call (tracking starts at the first call); *ids is
+ * malloc'd, the caller frees it. */
+kvo_status kvo_engine_finished(kvo_engine *e, int64_t **ids, int64_t *n);
+kvo_status kvo_engine_stats(kvo_engine *e, kvo_stats *out);
+/* Cancel what has not started, wait for what is in flight, stop the threads (idempotent). */
+void kvo_engine_close(kvo_engine *e);
+void kvo_engine_free(kvo_engine *e); /* closes first */
+void kvo_job_release(kvo_engine *e, kvo_job *job);
+
+/* waits.c */
+kvo_status kvo_job_done(kvo_engine *e, kvo_job *job, int *done);
+kvo_status kvo_job_wait(kvo_engine *e, kvo_job *job, double timeout, int *finished);
+kvo_status kvo_job_cancel(kvo_engine *e, kvo_job *job, int *cancelled);
+/* Make `stream` wait on the GPU for the job (or for `layer` of a load): one stream memory
+ * operation, enqueued at once; the host waits only where the job is still queued behind another
+ * (bounded by timeout: KVO_TIMEOUT). *ok: 0 when the job failed or never ran (the engine
+ * recomputes: the stream does not wait for it). */
+kvo_status kvo_job_wait_on(kvo_engine *e, kvo_job *job, kvo_stream stream, int64_t layer,
+                           double timeout, int *ok, char *msg);
+kvo_status kvo_job_describe(kvo_engine *e, kvo_job *job, kvo_job_info *out);
+/* Per layer, the load slice holding it (at most cap values; *n of them). */
+kvo_status kvo_job_layer_slices(kvo_engine *e, kvo_job *job, int64_t *out, int64_t cap, int64_t *n);
+
+/* Layer gates: per layer a flag word that a CUDA graph can wait on at fixed addresses.
+ * gate_wait enqueues (capturable) "wait until open, then close"; gate_open, once per step before
+ * the replay, opens each layer on the engine's gate stream once every listed job has landed it
+ * (its streams wait on the GPU; the host waits only for jobs still queued, bounded by timeout). */
+kvo_status kvo_gate_create(kvo_engine *e, int64_t layers, int64_t *gate, char *msg);
+kvo_status kvo_gate_wait(kvo_engine *e, int64_t gate, kvo_stream stream, int64_t layer, char *msg);
+kvo_status kvo_gate_open(kvo_engine *e, int64_t gate, kvo_stream stream, kvo_job *const *jobs,
+                         int64_t n, double timeout, char *msg);
+
+#endif

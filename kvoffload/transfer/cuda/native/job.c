@@ -1,0 +1,119 @@
+/* One transfer's record (job.h): built from a submit's specs, its load plan, its failure. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "job.h"
+
+static const char *STEP_NAMES[] = {"",
+                                   "cuLaunchKernel",
+                                   "copy",
+                                   "cuEventRecord",
+                                   "cuStreamWaitEvent",
+                                   "allocation",
+                                   "kernel argument",
+                                   "cuEventQuery",
+                                   "cancel",
+                                   "close",
+                                   "a flag write"};
+
+int kvo_job_fail(kvo_job *job, const kvo_driver *d, int code, int step, int64_t chunk,
+                 int64_t desc, const char *what) {
+    if (job->failed) return code ? code : 1;
+    job->failed = 1;
+    job->code = code;
+    job->step = step;
+    job->chunk = chunk;
+    job->desc = desc;
+    int plain = step == STEP_CANCEL || step == STEP_CLOSED || step == STEP_ARG || step == STEP_ALLOC;
+    const char *name = plain ? "" : kvo_error_name(d, code);
+    char where[80] = "";
+    if (chunk >= 0) snprintf(where, sizeof where, " of chunk %lld", (long long)chunk);
+    if (step == STEP_COPY && desc >= 0)
+        snprintf(job->message, sizeof job->message, "copy%s failed with %s at descriptor %lld",
+                 where, name, (long long)desc);
+    else
+        snprintf(job->message, sizeof job->message, "%s%s failed%s%s%s%s", STEP_NAMES[step], where,
+                 *name ? " with " : "", name, what ? ": " : "", what ? what : "");
+    return code ? code : 1;
+}
+
+int64_t kvo_job_bytes(const kvo_job *job, const kvo_spec *s) {
+    int64_t nbytes = 0;
+    for (int64_t i = 0; i < job->n_specs; i++)
+        nbytes += job->count[i] * s->groups[job->group[i]].slot_bytes;
+    return nbytes;
+}
+
+/* The load schedule of each spec: the one with the most slices that keeps one slice per
+ * min_slice_transfer_bytes of the job; a later schedule of a tie has smaller slices. */
+static void plan_load(const kvo_spec *s, kvo_job *job) {
+    int64_t room = kvo_job_bytes(job, s) / s->min_slice_transfer_bytes;
+    if (room < 1) room = 1;
+    job->n_slices = 0;
+    for (int64_t i = 0; i < job->n_specs; i++) {
+        const kvo_group *g = &s->groups[job->group[i]];
+        int64_t best = 0;
+        for (int64_t k = 0; k < g->n_plans; k++)
+            if ((g->plan_count[k] <= room || g->plan_count[k] == 1) &&
+                g->plan_count[k] >= g->plan_count[best])
+                best = k;
+        job->plan_first[i] = g->plan_first[best];
+        job->plan_count[i] = g->plan_count[best];
+        if (job->plan_count[i] > job->n_slices) job->n_slices = job->plan_count[i];
+        for (int64_t l = 0; l < g->n_layers; l++) {
+            int64_t o = g->plan_owner[best * g->n_layers + l];
+            if (o > job->layer_slice[l]) job->layer_slice[l] = o;
+        }
+    }
+}
+
+void kvo_job_free(kvo_job *job) {
+    if (job == NULL) return;
+    free(job->group);
+    free(job->ids);
+    free(job->layer_slice);
+    free(job);
+}
+
+kvo_job *kvo_job_build(const kvo_spec *s, const kvo_input *in, int64_t n_in, int dir, int *oom) {
+    int64_t n_specs = 0, total = 0;
+    for (int64_t i = 0; i < n_in; i++)
+        if (in[i].dir == dir) {
+            n_specs++;
+            total += in[i].n;
+        }
+    if (n_specs == 0) return NULL;
+    kvo_job *job = calloc(1, sizeof *job);
+    if (job != NULL) {
+        job->group = calloc((size_t)(5 * n_specs), sizeof(int64_t));
+        job->ids = malloc((size_t)(2 * total + 1) * sizeof(int64_t));
+        job->n_layers = dir == KVO_LOAD ? s->max_layers : 0;
+        job->layer_slice = calloc((size_t)(job->n_layers + 1), sizeof(int64_t));
+    }
+    if (job == NULL || !job->group || !job->ids || !job->layer_slice) {
+        kvo_job_free(job);
+        *oom = 1;
+        return NULL;
+    }
+    job->dir = dir;
+    job->n_specs = n_specs;
+    job->total = total;
+    job->count = job->group + n_specs;
+    job->at = job->count + n_specs;
+    job->plan_first = job->at + n_specs;
+    job->plan_count = job->plan_first + n_specs;
+    int64_t k = 0, at = 0;
+    for (int64_t i = 0; i < n_in; i++) {
+        if (in[i].dir != dir) continue;
+        job->group[k] = in[i].group;
+        job->count[k] = in[i].n;
+        job->at[k] = at;
+        memcpy(job->ids + at, in[i].blocks, (size_t)in[i].n * 8);
+        memcpy(job->ids + at + in[i].n, in[i].slots, (size_t)in[i].n * 8);
+        at += 2 * in[i].n;
+        k++;
+    }
+    if (dir == KVO_LOAD) plan_load(s, job);
+    return job;
+}

@@ -1,0 +1,156 @@
+/* kvoffload.transfer.cuda._engine.Job: one submitted transfer of one direction (binding.h). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+
+#include "binding.h"
+
+/* -- Job --------------------------------------------------------------------------------------- */
+
+static void job_dealloc(JobObject *self) {
+    if (self->job != NULL) {
+        kvo_engine *e = self->owner->e;
+        kvo_job *job = self->job;
+        Py_BEGIN_ALLOW_THREADS kvo_job_release(e, job);
+        Py_END_ALLOW_THREADS
+    }
+    Py_XDECREF(self->owner);
+    PyObject_Free(self);
+}
+
+static PyObject *job_done(JobObject *self, PyObject *noargs) {
+    (void)noargs;
+    int done = 0;
+    kvo_job_done(self->owner->e, self->job, &done); /* an atomic read: never blocks */
+    return PyBool_FromLong(done);
+}
+
+static PyObject *job_wait(JobObject *self, PyObject *args) {
+    PyObject *t = Py_None;
+    if (!PyArg_ParseTuple(args, "|O", &t)) return NULL;
+    double timeout = t == Py_None ? -1.0 : PyFloat_AsDouble(t);
+    if (PyErr_Occurred()) return NULL;
+    if (timeout < 0 && t != Py_None) timeout = 0;
+    int finished = 0;
+    kvo_engine *e = self->owner->e;
+    kvo_job *job = self->job;
+    Py_BEGIN_ALLOW_THREADS kvo_job_wait(e, job, timeout, &finished);
+    Py_END_ALLOW_THREADS return PyBool_FromLong(finished);
+}
+
+static int describe(JobObject *self, kvo_job_info *info) {
+    kvo_engine *e = self->owner->e;
+    kvo_job *job = self->job;
+    Py_BEGIN_ALLOW_THREADS kvo_job_describe(e, job, info);
+    Py_END_ALLOW_THREADS return 0;
+}
+
+static PyObject *job_error(JobObject *self, PyObject *noargs) {
+    (void)noargs;
+    kvo_job_info i;
+    describe(self, &i);
+    if (i.settled && i.failed)
+        return Py_BuildValue("(iiLLsi)", i.code, i.step, (long long)i.chunk, (long long)i.desc,
+                             i.message, i.cancelled);
+    Py_RETURN_NONE;
+}
+
+static PyObject *job_cancel(JobObject *self, PyObject *noargs) {
+    (void)noargs;
+    int cancelled = 0;
+    kvo_engine *e = self->owner->e;
+    kvo_job *job = self->job;
+    Py_BEGIN_ALLOW_THREADS kvo_job_cancel(e, job, &cancelled);
+    Py_END_ALLOW_THREADS return PyBool_FromLong(cancelled);
+}
+
+/* wait_on(stream, layer=-1, timeout=30): make `stream` wait on the GPU for the job (or for
+ * `layer` of a load); returns at once. False when the job failed or never ran (the stream does
+ * not wait for it); TimeoutError when a job queued behind another was not enqueued in time. */
+static PyObject *job_wait_on(JobObject *self, PyObject *args) {
+    unsigned long long stream;
+    long long layer = -1;
+    double timeout = 30.0;
+    if (!PyArg_ParseTuple(args, "K|Ld", &stream, &layer, &timeout)) return NULL;
+    int ok = 1;
+    char msg[KVO_MSG] = "";
+    kvo_status rc;
+    kvo_engine *e = self->owner->e;
+    kvo_job *job = self->job;
+    Py_BEGIN_ALLOW_THREADS rc = kvo_job_wait_on(e, job, (kvo_stream)(uintptr_t)stream, layer,
+                                                timeout, &ok, msg);
+    Py_END_ALLOW_THREADS if (rc != KVO_OK) return raise_status(rc, msg);
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *job_times(JobObject *self, PyObject *noargs) {
+    (void)noargs;
+    kvo_job_info i;
+    describe(self, &i);
+    return Py_BuildValue("(dddd)", i.t_submit, i.t_start, i.t_enqueued, i.t_done);
+}
+
+static PyObject *job_get_id(JobObject *self, void *c) {
+    (void)c;
+    kvo_job_info i;
+    describe(self, &i);
+    return PyLong_FromLongLong(i.id);
+}
+
+static PyObject *job_get_direction(JobObject *self, void *c) {
+    (void)c;
+    kvo_job_info i;
+    describe(self, &i);
+    return PyUnicode_FromString(i.dir == KVO_STORE ? "store" : "load");
+}
+
+static PyObject *job_get_slices(JobObject *self, void *c) {
+    (void)c;
+    kvo_job_info i;
+    describe(self, &i);
+    return PyLong_FromLongLong(i.slices);
+}
+
+static PyObject *job_get_layer_slice(JobObject *self, void *c) {
+    (void)c;
+    kvo_job_info i;
+    describe(self, &i);
+    int64_t *v = malloc((size_t)(i.layers + 1) * sizeof *v), n = 0;
+    if (v == NULL) return PyErr_NoMemory();
+    kvo_job_layer_slices(self->owner->e, self->job, v, i.layers, &n);
+    PyObject *out = PyList_New(n);
+    for (int64_t l = 0; out && l < n; l++) PyList_SET_ITEM(out, l, PyLong_FromLongLong(v[l]));
+    free(v);
+    return out;
+}
+
+static PyMethodDef job_methods[] = {
+    {"done", (PyCFunction)job_done, METH_NOARGS, "True once finished (never blocks)"},
+    {"wait", (PyCFunction)job_wait, METH_VARARGS, "wait(timeout=None) -> finished"},
+    {"error", (PyCFunction)job_error, METH_NOARGS,
+     "None, or (code, step, chunk, descriptor, message, cancelled) of a failed job"},
+    {"cancel", (PyCFunction)job_cancel, METH_NOARGS, "True if the job will never run"},
+    {"wait_on", (PyCFunction)job_wait_on, METH_VARARGS, "wait_on(stream, layer=-1, timeout=30)"},
+    {"times", (PyCFunction)job_times, METH_NOARGS,
+     "(submitted, started, enqueued, done): monotonic seconds"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef job_getset[] = {
+    {"id", (getter)job_get_id, NULL, "job id", NULL},
+    {"direction", (getter)job_get_direction, NULL, "'store' or 'load'", NULL},
+    {"slices", (getter)job_get_slices, NULL, "layer slices of a load (0 for a store)", NULL},
+    {"layer_slice", (getter)job_get_layer_slice, NULL, "per layer, its slice (loads)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyTypeObject JobType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvoffload.transfer.cuda._engine.Job",
+    .tp_basicsize = sizeof(JobObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "one submitted transfer of one direction",
+    .tp_dealloc = (destructor)job_dealloc,
+    .tp_methods = job_methods,
+    .tp_getset = job_getset,
+};
+

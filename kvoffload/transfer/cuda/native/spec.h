@@ -1,0 +1,55 @@
+/* The engine's description: one packed int64 array written by
+ * kvoffload/transfer/cuda/engine_spec.py (EngineSpec.pack), parsed once by spec.c. */
+#ifndef KVO_SPEC_H
+#define KVO_SPEC_H
+
+#include "kvo.h"
+
+/* How C launches one compiled variant of Triton's copy_blocks kernel (kernels.py). */
+typedef struct {
+    int64_t function; /* CUfunction */
+    int64_t grid;     /* programs */
+    int64_t block;    /* threads per program */
+    int64_t shared;   /* dynamic shared memory bytes */
+    int64_t wide;     /* bit j: integer argument j (first, n_blocks, n_regions, host_base,
+                         slot_stride) is i64, else i32 */
+    int64_t hidden;   /* trailing pointer parameters Triton added, passed as NULL */
+} kvo_kernel;
+
+/* What moves of each block in one pass: all regions (a store) or one layer slice (a load). */
+typedef struct {
+    int64_t offset;    /* bytes into the host slot */
+    int64_t unit;      /* bytes per block */
+    int64_t regions;   /* device address of the int64 [4, n_regions] region table */
+    int64_t n_regions;
+} kvo_part;
+
+typedef struct {
+    int64_t num_blocks;  /* engine blocks */
+    int64_t slot_bytes;  /* bytes of one block of every layer */
+    int64_t n_layers;
+    int64_t n_parts, n_plans;
+    kvo_kernel kernel[2]; /* [store, load] */
+    kvo_part *parts;      /* parts[0]: the whole slot; load slices after it */
+    int64_t *plan_count;  /* per load schedule: slices */
+    int64_t *plan_first;  /* ... its first part */
+    int64_t *plan_owner;  /* n_plans x n_layers: the slice holding each layer */
+} kvo_group;
+
+typedef struct {
+    int64_t n_groups, num_slots, arena_base, arena_slot_bytes;
+    int64_t depth, area_bytes, first_chunk_bytes, min_slice_transfer_bytes, n_dmas;
+    int64_t max_layers;
+    int64_t inline_bytes;              /* jobs up to this size are enqueued by the caller */
+    int64_t gather[2];                 /* per direction: the kernels' stream */
+    int64_t dmas[2][KVO_MAX_DMAS];     /* per direction: the DMA streams */
+    int64_t gate;                      /* the stream that opens layer gates */
+    int64_t *bases[2];                 /* per direction: staging area addresses (depth) */
+    kvo_group *groups;
+} kvo_spec;
+
+/* KVO_OK, or KVO_REFUSED and why in msg (s is then freed already). */
+kvo_status kvo_spec_parse(kvo_spec *s, const int64_t *packed, int64_t n, char *msg);
+void kvo_spec_free(kvo_spec *s);
+
+#endif

@@ -1,0 +1,269 @@
+/* The engine's waits and reports (engine.h): a job's end on the host, a job's layers on the GPU
+ * (wait_on, one stream memory operation), layer gates for CUDA graphs, and what jobs report.
+ *
+ * No wait on the GPU can depend on work that is not enqueued yet: wait_on and gate_open first
+ * wait (on the host, bounded) for a job still queued behind another to be enqueued, and a job's
+ * enqueue writes every flag word it owns whatever fails (pipeline.h). So a thread blocked in the
+ * driver (a lazy module load waits for the device to go idle while holding the context's lock)
+ * never waits for a copy that could only be enqueued after it. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine_state.h"
+
+/* A waiter spins this long on a job in flight before it sleeps: a condition-variable wake-up
+ * costs ~20 us (H100 VM), more than a small transfer's remaining time. */
+#define SPIN_S 100e-6
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+static int state_of(kvo_job *job) { return __atomic_load_n(&job->state, __ATOMIC_ACQUIRE); }
+
+kvo_status kvo_job_done(kvo_engine *e, kvo_job *job, int *done) {
+    *done = state_of(job) == KVO_DONE;
+    return KVO_OK;
+}
+
+kvo_status kvo_job_wait(kvo_engine *e, kvo_job *job, double timeout, int *finished) {
+    double deadline = timeout < 0 ? 0 : kvo_now() + timeout;
+    if (timeout != 0) {
+        double until = kvo_now() + (timeout > 0 && timeout < SPIN_S ? timeout : SPIN_S);
+        while (state_of(job) != KVO_DONE && kvo_now() < until) CPU_RELAX();
+    }
+    pthread_mutex_lock(&e->mu);
+    while (job->state != KVO_DONE && timeout != 0)
+        if (kvo_timed_wait(e, deadline) == ETIMEDOUT) break;
+    *finished = job->state == KVO_DONE;
+    pthread_mutex_unlock(&e->mu);
+    return KVO_OK;
+}
+
+kvo_status kvo_job_cancel(kvo_engine *e, kvo_job *job, int *cancelled) {
+    *cancelled = 0;
+    pthread_mutex_lock(&e->mu);
+    if (job->state == KVO_QUEUED) {
+        kvo_job **pp = &e->queue_head[job->dir];
+        kvo_job *prev = NULL;
+        while (*pp != NULL && *pp != job) {
+            prev = *pp;
+            pp = &(*pp)->next;
+        }
+        if (*pp == job) {
+            *pp = job->next;
+            if (e->queue_tail[job->dir] == job) e->queue_tail[job->dir] = prev;
+            job->next = NULL;
+            job->cancelled = 1;
+            kvo_job_fail(job, &e->d, 0, STEP_CANCEL, -1, -1, "cancelled before it started");
+            kvo_finish(e, job);
+            *cancelled = 1;
+        }
+    } else if (job->state == KVO_DONE && job->cancelled) {
+        *cancelled = 1;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return KVO_OK;
+}
+
+/* Until the job is enqueued (or will never be): at once unless it is queued behind another. */
+static kvo_status until_enqueued(kvo_engine *e, kvo_job *job, double timeout, char *msg) {
+    if (state_of(job) >= KVO_INFLIGHT) return KVO_OK;
+    double deadline = kvo_now() + timeout;
+    pthread_mutex_lock(&e->mu);
+    while (job->state < KVO_INFLIGHT && kvo_now() < deadline) kvo_timed_wait(e, deadline);
+    int state = job->state;
+    pthread_mutex_unlock(&e->mu);
+    if (state >= KVO_INFLIGHT) return KVO_OK;
+    return kvo_say(msg, KVO_TIMEOUT, "the copy was not enqueued within %g s", timeout);
+}
+
+kvo_status kvo_job_wait_on(kvo_engine *e, kvo_job *job, kvo_stream stream, int64_t layer,
+                           double timeout, int *ok, char *msg) {
+    *ok = 1;
+    kvo_status rc = until_enqueued(e, job, timeout, msg);
+    if (rc != KVO_OK) return rc;
+    if (job->cancelled) { /* never ran: nothing to wait for, the engine recomputes */
+        *ok = 0;
+        return KVO_OK;
+    }
+    *ok = !job->failed; /* final for failures found while enqueueing (the job settled) */
+    if (__atomic_load_n(&e->closed, __ATOMIC_ACQUIRE)) return KVO_OK; /* everything ended */
+    int64_t word = job->dir == KVO_LOAD && layer >= 0 && layer < job->n_layers
+                       ? kvo_word_layer(&e->flags, layer)
+                       : kvo_word_done(job->dir);
+    if (kvo_flag_reached(&e->flags, word, job->seq)) return KVO_OK; /* landed: nothing to wait */
+    void *prev = kvo_ctx_enter(e);
+    int err = e->d.wait32(stream, e->flags.dev + (kvo_dptr)word * sizeof(uint32_t), job->seq,
+                          KVO_WAIT_GEQ);
+    kvo_ctx_leave(e, prev);
+    if (err)
+        return kvo_say(msg, KVO_FAILED, "cuStreamWaitValue32 failed: %s",
+                       kvo_error_name(&e->d, err));
+    return KVO_OK;
+}
+
+kvo_status kvo_job_describe(kvo_engine *e, kvo_job *job, kvo_job_info *out) {
+    pthread_mutex_lock(&e->mu);
+    out->id = job->id;
+    out->dir = job->dir;
+    out->slices = job->n_slices;
+    out->layers = job->n_layers;
+    out->settled = job->state >= KVO_INFLIGHT;
+    out->failed = job->failed;
+    out->cancelled = job->cancelled;
+    out->code = job->code;
+    out->step = job->step;
+    out->chunk = job->chunk;
+    out->desc = job->desc;
+    out->t_submit = job->t_submit;
+    out->t_start = job->t_start;
+    out->t_enqueued = job->t_enqueued;
+    out->t_done = job->t_done;
+    memcpy(out->message, job->message, sizeof out->message);
+    pthread_mutex_unlock(&e->mu);
+    return KVO_OK;
+}
+
+kvo_status kvo_job_layer_slices(kvo_engine *e, kvo_job *job, int64_t *out, int64_t cap,
+                                int64_t *n) {
+    *n = job->n_slices > 0 ? job->n_layers : 0; /* fixed at submit */
+    if (*n > cap) *n = cap;
+    memcpy(out, job->layer_slice, (size_t)*n * sizeof *out);
+    return KVO_OK;
+}
+
+/* -- layer gates ------------------------------------------------------------------------------- */
+
+kvo_status kvo_gate_create(kvo_engine *e, int64_t layers, int64_t *gate, char *msg) {
+    if (layers < 1 || layers > e->spec.max_layers)
+        return kvo_say(msg, KVO_REFUSED, "expected 1 <= layers <= %lld (the layout's), got %lld",
+                       (long long)e->spec.max_layers, (long long)layers);
+    kvo_status rc = KVO_OK;
+    void *prev = kvo_ctx_enter(e);
+    pthread_mutex_lock(&e->mu);
+    if (e->closing) {
+        rc = kvo_say(msg, KVO_FAILED, "expected an open native engine, got a closed one");
+    } else if (e->gates == KVO_MAX_GATES) {
+        rc = kvo_say(msg, KVO_REFUSED, "expected at most %d layer gates per engine, got one more",
+                     KVO_MAX_GATES);
+    } else {
+        int err = e->d.event_create(&e->gate_event[e->gates], 2 /* CU_EVENT_DISABLE_TIMING */);
+        if (err) {
+            rc = kvo_say(msg, KVO_FAILED, "cuEventCreate failed: %s", kvo_error_name(&e->d, err));
+        } else {
+            e->gate_layers[e->gates] = layers;
+            *gate = e->gates++;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    kvo_ctx_leave(e, prev);
+    return rc;
+}
+
+static kvo_status check_gate(kvo_engine *e, int64_t gate, int64_t layer, char *msg) {
+    pthread_mutex_lock(&e->mu);
+    int64_t gates = e->gates, layers = gate >= 0 && gate < gates ? e->gate_layers[gate] : 0;
+    int closed = e->closing;
+    pthread_mutex_unlock(&e->mu);
+    if (closed) return kvo_say(msg, KVO_FAILED, "expected an open native engine, got a closed one");
+    if (gate < 0 || gate >= gates)
+        return kvo_say(msg, KVO_REFUSED, "expected a gate in [0, %lld), got %lld",
+                       (long long)gates, (long long)gate);
+    if (layer < -1 || layer >= layers)
+        return kvo_say(msg, KVO_REFUSED, "expected a layer in [0, %lld), got %lld",
+                       (long long)layers, (long long)layer);
+    return KVO_OK;
+}
+
+kvo_status kvo_gate_wait(kvo_engine *e, int64_t gate, kvo_stream stream, int64_t layer, char *msg) {
+    kvo_status rc = check_gate(e, gate, layer < 0 ? -2 : layer, msg);
+    if (rc != KVO_OK) return rc;
+    kvo_ops ops;
+    kvo_ops_begin(&ops, &e->d, &e->flags, stream);
+    int64_t word = kvo_word_gate(&e->flags, gate, layer);
+    kvo_ops_wait(&ops, word, 1, KVO_WAIT_EQ);
+    kvo_ops_write(&ops, word, 0);
+    void *prev = kvo_ctx_enter(e);
+    int err = kvo_ops_end(&ops);
+    kvo_ctx_leave(e, prev);
+    if (err)
+        return kvo_say(msg, KVO_FAILED, "cuStreamBatchMemOp failed: %s", kvo_error_name(&e->d, err));
+    return KVO_OK;
+}
+
+/* The newest of two sequence numbers (cyclic); 0 is "none". */
+static uint32_t newest(uint32_t a, uint32_t b) {
+    if (a == 0) return b;
+    return b != 0 && (int32_t)(b - a) > 0 ? b : a;
+}
+
+kvo_status kvo_gate_open(kvo_engine *e, int64_t gate, kvo_stream stream, kvo_job *const *jobs,
+                         int64_t n, double timeout, char *msg) {
+    kvo_status rc = check_gate(e, gate, -1, msg);
+    if (rc != KVO_OK) return rc;
+    uint32_t target[2] = {0, 0}; /* per direction: the newest listed job still to land */
+    for (int64_t i = 0; i < n; i++) {
+        if ((rc = until_enqueued(e, jobs[i], timeout, msg)) != KVO_OK) return rc;
+        if (jobs[i]->cancelled) continue;
+        if (!kvo_flag_reached(&e->flags, kvo_word_done(jobs[i]->dir), jobs[i]->seq))
+            target[jobs[i]->dir] = newest(target[jobs[i]->dir], jobs[i]->seq);
+    }
+    kvo_stream opener = (kvo_stream)e->spec.gate;
+    void *prev = kvo_ctx_enter(e);
+    /* after the replays enqueued so far on `stream` (they close the gate as they pass it) */
+    int err = e->d.record(e->gate_event[gate], stream);
+    if (!err) err = e->d.wait(opener, e->gate_event[gate], 0);
+    if (!err) {
+        kvo_ops ops;
+        kvo_ops_begin(&ops, &e->d, &e->flags, opener);
+        if (target[KVO_STORE]) kvo_ops_wait(&ops, kvo_word_done(KVO_STORE), target[KVO_STORE], KVO_WAIT_GEQ);
+        for (int64_t l = 0; l < e->gate_layers[gate]; l++) {
+            if (target[KVO_LOAD])
+                kvo_ops_wait(&ops, kvo_word_layer(&e->flags, l), target[KVO_LOAD], KVO_WAIT_GEQ);
+            kvo_ops_write(&ops, kvo_word_gate(&e->flags, gate, l), 1);
+        }
+        err = kvo_ops_end(&ops);
+    }
+    kvo_ctx_leave(e, prev);
+    if (err)
+        return kvo_say(msg, KVO_FAILED, "opening the layer gate failed: %s",
+                       kvo_error_name(&e->d, err));
+    return KVO_OK;
+}
+
+/* -- reports ----------------------------------------------------------------------------------- */
+
+kvo_status kvo_engine_finished(kvo_engine *e, int64_t **ids, int64_t *n) {
+    pthread_mutex_lock(&e->mu);
+    e->track_finished = 1;
+    *n = e->finished_n;
+    *ids = malloc((size_t)(*n > 0 ? *n : 1) * sizeof **ids);
+    if (*ids != NULL) {
+        memcpy(*ids, e->finished, (size_t)*n * sizeof **ids);
+        e->finished_n = 0;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return *ids == NULL ? KVO_FAILED : KVO_OK;
+}
+
+kvo_status kvo_engine_stats(kvo_engine *e, kvo_stats *out) {
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&e->mu);
+    for (int d = 0; d < 2; d++)
+        for (kvo_job *j = e->queue_head[d]; j; j = j->next) out->queued++;
+    for (kvo_job *j = e->inflight; j; j = j->next) out->in_flight++;
+    out->submitted = e->submitted;
+    out->completed = e->completed;
+    out->failed = e->failures;
+    out->parts = e->lane[0].parts + e->lane[1].parts;
+    out->closed = e->closing;
+    out->batch_copies = e->d.batch != NULL;
+    pthread_mutex_unlock(&e->mu);
+    return KVO_OK;
+}
