@@ -37,7 +37,7 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
         calls = {n: ms for n, ms in r["kvo_ms"].items() if not n.startswith("probe:")}
         assert r["kvo_ms_total"] == pytest.approx(sum(calls.values()))
         assert 0 < r["kvo_ms_in_ttft"] <= r["kvo_ms_total"]
-        assert r["kvo_calls"]["worker.wait_on(layer)"] == len(r["layer_wait_ms"])
+        assert r["kvo_calls"]["worker.layer_waiter(layer)"] == len(r["layer_wait_ms"])
         assert r["wait_call_us"] > 0 and r["launch_ms"] > 0 and r["load_bytes"] > 0
     att = eager["workloads"]["chat"]["attribution"]
     assert att["requests"] == len(restored) and att["kvo_ms_total_p50"] > 0

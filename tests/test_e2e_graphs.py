@@ -131,19 +131,24 @@ def test_static_steps_compute_the_eager_forward_on_padded_shapes(model, mode):
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_restore_through_the_static_steps_is_bit_exact(model, mode):
     """The correctness check with the graph runner's steps (run eagerly): the prefix restored
-    from host layer by layer, waited on per layer through ``wait_on`` (piecewise) or the layer
-    gate (full), gives the GPU-cached run's KV, logits and greedy tokens, bit for bit."""
+    from host layer by layer, waited on per layer through ``layer_waiter`` (piecewise) or
+    opened through kvoffload's layer gate (full; on a CPU ``open`` waits for the load whole),
+    gives the GPU-cached run's KV, logits and greedy tokens, bit for bit."""
     chat = ChatShape(1, 3, 40, 24, 20)
     blocks = 3 * -(-chat.history_tokens // 16) + 1
     cache = PagedKVCache(MICRO, blocks, 16, torch.device("cpu"), torch.float32)
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=blocks))
-    gate = FakeGate(host.worker, MICRO.layers) if mode == "full" else None
+    opened: list[list[int]] = []
+
+    def open_layers(stream, loads):
+        opened.append([load.job_id for load in loads])
+        host.open_layers(stream, loads)
+
+    full = mode == "full"
     runner = GraphRunner(
-        model, cache, mode, 32, 256, blocks - 1, gate,
-        host.open_layers if gate else None, capture=False, context_step=64,
+        model, cache, mode, 32, 256, blocks - 1, host.layer_gate() if full else None,
+        open_layers if full else None, capture=False, context_step=64,
     )  # fmt: skip
-    if gate is not None:
-        host._gate = gate
     try:
         check = check_turn(model, cache, host, chat, 3, 7, 32, graphs=runner)
     finally:
@@ -151,8 +156,8 @@ def test_restore_through_the_static_steps_is_bit_exact(model, mode):
     assert check["graph"] == mode and check["restored_host_hit_tokens"] > 0
     assert check["restored_kv_bit_equal"] and check["suffix_kv_bit_equal"]
     assert check["logits_bit_equal"] and check["greedy_tokens_equal"] and check["ok"]
-    if gate is not None:  # a step with the load opened the gate for its job
-        assert any(kind == "open" and jobs for kind, jobs in gate.log)
+    if full:  # every step opened the gate; the restored one's steps for its load's job
+        assert opened and any(opened) and all(len(jobs) <= 1 for jobs in opened)
 
 
 def test_engine_in_piecewise_mode_restores_and_attributes_its_calls(model):
@@ -169,10 +174,10 @@ def test_engine_in_piecewise_mode_restores_and_attributes_its_calls(model):
         got = engine.run(prompt)
         assert got.graph == "piecewise" and got.host_hit_tokens == 80
         calls = got.kvo_calls
-        assert calls["worker.wait_on(layer)"][1] == MICRO.layers  # one wait per layer
+        assert calls["worker.layer_waiter(layer)"][1] == MICRO.layers  # one wait per layer
+        assert calls["worker.layer_waiter"][1] == 1  # bound once for the load
         assert calls["offloader.lookup"][1] == 1 and calls["offloader.schedule_load"][1] == 1
-        steps = [n for n in calls if n in ("worker.step", "worker.submit")]
-        assert steps  # the load went through the worker's step (or its submit form)
+        assert "worker.step" in calls and "worker.submit" not in calls  # one call per step
         assert 0 < got.kvo_ttft_s <= sum(s for s, _ in calls.values())
         assert len(got.layer_waits) == MICRO.layers
     finally:

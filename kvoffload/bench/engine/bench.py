@@ -36,7 +36,7 @@ from kvoffload.bench.engine.bench_config import Advance, BenchConfig, WorkloadRu
 from kvoffload.bench.engine.config import ModelConfig, model_config
 from kvoffload.bench.engine.engine import Offload, PagedEngine, TurnResult
 from kvoffload.bench.engine.graphs import GraphRunner
-from kvoffload.bench.engine.host_tier import HostTier, TierStats
+from kvoffload.bench.engine.host_tier import LAYER_WAIT, HostTier, TierStats
 from kvoffload.bench.engine.kv_cache import PagedKVCache
 from kvoffload.bench.engine.model import Model
 from kvoffload.bench.engine.targets import targets
@@ -297,7 +297,7 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
         exposed: float | None = sum(r.layer_waits)
     else:
         exposed = r.load_seconds
-    waits = r.kvo_calls.get("worker.wait_on(layer)", (0.0, 0))
+    waits = r.kvo_calls.get(LAYER_WAIT, (0.0, 0))
     return {
         "graph": r.graph,
         "round": round_,

@@ -5,7 +5,7 @@
   between two attentions are CUDA graphs, one set per padded token count (a *bucket*): embed and
   layer 0's norm, q/k/v and RoPE; layer i's out-projection and MLP with layer i + 1's norm, q/k/v
   and RoPE; the last MLP with the LM head. Attention (``paged_attend``, as in eager) and
-  kvoffload's per-layer wait (``worker.wait_on``) run eagerly between them.
+  kvoffload's per-layer wait (``TransferWorker.layer_waiter``) run eagerly between them.
 - ``full``: the whole forward of a (token bucket, context bucket) is one graph, with kvoffload's
   per-layer restore waits inside it (``LayerGate.wait`` before each layer's attention, opened
   once per step by ``LayerGate.open`` before the replay). Attention reads static device tensors

@@ -13,8 +13,11 @@ This file is the integration example of ``docs/e2e.md``. The engine calls:
 
 Jobs reach the worker in one call per engine step, ``TransferWorker.step(jobs)``, which submits
 them and returns the jobs finished since the last step: ``store`` queues its job, ``poll`` (and
-``start_load``, which must not wait) hands the queue over. Every kvoffload call goes through a
-``calls.timed`` proxy, so ``calls`` holds the host time the engine's thread spent inside them.
+``start_load``, which must not wait) hands the queue over. A load's per-layer waits go through one
+``TransferWorker.layer_waiter`` bound at its first wait (one native wait per layer after that);
+a forward captured whole in a CUDA graph waits through ``layer_gate`` instead. Every kvoffload
+call goes through a ``calls.timed`` proxy, so ``calls`` holds the host time the engine's thread
+spent inside them (``LAYER_WAIT`` names the per-layer wait).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvoffload.bench.engine.calls import PROBE, CallClock, timed
 from kvoffload.bench.engine.kv_cache import PagedKVCache
 
 BlockKey = bytes
+LAYER_WAIT = "worker.layer_waiter(layer)"  # the per-layer wait's name in ``calls``
 log = logging.getLogger(__name__)
 
 
@@ -55,6 +59,7 @@ class Load:
     start: Any = None  # CUDA event recorded on the engine's stream before the submit
     end: Any = None  # CUDA event on a side stream, once every layer has arrived
     failed: bool = False  # a layer's wait raised: the copy failed
+    waiter: Any = None  # TransferWorker.layer_waiter, bound at the first layer's wait
 
 
 class HostTier:
@@ -104,12 +109,14 @@ class HostTier:
         """Before layer ``layer``'s attention reads the loaded blocks: on a GPU the current stream
         waits for that layer's copy (the host does not block); on a CPU the host waits. A copy
         that failed is noted and ends as a miss in ``finish_load``; the caller recomputes."""
-        self._wait_on(load, layer=layer)
+        if load.waiter is None:  # bound to the current stream, once per load
+            load.waiter = self.worker.layer_waiter(load.job_id)
+        self._guard(load, layer, LAYER_WAIT, load.waiter, layer)
 
     def time_load(self, load: Load) -> None:
         """On a GPU, record ``load.end`` when the load's last byte lands (a side stream waits for
         it): call right after enqueuing the work that reads the blocks. No-op on a CPU."""
-        if self.cuda and load.end is None and self._wait_on(load, self._probe, None, PROBE):
+        if self.cuda and load.end is None and self._wait_on(load, self._probe, PROBE):
             import torch
 
             load.end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -154,15 +161,9 @@ class HostTier:
     def layer_gate(self) -> Any:
         """The worker's ``LayerGate`` (one flag word per layer), timed: a CUDA graph captures
         ``gate.wait(stream, layer)`` before each layer's attention; ``open_layers`` opens it once
-        per step. RuntimeError where the worker has none."""
+        per step. One per tier (the native engine holds at most 8)."""
         if self._gate is None:
-            make = getattr(self.local.worker, "layer_gate", None)
-            if make is None:
-                raise RuntimeError(
-                    "the full-graph mode needs TransferWorker.layer_gate (issue 25), which this "
-                    "kvoffload does not have; run --graph eager,piecewise"
-                )
-            self._gate = timed(make(self.layers), self.calls, "gate")
+            self._gate = timed(self.worker.layer_gate(self.layers), self.calls, "gate")
         return self._gate
 
     def open_layers(self, stream: Any, loads: Sequence[Load]) -> None:
@@ -173,17 +174,18 @@ class HostTier:
     def close(self) -> None:
         self.local.close()
 
-    def _wait_on(
-        self, load: Load, stream: Any = None, layer: int | None = None, label: str = ""
-    ) -> bool:
-        """``TransferWorker.wait_on``; False (and ``load.failed``) if the copy failed."""
+    def _wait_on(self, load: Load, stream: Any, label: str) -> bool:
+        """``TransferWorker.wait_on`` for the whole load; False if the copy failed."""
+        wait = self.local.worker.wait_on
+        return self._guard(load, None, f"{label}worker.wait_on", wait, load.job_id, stream)
+
+    def _guard(self, load: Load, layer: int | None, name: str, wait: Any, *args: Any) -> bool:
+        """A wait for ``load`` (timed as ``name``); False, and ``load.failed``, if the copy
+        failed."""
         if load.failed:
             return False
-        name = f"{label}worker.wait_on" + ("" if layer is None else "(layer)")
         try:
-            self.calls.call(
-                name, self.local.worker.wait_on, load.job_id, stream=stream, layer=layer
-            )
+            self.calls.call(name, wait, *args)
         except Exception:  # the copy's own error, whatever its type: a miss, recomputed
             log.warning("load of %s failed (layer %s); recomputing", load.req_id, layer)
             log.debug("the load's error", exc_info=True)
@@ -194,7 +196,7 @@ class HostTier:
         """Hand the queued jobs over and apply the jobs finished since the last poll (stats;
         loads' results for finish_load): one ``TransferWorker.step`` call."""
         queued, self._queued = self._queued, []
-        results = self._step(queued)
+        results = self.worker.step(queued)
         jobs = {j.job_id: j for j in self.offloader.complete(results)}
         s = self.stats
         for r in results:
@@ -212,13 +214,3 @@ class HostTier:
                 s.store_bytes += r.nbytes
                 s.store_seconds += r.seconds
         return results
-
-    def _step(self, jobs: list[kvo.TransferJob]) -> list[kvo.JobResult]:
-        step = getattr(self.worker, "step", None)
-        if step is not None:
-            return list(step(jobs))
-        # TransferWorker.step (issue 25) arrives with the lead's change; until then the same in
-        # its documented form: submit every job in order, then get_finished.
-        for job in jobs:
-            self.worker.submit(job)
-        return self.worker.get_finished()
