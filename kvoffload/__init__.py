@@ -16,7 +16,8 @@ from kvoffload.offload import (
 from kvoffload.store.keys import as_block_key, prefix_block_keys
 from kvoffload.transfer.layout import KVLayout
 
-__version__ = "0.1.0"
+# The release, written only here (pyproject.toml reads it; CHANGELOG.md has a section per release).
+__version__ = "0.2.0"
 
 __all__ = [
     "JobResult",

@@ -105,12 +105,11 @@ def run(args: argparse.Namespace) -> int:
     from kvoffload.transfer.calibration import save
     from kvoffload.transfer.pinning import cuda_available
 
-    if not cuda_available():
-        console.print("kvoffload calibrate: no CUDA GPU here; nothing to calibrate")
-        return 1
     for m in args.methods:
         if m not in ("staged", "dma", "sm"):
             raise SystemExit(f"--methods: expected names from ['staged', 'dma', 'sm'], got {m!r}")
+    if not cuda_available():
+        raise SystemExit("kvoffload calibrate: expected a CUDA GPU to calibrate, got none")
     table = measure(args)
     path = save(table, Path(args.out) if args.out else None)
     for e in table.entries:

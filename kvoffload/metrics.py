@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
 PREFIX = "kvoffload_"
 
-# name (without PREFIX) -> (type, labels, meaning). Counters are exposed with a _total suffix.
+# name (without PREFIX) -> (type, labels, meaning). Counters are exposed with a _total suffix,
+# histograms as _bucket, _sum and _count (buckets: kvoffload/offload/latency.py, with the
+# measurements that chose them).
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "hit_blocks": (
         "counter",
@@ -54,6 +56,23 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Jobs by outcome: ok, failed (the copy failed, or a timed-out load ended), cancelled, "
         "timed_out (a load reported failed at its deadline)",
     ),
+    "transfer_duration_seconds": (
+        "histogram",
+        ("direction",),
+        "Submit-to-completion seconds of each successful job",
+    ),
+    "layer_wait_seconds": (
+        "histogram",
+        (),
+        "Host seconds TransferWorker.wait_on(job, layer=i) took for a load still running: on CPU "
+        "backends the wait for that layer's blocks; GPU backends make the stream wait instead, so "
+        "there it is the enqueue time",
+    ),
+    "tier_read_seconds": (
+        "histogram",
+        ("tier",),
+        "Submit-to-completion seconds of each lower-tier read op (up to 16 blocks)",
+    ),
     "prefill_tokens_saved": (
         "counter",
         (),
@@ -77,6 +96,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("tier", "counter"),
         "Every counter of a lower tier (docs/tiers.md): puts, put_bytes, put_failures, "
         "put_skipped, gets, get_bytes, misses, corrupt, errors, evictions, reconnects",
+    ),
+    "tier_up": (
+        "gauge",
+        ("tier",),
+        "1 while a lower tier is usable (valkey: its server answers; disk: its directory can be "
+        "written), else 0",
     ),
     "tier_flow": (
         "counter",
@@ -137,6 +162,10 @@ class OffloadCollector:
                 families["tier"].add_metric([tier, counter], value)
         for counter, value in off["tiers"].get("flow", {}).items():
             families["tier_flow"].add_metric([counter], value)
+        for tier, up in off["tiers"].get("up", {}).items():
+            families["tier_up"].add_metric([tier], float(up))
+        for tier, hist in off["tiers"].get("read_seconds", {}).items():
+            _add_histogram(families["tier_read_seconds"], [tier], hist)
         if off["prefill_tokens_saved"] is not None:
             families["prefill_tokens_saved"].add_metric([], off["prefill_tokens_saved"])
         families["jobs_in_flight"].add_metric([], off["jobs_in_flight"])
@@ -152,16 +181,29 @@ class OffloadCollector:
                 families["transfer_seconds"].add_metric([direction], stats["seconds"])
                 for outcome in ("ok", "failed", "cancelled", "timed_out"):
                     families["transfer_jobs"].add_metric([direction, outcome], stats[outcome])
+                _add_histogram(
+                    families["transfer_duration_seconds"], [direction], work["latency"][direction]
+                )
+            _add_histogram(families["layer_wait_seconds"], [], work["latency"]["layer_wait"])
         yield from families.values()
 
     def _family(self, name: str) -> Any:
         kind, labels, meaning = METRICS[name]
-        make = (
-            self._families.CounterMetricFamily
-            if kind == "counter"
-            else self._families.GaugeMetricFamily
-        )
+        make = {
+            "counter": self._families.CounterMetricFamily,
+            "gauge": self._families.GaugeMetricFamily,
+            "histogram": self._families.HistogramMetricFamily,
+        }[kind]
         return make(PREFIX + name, meaning, labels=list(labels))
+
+
+def _add_histogram(family: Any, labels: list[str], hist: dict[str, Any]) -> None:
+    """One series of ``family`` from a ``Histogram.snapshot``: cumulative counts per ``le``."""
+    total, buckets = 0, []
+    for bound, count in zip([*hist["bounds"], float("inf")], hist["counts"], strict=True):
+        total += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+    family.add_metric(labels, buckets, hist["sum"])
 
 
 @dataclass

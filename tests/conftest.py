@@ -15,6 +15,9 @@ import pytest
 # The start of every lower-tier skip reason (tests/tiers_support.py: SERVER_MISSING).
 TIER_SKIP = "lower-tier test: needs valkey-server or redis-server"
 TIER_SKIP_STAT = "lower-tier tests did not run (install a server: bash .ci/tiers.sh)"
+# The same for the test that needs a Prometheus server (tests/prometheus_support.py).
+PROMETHEUS_SKIP = "Prometheus test: needs prometheus on PATH"
+PROMETHEUS_SKIP_STAT = "Prometheus tests did not run (install it: bash .ci/prometheus.sh)"
 
 
 @functools.cache
@@ -39,9 +42,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Put the lower-tier tests that skipped for want of a server into the final summary line
-    (``... 12 skipped, 12 lower-tier tests did not run (install a server: ...)``)."""
+    """Put the lower-tier and Prometheus tests that skipped for want of a server into the final
+    summary line (``... 12 skipped, 12 lower-tier tests did not run (install a server: ...)``)."""
     skipped = terminalreporter.stats.get("skipped", [])
-    tiers = [r for r in skipped if TIER_SKIP in str(getattr(r, "longrepr", ""))]
-    if tiers:
-        terminalreporter.stats[TIER_SKIP_STAT] = tiers
+    for reason, stat in ((TIER_SKIP, TIER_SKIP_STAT), (PROMETHEUS_SKIP, PROMETHEUS_SKIP_STAT)):
+        counted = [r for r in skipped if reason in str(getattr(r, "longrepr", ""))]
+        if counted:
+            terminalreporter.stats[stat] = counted

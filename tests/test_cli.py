@@ -68,14 +68,106 @@ def test_help_is_plain_text_with_defaults(capsys):
             assert "(default: arc,lru)" in text  # a list default, shown as the user types it
 
 
-def test_bench_tables_fit_80_columns_without_cutting_cells(tmp_path, capsys):
-    out = tmp_path / "s.json"
-    assert main(["bench", "store", "--resident", "3000", "--reps", "2", "--out", str(out)]) == 0
-    argv = ["bench", "transfer", "--models", "qwen2.5-7b", "--layouts", "kv_split,page"]
-    assert main([*argv, "--blocks", "3", "--reps", "1", "--out", str(tmp_path / "t.json")]) == 0
+def test_bench_tables_fit_a_terminal_of_80_columns_without_cutting_cells(tmp_path, capsys):
+    from kvoffload.console import console
+
+    console.size = (80, 25)  # as on a terminal 80 columns wide
+    try:
+        out = tmp_path / "s.json"
+        assert main(["bench", "store", "--resident", "3000", "--reps", "2", "--out", str(out)]) == 0
+        argv = ["bench", "transfer", "--models", "qwen2.5-7b", "--layouts", "kv_split,page"]
+        assert main([*argv, "--blocks", "3", "--reps", "1", "--out", str(tmp_path / "t.json")]) == 0
+    finally:
+        console._width = console._height = None
     text = capsys.readouterr().out
     assert "…" not in text
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_piped_output_never_wraps_a_path_or_a_case_name(tmp_path, capsys):
+    """Not a terminal (a pipe, a log, CI): every line whole, however long."""
+    from kvoffload.bench.transfer_cases import CASES, parse_cases
+
+    deep = tmp_path / ("a-directory-with-a-long-name-" * 4) / "store.json"
+    assert main(["bench", "store", "--resident", "3000", "--reps", "2", "--out", str(deep)]) == 0
+    assert f"wrote {deep}" in capsys.readouterr().out.splitlines()
+    assert main(["bench", "transfer", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for model, layout, block_size in parse_cases(CASES):
+        name = f"{model}:{layout}:{block_size}"
+        assert any(line.startswith(name + " ") for line in lines), name
+
+
+def test_every_column_has_a_legend(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["bench", "store", "--resident", "3000", "--reps", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    for column in (
+        "resident",
+        "lookup 2048",
+        "store 512",
+        "evicting",
+        "(dict)",
+        "B/block",
+        "churned",
+    ):
+        assert f"{column}: " in text, column
+    assert main(["bench", "transfer", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    for column in ("case", "slot", "pieces/block", "piece", "blocks per transfer", "~s"):
+        assert f"{column}: " in text, column
+    argv = ["bench", "transfer", "--models", "qwen2.5-7b", "--layouts", "page", "--blocks", "3"]
+    assert main([*argv, "--reps", "1", "--out", str(tmp_path / "t.json")]) == 0
+    text = capsys.readouterr().out
+    for column in ("blocks", "piece", "store", "load", "(%)"):
+        assert f"{column}: " in text, column
+
+
+def test_every_error_is_one_line_in_one_form(capsys):
+    """``kvoffload <command> [option]: expected X, got Y``, whether argparse or the command
+    refuses the value."""
+    import pytest
+
+    cases = [
+        (
+            ["bench", "store", "--resident", "abc"],
+            "kvoffload bench store --resident: expected comma-separated integers, got 'abc'",
+        ),
+        (
+            ["bench", "store", "--policies", "fifo"],
+            "kvoffload bench store --policies: expected names from ['arc', 'lru'], got 'fifo'",
+        ),
+        (
+            ["bench", "e2e", "--turns", "x"],
+            "kvoffload bench e2e --turns: expected an integer, got 'x'",
+        ),
+        (
+            ["bench", "e2e", "--dtype", "f13"],
+            "kvoffload bench e2e --dtype: expected one of 'auto', 'bfloat16', 'float32', got 'f13'",
+        ),
+        (
+            ["bench", "nope"],
+            "kvoffload bench: expected one of 'transfer', 'store', 'tiers', 'multi-gpu', 'e2e', "
+            "got 'nope'",
+        ),
+        (
+            ["bench", "store", "--bogus", "1"],
+            "kvoffload bench store: expected its options (--help), got --bogus 1",
+        ),
+        (["bench", "store", "--reps"], "kvoffload bench store --reps: expected a value, got none"),
+        (
+            ["bench", "transfer", "--blocks", "0"],
+            "kvoffload bench transfer --blocks, "
+            "--block-size, --reps: expected values > 0, got 0, 16, 5",
+        ),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        err = capsys.readouterr().err.strip()
+        shown = err or str(done.value.code)  # argparse prints; a command's SystemExit carries it
+        assert shown == message, argv
+        assert done.value.code != 0
 
 
 def test_results_go_to_a_new_file_outside_the_repository(tmp_path, monkeypatch):

@@ -119,9 +119,20 @@ def test_metrics_over_http(tmp_path):
         assert value("tier_total", tier="disk", counter="puts") == 3  # written down behind
         assert value("tier_flow_total", counter="written") == 3
         assert value("hit_blocks_total", tier="disk") == 0
+        assert value("tier_up", tier="disk") == 1
+        # one store and one load job, both successful: one observation each, in a finite bucket
+        for direction in ("store", "load"):
+            count = value("transfer_duration_seconds_count", direction=direction)
+            finite = value("transfer_duration_seconds_bucket", direction=direction, le="10.0")
+            assert count == finite == 1
+            assert value("transfer_duration_seconds_sum", direction=direction) > 0
+            assert value("transfer_duration_seconds_bucket", direction=direction, le="+Inf") == 1
+        assert value("layer_wait_seconds_count") == 0  # nothing waited on a layer here
+        assert value("tier_read_seconds_count", tier="disk") == 0  # nothing read back up
         names = {name for name, _ in m}
+        suffix = {"counter": "_total", "gauge": "", "histogram": "_count"}
         for name, (kind, _labels, _meaning) in METRICS.items():
-            assert PREFIX + name + ("_total" if kind == "counter" else "") in names
+            assert PREFIX + name + suffix[kind] in names
     finally:
         local.close()
     with pytest.raises(OSError):
@@ -135,5 +146,48 @@ def test_bad_port_is_a_value_error():
     try:
         with pytest.raises(ValueError, match=re.escape("TCP port in [0, 65535], got 70000")):
             local.serve_metrics(70000)
+    finally:
+        local.close()
+
+
+def test_histogram_counts_each_observation_in_the_first_bucket_that_holds_it():
+    from kvoffload.offload.latency import Histogram
+
+    h = Histogram((1e-3, 1e-2))
+    for seconds in (5e-4, 1e-3, 2e-3, 1e-2, 3.0):  # a bound itself belongs to its bucket (le)
+        h.observe(seconds)
+    snap = h.snapshot()
+    assert snap["counts"] == [2, 2, 1] and snap["count"] == 5
+    assert snap["sum"] == pytest.approx(5e-4 + 1e-3 + 2e-3 + 1e-2 + 3.0)
+    for bad in ((), (1.0, 0.5), (0.0, 1.0), (1.0, 1.0)):
+        with pytest.raises(ValueError, match="expected increasing positive bucket bounds"):
+            Histogram(bad)
+
+
+def test_layer_waits_are_observed():
+    """A load waited on layer by layer (CPU: the host blocks) lands in the layer-wait histogram;
+    the store and the load in the transfer histograms."""
+    rng = np.random.default_rng(1)
+    kv = [rng.integers(0, 2**16, (2, 8, BS, 4), dtype=np.uint16) for _ in range(2)]
+    layout = KVLayout.from_tensors(kv, BS, block_dim=1)
+    local = build_local(layout, OffloadConfig(host_capacity_blocks=4))
+    off, worker = local.offloader, local.worker
+    try:
+        keys = prefix_block_keys(np.arange(2 * BS), BS)
+        job = off.schedule_store("a", keys, [0, 1])
+        assert job is not None
+        worker.submit(job)
+        worker.wait([job.job_id], 30)
+        off.complete(worker.get_finished())
+        load = off.schedule_load("b", keys, [2, 3])
+        worker.submit(load)
+        for layer in (0, 1):
+            worker.wait_on(load.job_id, layer=layer)
+        worker.wait([load.job_id], 30)
+        off.complete(worker.get_finished())
+        snap = worker.snapshot()["latency"]
+        assert snap["load"]["count"] == snap["store"]["count"] == 1
+        # the load was not reported finished (get_finished) before both waits: two observations
+        assert snap["layer_wait"]["count"] == 2
     finally:
         local.close()

@@ -59,6 +59,8 @@ def test_disk_holds_what_the_host_evicted_and_promotes_it(tmp_path):
     assert wait_ready(local, keys[:3], 3) == 3
     load_and_check(local, kv, keys[:3], [0, 1, 2], [20, 21, 22])
     assert off.tier_stats()["flow"]["promoted"] == 3
+    reads = off.tier_stats()["read_seconds"]["disk"]  # one read op per lookup that promoted
+    assert reads["count"] >= 1 and reads["sum"] > 0 and sum(reads["counts"]) == reads["count"]
     local.close()
 
 

@@ -326,13 +326,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError:
-        raise SystemExit("kvoffload bench e2e needs torch: pip install -e '.[bench]'") from None
+        raise SystemExit(
+            "kvoffload bench e2e: expected torch (pip install -e '.[bench]'), got none installed"
+        ) from None
     from kvoffload.bench.engine import dtype as dtypes
     from kvoffload.bench.engine.bench import run_bench
 
     cuda = bool(torch.cuda.is_available())
     if args.device.startswith("cuda") and not cuda:
-        raise SystemExit(f"--device {args.device}: expected a CUDA GPU, found none")
+        raise SystemExit(f"--device {args.device}: expected a CUDA GPU, got none")
     on_gpu = cuda and args.device != "cpu"
     cfg = build_config(args, on_gpu, dtypes.resolve(args.dtype, "cuda" if on_gpu else "cpu"))
     if not cfg.device.startswith("cuda"):
@@ -423,8 +425,8 @@ def _describe(cfg: Any) -> str:
     ]
     for r in cfg.workloads:
         lines.append(
-            f"  {r.workload.describe()}; {r.workload.distinct_blocks(cfg.block_size)} blocks, "
-            f"GPU pool {r.gpu_blocks}, host {r.host_blocks}; modes {','.join(r.modes)}"
+            f"  {r.workload.describe()}; {r.workload.distinct_blocks(cfg.block_size)} distinct "
+            f"blocks, GPU pool {r.gpu_blocks}, host {r.host_blocks}; modes {','.join(r.modes)}"
             + (f"; {r.rounds} rounds" if r.rounds > 1 else "")
         )
     return "\n".join(lines)
@@ -472,8 +474,9 @@ def _print_run(graph: str, run: dict[str, Any]) -> None:
         if att:
             _print_attribution(kind, graph, att)
     console.print(
-        "GPU/host: prompt tokens hit there; wait: ms a restored request's attention waited for "
-        "its load (median); hid: share of load time under prefill (GPU only)"
+        "p50/p90/p99: TTFT percentiles (ms); turns/s: requests finished per second; GPU/host: "
+        "share of prompt tokens hit there; wait: ms a restored request's attention waited for "
+        "its load (median); hid: share of load time under prefill (GPU only); -: no load"
     )
     zero = run["zero_reuse"]
     if zero:
@@ -481,7 +484,8 @@ def _print_run(graph: str, run: dict[str, Any]) -> None:
         console.print(
             f"zero reuse ({zero['rounds']} rounds x {zero['turns_per_round']} unique prompts of "
             f"{zero['prompt_tokens']} tokens), turns/s: gpu {tps['gpu']:.2f}, "
-            + ", ".join(f"{n} {tps[n]:.2f} ({100 * over[n]:+.1f}%)" for n in over)
+            + ", ".join(f"{n} {tps[n]:.2f} (cost {100 * over[n]:+.1f}%)" for n in over)
+            + "; cost: turns/s lost against gpu (negative: faster than gpu)"
         )
     for c in run["verify"]:
         console.print(

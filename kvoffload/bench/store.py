@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvoffload.bench.common import console, default_out, machine_info, progress, write_json
+from kvoffload.cli import int_list
 from kvoffload.store.index import BlockIndex
 from kvoffload.store.policies import POLICIES
 
@@ -36,7 +37,7 @@ SLOT_BYTES = 2 << 20  # Llama-3-8B, block size 16, bf16: only used for byte coun
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resident",
-        type=lambda s: [int(float(x)) for x in s.split(",")],
+        type=int_list,
         default=[10_000, 1_000_000],
         help="resident block counts (comma separated)",
     )
@@ -188,3 +189,11 @@ def _print(rows: list[dict[str, Any]]) -> None:
             f"{r['bytes_per_block_after_churn']:.0f}",
         )
     console.print(table)
+    console.print(
+        f"resident: readable blocks in the index; lookup {LOOKUP_BLOCKS}: one lookup of a fully "
+        f"resident {LOOKUP_BLOCKS}-block prefix; store {STORE_BLOCKS}: prepare_store + "
+        f"complete_store of {STORE_BLOCKS} new blocks into free slots; evicting: the same when "
+        "each block evicts a resident one; (dict): the same accesses on a plain dict of that size; "
+        "B/block: Python bytes per resident block after the fill; churned: after as many evicting "
+        "stores as resident blocks (ARC also keeps ghost keys)"
+    )

@@ -193,6 +193,12 @@ def _print(result: dict[str, Any]) -> None:
                 )
                 table.add_row(label, name, flat)
         console.print(table)
+    console.print(
+        "size: block size; numbers: name=value, where MBps is MB/s (10^6 bytes per second), ms "
+        "milliseconds, p50/p99 per-block latency percentiles; a name with sync or flushed "
+        "includes the fsync that puts the bytes on the device; warm / cold reads hit / miss the "
+        "page cache; batched_2threads: batches of blocks on 2 threads"
+    )
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -129,7 +129,8 @@ def _check(args: argparse.Namespace) -> None:
         if lay not in LAYOUTS:
             raise SystemExit(f"--layouts: expected names from {sorted(LAYOUTS)}, got {lay!r}")
     if any(b <= 0 for b in args.blocks) or args.block_size <= 0 or args.reps <= 0:
-        raise SystemExit("--blocks, --block-size and --reps must be positive")
+        given = f"{','.join(map(str, args.blocks))}, {args.block_size}, {args.reps}"
+        raise SystemExit(f"--blocks, --block-size, --reps: expected values > 0, got {given}")
 
 
 def measure_host(
@@ -191,7 +192,7 @@ def _use_gpu(args: argparse.Namespace) -> bool:
     if cuda_available():
         return True
     if args.device == "cuda":
-        raise SystemExit("--device cuda: expected a CUDA GPU, found none")
+        raise SystemExit("--device cuda: expected a CUDA GPU, got none")
     return False
 
 
@@ -258,6 +259,11 @@ def _print(rows: list[dict[str, Any]], limit: float) -> None:
             f"{r['load_GBps']:.2f} ({r['load_of_memcpy']:.0%})",
         )
     console.print(table)
+    console.print(
+        "blocks: blocks per transfer; piece: bytes of each contiguous region of a block; store: "
+        "engine tensors to the host arena, load: back; (%): that GB/s as a share of the "
+        f"contiguous memcpy's {limit:.1f} GB/s"
+    )
 
 
 def run_gpu(args: argparse.Namespace) -> int:
@@ -285,7 +291,8 @@ def _gpu_args(args: argparse.Namespace) -> None:
     args.cases = args.cases or CASES
     parse_cases(args.cases)
     if any(b <= 0 for b in args.gpu_blocks) or args.max_transfer_mib <= 0:
-        raise SystemExit("--gpu-blocks and --max-transfer-mib must be positive")
+        given = f"{','.join(map(str, args.gpu_blocks))}, {args.max_transfer_mib}"
+        raise SystemExit(f"--gpu-blocks, --max-transfer-mib: expected values > 0, got {given}")
     for flag, given, known in (
         ("--methods", args.methods, METHODS),
         ("--sections", args.sections, SECTIONS),

@@ -159,6 +159,11 @@ def print_plan(args: argparse.Namespace, notes: dict[str, str] | None = None) ->
             f"{seconds:.0f}",
         )
     console.print(table)
+    console.print(
+        "case: model:layout:block size (tokens); slot: bytes of one block of every layer (one "
+        "host slot); pieces/block: contiguous regions a block is made of; piece: bytes of each; "
+        "blocks per transfer: the transfer sizes swept; ~s: estimated seconds for the case"
+    )
     if {"gemm", "calls"} & set(args.sections):
         total += FIRST_CASE_S
     console.print(

@@ -49,6 +49,9 @@ from typing import Any
 from kvoffload.offload.tiers import OpKind, TierMover, TierOp, TierResult
 from kvoffload.store.index import FREE, READABLE, WRITING, BlockIndex
 from kvoffload.store.keys import BlockKey
+from kvoffload.store.tiers.base import Tier
+from kvoffload.store.tiers.disk import DiskTier
+from kvoffload.store.tiers.valkey import ValkeyTier
 
 OP_BLOCKS = 16  # blocks per tier op: one pipeline / a run of disk I/O, then a result
 LOOKAHEAD = 512  # most keys past the host prefix one lookup walks (at most half the host slots)
@@ -268,4 +271,15 @@ class LowerTiers:
 
     def snapshot(self) -> dict[str, Any]:
         tiers = {name: t.stats.snapshot() for name, t in self.mover.tiers.items()}
-        return {"flow": asdict(self.stats), "tiers": tiers}
+        reads = {name: h.snapshot() for name, h in self.mover.read_seconds.items()}
+        up = {name: _usable(t) for name, t in self.mover.tiers.items()}
+        return {"flow": asdict(self.stats), "tiers": tiers, "read_seconds": reads, "up": up}
+
+
+def _usable(tier: Tier) -> bool:
+    """Valkey: its server answers; disk: its directory can be written (else it only reads)."""
+    if isinstance(tier, ValkeyTier):
+        return tier.up
+    if isinstance(tier, DiskTier):
+        return tier.writable
+    return True

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvoffload.config import OffloadConfig
+from kvoffload.offload.latency import TIER_READ_BUCKETS, Histogram
 from kvoffload.store.arena import HostArena
 from kvoffload.store.keys import BlockKey
 from kvoffload.store.tiers.base import RateLimitedLog, Tier
@@ -71,6 +72,8 @@ class TierMover:
             t.name: ThreadPoolExecutor(threads, thread_name_prefix=f"kvoffload-{t.name}")
             for t in tiers
         }
+        # per tier: submit-to-completion seconds of each read op (an op: up to 16 blocks)
+        self.read_seconds = {t.name: Histogram(TIER_READ_BUCKETS) for t in tiers}
         self._finished: deque[TierResult] = deque()
         self._count_lock = threading.Lock()
         self._in_flight = 0
@@ -129,7 +132,10 @@ class TierMover:
                 e,
             )
             ok = [False] * len(op.keys)
-        self._finished.append(TierResult(op.op_id, tuple(ok), time.perf_counter() - submitted))
+        seconds = time.perf_counter() - submitted
+        if op.kind == "read":
+            self.read_seconds[op.tier].observe(seconds)
+        self._finished.append(TierResult(op.op_id, tuple(ok), seconds))
         with self._idle:
             self._in_flight -= 1
             self._idle.notify_all()

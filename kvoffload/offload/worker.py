@@ -32,6 +32,7 @@ from typing import Any
 
 from kvoffload.config import DEFAULT_LOAD_TIMEOUT_S
 from kvoffload.offload.jobs import JobResult, TransferJob
+from kvoffload.offload.latency import LAYER_WAIT_BUCKETS, TRANSFER_BUCKETS, Histogram
 from kvoffload.offload.offloader import Offloader
 from kvoffload.transfer.backend import CopyBackend, LayerGate, Pending
 
@@ -90,6 +91,14 @@ class TransferWorker:
         self.offloader = offloader
         self.load_timeout_s = float(load_timeout_s)
         self.stats = WorkerStats()
+        # successful jobs' submit-to-completion seconds per direction, and the host seconds
+        # wait_on(layer=...) took for a job still running (CPU backends block until the layer
+        # arrives; GPU backends only order the stream, so there it is the host's enqueue time)
+        self.latency = {
+            "store": Histogram(TRANSFER_BUCKETS),
+            "load": Histogram(TRANSFER_BUCKETS),
+            "layer_wait": Histogram(LAYER_WAIT_BUCKETS),
+        }
         self._ledger = offloader._ledger  # the one record of which job may run, and its results
         self._lock = threading.Lock()
         self._running: dict[int, _Running] = {}
@@ -231,7 +240,10 @@ class TransferWorker:
         if layer is not None:
             for spec in run.job.specs:
                 self.backend.layout.groups[spec.group].layer_regions(layer)  # ValueError if absent
+        start = time.perf_counter()
         run.pending.wait_on(stream, layer)
+        if layer is not None:
+            self.latency["layer_wait"].observe(time.perf_counter() - start)
 
     def layer_waiter(self, job_id: int, stream: object = None) -> Callable[[int], None]:
         """``wait_on(job_id, stream, layer)`` bound once, for an engine that waits before each
@@ -264,9 +276,11 @@ class TransferWorker:
             return len(self._running)
 
     def snapshot(self) -> dict[str, Any]:
-        """Counters per direction and the queue depth, in one consistent read."""
+        """Counters per direction and the queue depth, in one consistent read, and ``latency``:
+        the histograms' snapshots (``Histogram.snapshot``) by name."""
         with self._lock:
-            return {"queue_depth": len(self._running), **asdict(self.stats)}
+            latency = {name: h.snapshot() for name, h in self.latency.items()}
+            return {"queue_depth": len(self._running), **asdict(self.stats), "latency": latency}
 
     def close(self, timeout: float = 60.0) -> None:
         """Refuse new jobs, wait up to ``timeout`` s for submitted ones, cancel those that have
@@ -329,6 +343,7 @@ class TransferWorker:
             stats.ok += 1
             stats.bytes += run.job.nbytes
             stats.seconds += seconds
+            self.latency[run.job.direction].observe(seconds)
             self._finished.append(JobResult(job_id, True, run.job.nbytes, seconds))
         else:
             stats.failed += 1

@@ -24,6 +24,9 @@ pytest.importorskip("vllm")
 if not os.environ.get("CI"):  # under CI a missing Valkey client is a failure, not a skip
     pytest.importorskip("redis")
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import LookupResult, make_offload_key
 
 from kvoffload.integrations.vllm.secondary import (
@@ -157,6 +160,14 @@ def test_prefix_evicted_from_host_comes_back_from_disk(tmp_path: Path, spec: Any
     tier = lower_tier(sim)
     assert isinstance(tier, KVOffloadDiskTier)
     assert tier.tier.stats.gets == 5 and tier.tier.stats.corrupt == 0
+    # the read ops reached vLLM's stats as a declared histogram (vllm:kvoffload_disk_read_seconds)
+    total = OffloadingConnectorStats()
+    for payload in sim.stats_payloads:
+        total.aggregate(OffloadingConnectorStats(data=payload))
+    flat = total.reduce()
+    assert flat["vllm:kvoffload_disk_read_seconds_count"] >= 1
+    assert flat["vllm:kvoffload_disk_read_seconds_sum"] > 0
+    assert "vllm:kvoffload_disk_read_seconds" in KVOffloadDiskTier.build_metric_definitions({})
 
 
 @SPECS

@@ -37,7 +37,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         _ttft_by_turn(left, run["modes"])
         left.set_title(
             f"{kind}, {graph} graphs: {cfg['model']} on {result['device']['name']}, GPU pool "
-            f"{run['gpu_blocks']} blocks (workload {run['distinct_blocks']})",
+            f"{run['gpu_blocks']} blocks (the workload's distinct blocks: "
+            f"{run['distinct_blocks']})",
             fontsize=9,
         )
         restored = [

@@ -70,9 +70,29 @@ class Target:
         else:
             want, got = f"{sign} {self.target:.3g}x", f"{value:.2f}x"
         state = {True: "met", False: "NOT met", None: "not measured"}[self.met]
+        if self.met is None:
+            state += f" ({measured_by(self.name)})"
         shown = got if self.measured is not None else "-"
         bound = f", bound {self.bound}" if self.bound else ""
         return f"{self.name}: {shown} (target {want}{bound}): {state}"
+
+
+def measured_by(name: str) -> str:
+    """The flags of ``kvoffload bench e2e`` that measure target ``name``."""
+    kind = name.split(":")[0]
+    if kind == "fits":
+        return "add fits to --workloads"
+    if kind == "zero reuse":
+        return "--zero-reuse-rounds > 0"
+    if name.startswith("bit-exact"):
+        return "--verify > 0"
+    if name.startswith("graph replay"):
+        return "--graph piecewise or full"
+    if "gpu_all" in name:
+        return f"{kind} in --workloads, kvoffload and gpu_all in --modes"
+    if "recompute" in name:
+        return f"{kind} in --workloads, recompute and kvoffload in --modes"
+    return f"{kind} in --workloads, kvoffload in --modes, a request restored from host"
 
 
 def targets(

@@ -108,6 +108,7 @@ class KVOffloadManager(OffloadingManager):
         self._region = region
         self._info = info or {}
         self._reported = dict.fromkeys(COUNTERS.values(), 0)
+        self._counters_sent = False  # the first get_stats sends every counter, zeros included
         self._failed_loads: set[OffloadKey] = set()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -207,9 +208,10 @@ class KVOffloadManager(OffloadingManager):
         now: dict[str, Any] = self.tier.stats.snapshot()
         for name, field in COUNTERS.items():
             delta = now[field] - self._reported[field]
-            if delta:
+            if delta or not self._counters_sent:  # a series at 0 from the start (Prometheus)
                 stats.increase_counter(name, delta)
                 self._reported[field] = now[field]
+        self._counters_sent = True
         return stats
 
     def config_info(self) -> list[dict[str, str | int | float | bool]]:

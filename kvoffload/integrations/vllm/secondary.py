@@ -55,6 +55,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
     OffloadingEvent,
     OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
     OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadKey,
@@ -70,6 +71,7 @@ from kvoffload.integrations.vllm.options import DISK_TIER, VALKEY_TIER, parse_ti
 from kvoffload.integrations.vllm.region import RowArena
 from kvoffload.integrations.vllm.row_identity import model_identity, row_fingerprint, spec_fact
 from kvoffload.integrations.vllm.tier_events import Residency
+from kvoffload.offload.latency import TIER_READ_BUCKETS
 from kvoffload.offload.tiers import TierMover, TierOp, TierResult, build_tiers
 from kvoffload.store.tiers.disk import DiskTier
 from kvoffload.store.tiers.endpoint import redact_url
@@ -166,6 +168,8 @@ class _KVOffloadTier(SecondaryTierManager):
         self._probe_wanted: dict[OffloadKey, None] = {}  # ordered set, sent at the step's end
         self._probing: set[OffloadKey] = set()
         self._reported = dict.fromkeys(COUNTERS, 0)
+        self._counters_sent = False  # the first get_stats sends every counter, zeros included
+        self._read_seconds: list[float] = []  # read ops finished since the last get_stats
 
     # -- lookups (never block) ----------------------------------------------------------------
 
@@ -211,6 +215,8 @@ class _KVOffloadTier(SecondaryTierManager):
             kind = self._op_kind.pop(result.op_id)
             if self.residency is not None:
                 self._observe(self.residency, kind, keys, result)
+            if kind == "read":
+                self._read_seconds.append(result.seconds)
             if job_id is None:
                 self._probing.difference_update(keys)
                 continue
@@ -267,6 +273,11 @@ class _KVOffloadTier(SecondaryTierManager):
             )
             for name, doc in COUNTERS.items()
         }
+        defs[f"vllm:kvoffload_{cls.short}_read_seconds"] = OffloadingHistogramMetadata(
+            f"kvoffload {cls.short} tier: submit-to-completion seconds of each read op (up to "
+            f"{OP_CHUNKS} chunks).",
+            buckets=TIER_READ_BUCKETS,
+        )
         if cls.kind == VALKEY_TIER:
             defs["vllm:kvoffload_valkey_up"] = OffloadingGaugeMetadata(
                 "1 while the kvoffload Valkey tier reaches its server, 0 while it is down."
@@ -278,9 +289,13 @@ class _KVOffloadTier(SecondaryTierManager):
         now = self.tier.stats.snapshot()
         for name in COUNTERS:
             delta = now[name] - self._reported[name]
-            if delta:
+            if delta or not self._counters_sent:  # a series at 0 from the start (Prometheus)
                 stats.increase_counter(f"vllm:kvoffload_{self.short}_{name}", delta)
                 self._reported[name] = now[name]
+        self._counters_sent = True
+        for seconds in self._read_seconds:
+            stats.observe_histogram(f"vllm:kvoffload_{self.short}_read_seconds", seconds)
+        self._read_seconds.clear()
         if isinstance(self.tier, ValkeyTier):
             stats.set_gauge("vllm:kvoffload_valkey_up", float(self.tier.up))
         return stats
