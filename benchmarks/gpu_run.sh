@@ -44,10 +44,15 @@ want transfer && step timeout 400 python3 -m kvoffload.cli bench transfer --devi
 want probe && step timeout 150 python3 benchmarks/staged_sweep.py "$OUT/staged_probe.json" --label after
 # the compiled enqueue loop against the Python one, and inline submission (about 15 s)
 want enqueue && step timeout 120 python3 benchmarks/staged_sweep.py "$OUT/enqueue_probe.json" --label enqueue --sections enqueue
-# e2e: Llama-3-8B shapes on the chat workload (every mode) and the fitting one (gpu vs kvoffload,
-# 3 rounds), zero reuse, 3 sampled turns checked; then Qwen2.5-7B shapes with 32-token blocks.
-# Both took 226 s on the H100 (2026-11-23, run7 in docs/e2e.md).
-want e2e && step timeout 330 python3 -m kvoffload.cli bench e2e --workloads chat,fits --zero-reuse-rounds 4 --verify 3 --out "$OUT/e2e_gpu.json"
-want e2e && step timeout 200 python3 -m kvoffload.cli bench e2e --model qwen2.5-7b --block-size 32 --modes recompute,gpu_all,kvoffload --zero-reuse-rounds 0 --verify 2 --out "$OUT/e2e_gpu_qwen.json"
+# e2e (issue 25): chat and docs, Llama-3-8B then Qwen2.5-7B shapes (32-token blocks), each in the
+# eager, piecewise and full graph modes (every graph captured at start), modes recompute, gpu_all
+# and kvoffload (the targets' three), trimmed to fit one device call: chat 8 conversations x 8
+# turns, docs 16 documents and 48 requests, one zero-reuse round of 8 prompts, 2 sampled turns
+# checked per graph mode. Budget: about 6 min for both (timeouts 240 s each); the step's wall time
+# is in gpu_run.log. Before the graph modes this step took 226 s for chat + fits (run7).
+E2E_TRIM=(--workloads chat,docs --graph eager,piecewise,full --modes recompute,gpu_all,kvoffload
+  --conversations 8 --documents 16 --requests 48 --zero-reuse-rounds 1 --zero-reuse-turns 8 --verify 2)
+want e2e && step timeout 240 python3 -m kvoffload.cli bench e2e "${E2E_TRIM[@]}" --out "$OUT/e2e_gpu.json"
+want e2e && step timeout 240 python3 -m kvoffload.cli bench e2e --model qwen2.5-7b --block-size 32 "${E2E_TRIM[@]}" --out "$OUT/e2e_gpu_qwen.json"
 echo "=== done, status $status" | tee -a "$LOG"
 exit $status

@@ -16,7 +16,10 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
     assert main([*argv, "--zero-reuse-rounds", "1", "--zero-reuse-turns", "4"]) == 0
     result = json.loads(out.read_text())
     assert result["device"]["name"].startswith("cpu")
-    modes = result["results"]["workloads"]["chat"]["modes"]
+    assert result["results"]["graphs"] == ["eager"] and result["config"]["graphs"] == ["eager"]
+    eager = result["results"]["runs"]["eager"]
+    assert eager["graph"] == "eager" and eager["workloads"]["chat"]["graph"] == "eager"
+    modes = eager["workloads"]["chat"]["modes"]
     assert list(modes) == ["recompute", "gpu", "gpu_all", "kvoffload"]
     for run in modes.values():
         assert run["turns"] == 4 * 3 and len(run["records"]) == 12
@@ -27,16 +30,40 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
     assert modes["kvoffload"]["hit_ratio"]["host"] > 0
     assert modes["kvoffload"]["host"]["loaded_bytes"] > 0
     assert modes["kvoffload"]["host"]["stored_bytes"] > 0
-    zero = result["results"]["zero_reuse"]
+    assert all(r["graph"] == "eager" for m in modes.values() for r in m["records"])
+    # attribution: per restored request, kvoffload's calls summed, launch against gpu_all
+    restored = [r for r in modes["kvoffload"]["records"] if r["host_hit_tokens"]]
+    for r in restored:
+        calls = {n: ms for n, ms in r["kvo_ms"].items() if not n.startswith("probe:")}
+        assert r["kvo_ms_total"] == pytest.approx(sum(calls.values()))
+        assert 0 < r["kvo_ms_in_ttft"] <= r["kvo_ms_total"]
+        assert r["kvo_calls"]["worker.layer_waiter(layer)"] == len(r["layer_wait_ms"])
+        assert r["wait_call_us"] > 0 and r["launch_ms"] > 0 and r["load_bytes"] > 0
+    att = eager["workloads"]["chat"]["attribution"]
+    assert att["requests"] == len(restored) and att["kvo_ms_total_p50"] > 0
+    assert att["launch_vs_gpu_all"] > 0 and len(att["gpu_wait_ms_per_layer_p50"]) == 2
+    assert {"launch", "first_token"} <= set(att["gpu_all_host_ms_p50"])
+    targets = {t["name"]: t for t in eager["targets"]}
+    assert targets["chat: kvoffload calls per restore"]["measured"] == att["kvo_ms_total_p50"]
+    assert targets["chat: restored p50 / gpu_all"]["bound"] is not None
+    zero = eager["zero_reuse"]
     assert zero["runs"]["kvoffload"][0]["hit_ratio"]["host"] == 0.0
     assert zero["runs"]["kvoffload"][0]["host"]["stored_blocks"] == 0  # nothing admitted
     assert zero["runs"]["kvoffload_store_all"][0]["host"]["stored_blocks"] > 0
     assert set(zero["overhead_turns_per_s"]) == {"kvoffload", "kvoffload_store_all"}
-    assert [c["ok"] for c in result["results"]["verify"]] == [True, True]
+    assert [c["ok"] for c in eager["verify"]] == [True, True]
+    assert [c["graph"] for c in eager["verify"]] == ["eager", "eager"]
+    assert result["results"]["link"]["GBps"] > 0
     text = capsys.readouterr().out
-    assert "chat: TTFT ms" in text and "zero reuse" in text and "targets:" in text
+    assert "chat, eager graphs: TTFT ms" in text and "zero reuse" in text
+    assert "targets (eager):" in text and "chat, eager: " in text
     if _has_matplotlib():
         assert out.with_suffix(".png").stat().st_size > 10_000
+        from kvoffload.bench.e2e.runner.plot import plot
+
+        # a row per graph mode and workload
+        result["results"]["runs"]["full"] = {**eager, "graph": "full"}
+        assert plot(result, tmp_path / "two.png").stat().st_size > 10_000
 
 
 def test_every_workload_runs_and_reports_its_targets(tmp_path, monkeypatch, capsys):
@@ -48,7 +75,7 @@ def test_every_workload_runs_and_reports_its_targets(tmp_path, monkeypatch, caps
     assert main([*argv, "--workloads", "chat,fits,docs,mixed", "--zero-reuse-rounds", "0"]) == 0
     (out,) = (tmp_path / "kvoffload-results").glob("e2e_micro_cpu-*.json")
     result = json.loads(out.read_text())
-    workloads = result["results"]["workloads"]
+    workloads = result["results"]["runs"]["eager"]["workloads"]
     assert list(workloads) == ["chat", "fits", "docs", "mixed"]
     assert [w["kind"] for w in result["config"]["workloads"]] == list(workloads)
     fits = workloads["fits"]["modes"]
@@ -59,7 +86,7 @@ def test_every_workload_runs_and_reports_its_targets(tmp_path, monkeypatch, caps
     assert len(docs) == 12 and any(r["turn"] >= 2 for r in docs)
     mixed = workloads["mixed"]["modes"]["gpu"]["records"]
     assert sum(r["conversation"] == -1 for r in mixed) == 4  # a quarter unique
-    names = [t["name"] for t in result["results"]["targets"]]
+    names = [t["name"] for t in result["results"]["runs"]["eager"]["targets"]]
     assert "chat: restored p50 / gpu_all" in names and "fits: turns/s cost" in names
     assert "docs: recompute / kvoffload p99" in names
     text = capsys.readouterr().out
@@ -81,6 +108,10 @@ def test_modes_left_out_read_not_measured_never_nan(tmp_path, capsys):
         "chat: recompute / kvoffload p50: - (target >= 6x): not measured "
         "(chat in --workloads, recompute and kvoffload in --modes)"
     ) in text
+    assert (
+        "chat: launch / gpu_all: - (target <= 1.03x): not measured "
+        "(chat in --workloads, kvoffload and gpu_all in --modes)"
+    ) in text
 
 
 def _has_matplotlib():
@@ -98,6 +129,15 @@ def test_bad_workload_exits_with_a_message():
         main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--gpu-blocks", "3"])
     with pytest.raises(SystemExit, match="--modes: expected distinct names"):
         main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--modes", "disk"])
+    with pytest.raises(SystemExit, match="--graph: expected distinct names"):
+        main(["bench", "e2e", "--model", "micro", "--device", "cpu", "--graph", "eager,lazy"])
+
+
+def test_graph_modes_refuse_a_cpu_loudly():
+    pytest.importorskip("torch")
+    argv = ["bench", "e2e", "--model", "micro", "--device", "cpu", "--graph", "eager,piecewise"]
+    with pytest.raises(SystemExit, match="other than eager only on a CUDA device"):
+        main(argv)
 
 
 def test_the_model_runner_ships_in_the_package():
@@ -117,3 +157,33 @@ def test_the_command_module_does_not_import_torch():
     code = "import sys, kvoffload.bench.e2e.command; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_gpu_scripts_e2e_step_builds_its_runs():
+    """benchmarks/gpu_run.sh's e2e arguments make a valid run for both models on a GPU: chat and
+    docs, three graph modes, the targets' three modes, and every request within the graphs'
+    longest context."""
+    import argparse
+    import re
+    import shlex
+    from pathlib import Path
+
+    from kvoffload.bench.e2e import command as e2e
+
+    script = (Path(__file__).parents[1] / "benchmarks" / "gpu_run.sh").read_text()
+    found = re.search(r"E2E_TRIM=\((.*?)\)", script, re.S)
+    assert found is not None
+    trim = shlex.split(found.group(1))
+    for extra in ([], ["--model", "qwen2.5-7b", "--block-size", "32"]):
+        parser = argparse.ArgumentParser()
+        e2e.add_arguments(parser)
+        cfg = e2e.build_config(parser.parse_args([*trim, *extra]), True, "bfloat16")
+        assert cfg.graphs == ("eager", "piecewise", "full") and cfg.device == "cuda"
+        assert [r.workload.kind for r in cfg.workloads] == ["chat", "docs"]
+        assert all(r.modes == ("recompute", "gpu_all", "kvoffload") for r in cfg.workloads)
+        pytest.importorskip("torch")
+        from kvoffload.bench.e2e.runner.bench import max_context
+
+        bs = cfg.block_size
+        longest = max(r.workload.longest_request_blocks(bs) for r in cfg.workloads)
+        assert max_context(cfg) >= longest * bs

@@ -102,11 +102,12 @@ def test_restored_requests_are_compared_with_the_same_requests_in_gpu_all():
     ideal = _records({(0, 2): (10.0, 0), (1, 2): (20.0, 0), (0, 1): (5.0, 0)})
     modes = {"kvoffload": {"records": kvo_records}, "gpu_all": {"records": ideal}}
     # p50 of restored (12, 30) = 21 over the same requests in gpu_all (10, 20) = 15
-    assert restored_vs_gpu_all(modes, "p50") == pytest.approx(21 / 15)
-    assert restored_vs_gpu_all({"kvoffload": modes["kvoffload"]}, "p50") is None
+    value, limit, bound = restored_vs_gpu_all(modes, "p50", 1.1)
+    assert value == pytest.approx(21 / 15) and (limit, bound) == (1.1, "gpu_all")
+    assert restored_vs_gpu_all({"kvoffload": modes["kvoffload"]}, "p50", 1.1)[0] is None
 
 
-def test_targets_say_reached_not_reached_or_not_measured():
+def test_targets_say_met_not_met_or_not_measured():
     result = {
         "workloads": {
             "fits": {
@@ -120,14 +121,14 @@ def test_targets_say_reached_not_reached_or_not_measured():
         "verify": [{"ok": True}, {"ok": False}],
     }
     got = {t["name"]: t for t in targets(result)}
-    assert got["fits: turns/s cost"]["reached"] is True  # 0.5% <= 1%
-    assert got["fits: p99 cost"]["reached"] is False  # 7.5% > 5%
-    assert got["zero reuse: turns/s cost"]["reached"] is False
-    assert got["bit-exact sampled turns"]["reached"] is False  # 1 of 2
-    line = Target(**{k: v for k, v in got["fits: p99 cost"].items() if k != "reached"}).line()
-    assert line == "fits: p99 cost: +7.5% (target <= 5%): NOT reached"
-    missing = Target("chat: restored p50 / gpu_all", None, 1.15, True, "x")
-    assert missing.reached is None
+    assert got["fits: turns/s cost"]["met"] is True  # 0.5% <= 1%
+    assert got["fits: p99 cost"]["met"] is False  # 7.5% > 5%
+    assert got["zero reuse: turns/s cost"]["met"] is False
+    assert got["bit-exact sampled turns"]["met"] is False  # 1 of 2
+    line = Target(**{k: v for k, v in got["fits: p99 cost"].items() if k != "met"}).line()
+    assert line == "fits: p99 cost: +7.5% (target <= 5%): NOT met"
+    missing = Target("chat: restored p50 / gpu_all", None, 1.10, True, "x")
+    assert missing.met is None
     assert missing.line().endswith(
         "not measured (chat in --workloads, kvoffload and gpu_all in --modes)"
     )

@@ -7,7 +7,8 @@ in the modes
 ``recompute``, ``gpu`` (GPU prefix cache), ``gpu_all`` (a GPU pool that never evicts: the ideal)
 and ``kvoffload`` (GPU prefix cache plus kvoffload's host tier), then a zero-reuse workload for
 kvoffload's overhead, then a bit-exact check of KV restored from host, and prints the targets it
-is judged by. See docs/e2e.md.
+is judged by; all of it once per engine graph mode (``--graph``: eager, piecewise, full). See
+docs/e2e.md.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvoffload.bench.common import console, default_out, machine_info, progress,
 
 WORKLOADS = ("chat", "fits", "docs", "mixed")
 MODES = ("recompute", "gpu", "gpu_all", "kvoffload")
+GRAPHS = ("eager", "piecewise", "full")  # kvoffload.bench.e2e.runner.graphs.GRAPHS, without torch
 CHAT_KNOBS = ("conversations", "turns", "system_tokens", "user_tokens", "answer_tokens")
 DOC_KNOBS = (
     "documents",
@@ -192,6 +194,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     r = p.add_argument_group("run")
     r.add_argument(
+        "--graph",
+        default="eager",
+        help=f"comma-separated engine graph modes, each a whole run, from {','.join(GRAPHS)}: "
+        "eager launches; piecewise: dense parts as CUDA graphs, attention and waits eager; "
+        "full: one graph per forward, restore waits inside (CUDA only)",
+    )
+    r.add_argument(
         "--modes",
         default=None,
         help=f"comma-separated, from {','.join(MODES)} (default: all four; fits: gpu,kvoffload)",
@@ -266,6 +275,7 @@ def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
             zero_reuse_turns=_zero_reuse_turns(args, runs[0].workload),
             verify=args.verify,
             seed=args.seed,
+            graphs=_list(args.graph, GRAPHS, "--graph"),
         )
     except ValueError as err:
         raise SystemExit(f"kvoffload bench e2e: {err}") from None
@@ -354,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"JSON: {out}")
     if not args.no_plot:
         _plot(result, out.with_suffix(".png"))
-    failed = [c for c in results["verify"] if not c["ok"]]
+    failed = [c for run in results["runs"].values() for c in run["verify"] if not c["ok"]]
     if failed:
         console.print(f"[red]correctness check FAILED on {len(failed)} sampled turn(s)[/red]")
         return 1
@@ -409,7 +419,10 @@ def _config_dict(cfg: Any) -> dict[str, Any]:
 
 
 def _describe(cfg: Any) -> str:
-    lines = [f"e2e: {cfg.model} ({cfg.dtype}) on {cfg.device}, blocks of {cfg.block_size} tokens"]
+    lines = [
+        f"e2e: {cfg.model} ({cfg.dtype}) on {cfg.device}, blocks of {cfg.block_size} tokens; "
+        f"graph modes {','.join(cfg.graphs)}"
+    ]
     for r in cfg.workloads:
         lines.append(
             f"  {r.workload.describe()}; {r.workload.distinct_blocks(cfg.block_size)} distinct "
@@ -420,23 +433,33 @@ def _describe(cfg: Any) -> str:
 
 
 def _print(result: dict[str, Any]) -> None:
+    res = result["results"]
+    console.print(
+        f"link (kvoffload's blocking load, best of {len(res['link']['seconds'])}): "
+        f"{res['link']['GBps']:.1f} GB/s"
+    )
+    for graph, run in res["runs"].items():
+        _print_run(graph, run)
+
+
+def _print_run(graph: str, run: dict[str, Any]) -> None:
     from rich.table import Table
 
     from kvoffload.bench.e2e.runner.targets import Target
 
-    res = result["results"]
-    for kind, run in res["workloads"].items():
+    for kind, w in run["workloads"].items():
         which = "all requests" if kind == "fits" else "returning requests"
-        table = Table(title=f"{kind}: TTFT ms, {which}")
-        for col in ("mode", "p50", "p90", "p99", "turns/s", "GPU", "host", "waited", "hid"):
+        table = Table(title=f"{kind}, {graph} graphs: TTFT ms, {which}")
+        for col in ("mode", "graph", "p50", "p90", "p99", "turns/s", "GPU", "host", "wait", "hid"):
             table.add_column(col, justify="right")
-        for mode, m in run["modes"].items():
+        for mode, m in w["modes"].items():
             t = m["ttft_ms"] if kind == "fits" else m["ttft_ms_returning"]
             ov = m["overlap"]
             waited = ov["median_per_request_ms"]["exposed"] if ov else None
             hidden = ov["hidden_share"] if ov else None
             table.add_row(
                 mode,
+                graph,
                 f"{t.get('p50', 0):.1f}",
                 f"{t.get('p90', 0):.1f}",
                 f"{t.get('p99', 0):.1f}",
@@ -447,12 +470,15 @@ def _print(result: dict[str, Any]) -> None:
                 "-" if hidden is None else f"{100 * hidden:.0f}%",
             )
         console.print(table)
+        att = w.get("attribution")
+        if att:
+            _print_attribution(kind, graph, att)
     console.print(
         "p50/p90/p99: TTFT percentiles (ms); turns/s: requests finished per second; GPU/host: "
-        "share of prompt tokens hit there; waited: ms a restored request's attention waited for "
+        "share of prompt tokens hit there; wait: ms a restored request's attention waited for "
         "its load (median); hid: share of load time under prefill (GPU only); -: no load"
     )
-    zero = res["zero_reuse"]
+    zero = run["zero_reuse"]
     if zero:
         tps, over = zero["turns_per_s"], zero["overhead_turns_per_s"]
         console.print(
@@ -461,16 +487,45 @@ def _print(result: dict[str, Any]) -> None:
             + ", ".join(f"{n} {tps[n]:.2f} (cost {100 * over[n]:+.1f}%)" for n in over)
             + "; cost: turns/s lost against gpu (negative: faster than gpu)"
         )
-    for c in res["verify"]:
+    for c in run["verify"]:
         console.print(
             f"verify turn {c['turn']} ({c['restored_host_hit_tokens']} of {c['prompt_tokens']} "
             f"tokens restored): KV {c['restored_kv_bit_equal']}, logits {c['logits_bit_equal']}, "
             f"{c['decode_steps']} tokens {c['greedy_tokens_equal']} -> "
             f"{'ok' if c['ok'] else 'FAILED'}"
         )
-    console.print("targets:")
-    for t in res["targets"]:
-        console.print("  " + Target(**{k: v for k, v in t.items() if k != "reached"}).line())
+    for r in run.get("graph_replays", []):
+        console.print(
+            f"graph replay vs eager step, {r['tokens']} tokens in bucket {r['bucket']}: logits "
+            f"bit-equal {r['logits_bit_equal']}"
+        )
+    console.print(f"targets ({graph}):")
+    for t in run["targets"]:
+        console.print("  " + Target(**{k: v for k, v in t.items() if k != "met"}).line())
+
+
+def _print_attribution(kind: str, graph: str, att: dict[str, Any]) -> None:
+    """One restored request's medians: kvoffload's calls, launch against gpu_all, GPU wait."""
+    from rich.table import Table
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    table = Table(title=f"{kind}, {graph}: {att['requests']} restored, medians")
+    for col in ("graph", "kvoffload calls", "ms", "calls"):
+        table.add_column(col, justify="right")
+    for name, value in att["kvo_ms_p50"].items():
+        table.add_row(graph, name, ms(value), f"{att['kvo_calls_p50'][name]:.0f}")
+    table.add_row(graph, "total (no probes)", ms(att["kvo_ms_total_p50"]), "")
+    table.add_row(graph, "of it before token 1", ms(att["kvo_ms_in_ttft_p50"]), "")
+    console.print(table)
+    wait = att["wait_call_us_p50"]
+    ratio = att["launch_vs_gpu_all"]
+    console.print(
+        f"  launch {ms(att['launch_ms_p50'])} ms vs gpu_all {ms(att['gpu_all_launch_ms_p50'])} "
+        f"ms ({'-' if ratio is None else f'{ratio:.2f}x'}); GPU waited {ms(att['gpu_wait_ms_p50'])}"
+        f" ms; a per-layer wait call {'-' if wait is None else f'{wait:.1f}'} us"
+    )
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

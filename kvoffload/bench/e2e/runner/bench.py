@@ -10,6 +10,10 @@ a service they would overlap its own next request, which this does not credit). 
 that on fresh token ids. Then a zero-reuse workload (every prompt unique) the same way; then the
 correctness check on fresh sampled conversations (``verify.py``); then the targets
 (``targets.py``).
+
+All of that once per graph mode (``cfg.graphs``: eager, piecewise, full; ``graphs.py``), each on
+fresh token ids, into ``runs[graph]``. Every graph is captured at start, before any transfer;
+then the link's rate is measured (``measure_link``: a blocking load, for the targets' wire bound).
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ import numpy as np
 import torch
 
 import kvoffload as kvo
+from kvoffload import prefix_block_keys
+from kvoffload.bench.e2e.runner import calls as kvo_calls
 from kvoffload.bench.e2e.runner.bench_config import Advance, BenchConfig, WorkloadRun
 from kvoffload.bench.e2e.runner.config import ModelConfig, model_config
 from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine, TurnResult
-from kvoffload.bench.e2e.runner.host_tier import HostTier, TierStats
+from kvoffload.bench.e2e.runner.graphs import GraphRunner
+from kvoffload.bench.e2e.runner.host_tier import LAYER_WAIT, HostTier, TierStats
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
 from kvoffload.bench.e2e.runner.targets import targets
@@ -37,39 +44,131 @@ from kvoffload.bench.e2e.runner.timing import sync
 from kvoffload.bench.e2e.runner.verify import verify_samples
 from kvoffload.bench.e2e.runner.workload import Turn, unique_turns
 
+GRAPH_SEED = 100_003  # graph mode g runs on seed + g * this: fresh token ids per graph mode
+LINK_BLOCKS = 256  # blocks of the link probe's load (Llama-3-8B shapes: 512 MiB)
+LINK_REPEATS = 3  # the probe's loads; the fastest counts
+
 
 def run_bench(cfg: BenchConfig, advance: Advance) -> dict[str, Any]:
     mc = model_config(cfg.model)
     device = torch.device(cfg.device)
     t0 = time.perf_counter()
     model = Model(mc, cfg.device, cfg.seed, cfg.dtype)
-    cache = PagedKVCache(mc, cfg.cache_blocks(), cfg.block_size, device, getattr(torch, cfg.dtype))
+    blocks = cfg.cache_blocks() + 1  # the last one: the graphs' scratch block, in no pool
+    cache = PagedKVCache(mc, blocks, cfg.block_size, device, getattr(torch, cfg.dtype))
     host_blocks = max(r.host_blocks for r in cfg.workloads)
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=host_blocks, backend=cfg.backend))
     sync(device)
     setup_s = time.perf_counter() - t0
+    runs = {}
     try:
-        first = cfg.workloads[0]
-        for mode in cfg.modes:
-            warm_up(_engine(model, cache, host, cfg, first, mode), mc, cfg, advance)
-        freeze_heap()
-        workloads = {
-            run.workload.kind: run_workload(model, cache, host, cfg, run, advance)
-            for run in cfg.workloads
-        }
-        zero = zero_reuse(model, cache, host, mc, cfg, advance)
-        checks = verify_samples(model, cache, host, mc, cfg, advance)
+        runners = {g: graph_runner(model, cache, host, cfg, g) for g in cfg.graphs}
+        replays = {g: r.check_replays() if r is not None else [] for g, r in runners.items()}
+        link = measure_link(host, cache, cfg)
+        for i, graph in enumerate(cfg.graphs):
+            gcfg = dataclasses.replace(cfg, seed=cfg.seed + GRAPH_SEED * i)
+            runner = runners[graph]
+            runs[graph] = run_graph(model, cache, host, gcfg, runner, advance)
+            runs[graph]["graph_capture_s"] = runner.capture_s if runner is not None else 0.0
+            runs[graph]["graph_replays"] = replays[graph]
     finally:
         host.close()
     result = {
         "setup_s": setup_s,
         "block_bytes": cache.block_bytes,
+        "graphs": list(cfg.graphs),
+        "link": link,
+        "runs": runs,
+    }
+    for run in runs.values():
+        run["targets"] = targets(run, link, mc.layers)
+    return result
+
+
+def run_graph(
+    model: Model,
+    cache: PagedKVCache,
+    host: HostTier,
+    cfg: BenchConfig,
+    graphs: GraphRunner | None,
+    advance: Advance,
+) -> dict[str, Any]:
+    """Warm-ups, every workload, zero reuse and the check, with the forward of ``graphs``."""
+    mc = model.config
+    first = cfg.workloads[0]
+    for mode in cfg.modes:
+        warm_up(_engine(model, cache, host, cfg, first, mode, graphs=graphs), mc, cfg, advance)
+    freeze_heap()
+    workloads = {
+        run.workload.kind: run_workload(model, cache, host, cfg, run, advance, graphs)
+        for run in cfg.workloads
+    }
+    zero = zero_reuse(model, cache, host, mc, cfg, advance, graphs)
+    checks = verify_samples(model, cache, host, mc, cfg, advance, graphs)
+    return {
+        "graph": graphs.mode if graphs is not None else "eager",
         "workloads": workloads,
         "zero_reuse": zero,
         "verify": checks,
     }
-    result["targets"] = targets(result)
-    return result
+
+
+def graph_runner(
+    model: Model, cache: PagedKVCache, host: HostTier, cfg: BenchConfig, graph: str
+) -> GraphRunner | None:
+    """The captured runner of ``graph`` (None: eager). Scratch: the cache's last block."""
+    if graph == "eager":
+        return None
+    full = graph == "full"
+    runner = GraphRunner(
+        model,
+        cache,
+        graph,
+        cfg.chunk_tokens,
+        max_context(cfg),
+        cache.num_blocks - 1,
+        host.layer_gate() if full else None,
+        host.open_layers if full else None,
+    )
+    runner.capture()
+    return runner
+
+
+def max_context(cfg: BenchConfig) -> int:
+    """The longest request the run makes (tokens with KV): a workload's, the check's (its
+    prompt plus decode steps) or the warm-up's."""
+    from kvoffload.bench.e2e.runner.verify import DECODE_STEPS
+
+    bs = cfg.block_size
+    longest = max(r.workload.longest_request_blocks(bs) for r in cfg.workloads) * bs
+    check = cfg.workloads[0].workload.verify_shape().history_tokens + DECODE_STEPS
+    return max(longest, check, cfg.chunk_tokens + 8 * bs)
+
+
+def measure_link(host: HostTier, cache: PagedKVCache, cfg: BenchConfig) -> dict[str, Any]:
+    """The host-to-GPU rate kvoffload reaches here: blocks stored from the cache's first
+    blocks (free at start), then loaded back whole (``load``, blocking) ``LINK_REPEATS`` times,
+    the fastest counting. The targets' wire bound divides a restore's bytes by it."""
+    n = min(LINK_BLOCKS, cfg.cache_blocks() // 2, host.capacity_blocks // 2)
+    device = cache.tensors[0].device
+    rng = np.random.default_rng(cfg.seed + 77)
+    keys = prefix_block_keys(rng.integers(0, 1 << 30, n * cache.block_size), cache.block_size)
+    blocks = list(range(n))
+    host.store("link-store", keys, blocks)
+    host.wait_settled("link-store")
+    seconds = []
+    for i in range(LINK_REPEATS):
+        sync(device)
+        t0 = time.perf_counter()
+        ok = host.load(f"link-load{i}", keys, blocks)
+        sync(device)
+        seconds.append(time.perf_counter() - t0)
+        host.wait_settled(f"link-load{i}")
+        if not ok:
+            raise RuntimeError("the link probe's load failed: kvoffload could not restore blocks")
+    host.calls.take()
+    nbytes = n * cache.block_bytes
+    return {"blocks": n, "bytes": nbytes, "seconds": seconds, "GBps": nbytes / min(seconds) / 1e9}
 
 
 def _engine(
@@ -81,11 +180,12 @@ def _engine(
     mode: str,
     offload: Offload | None = None,
     first_block: int = 0,
+    graphs: GraphRunner | None = None,
 ) -> PagedEngine:
     pool = run.pool_blocks(mode, cfg.block_size)
     tier = host if mode == "kvoffload" else None
     off = offload or cfg.offload
-    return PagedEngine(model, cache, mode, tier, cfg.chunk_tokens, off, pool, first_block)
+    return PagedEngine(model, cache, mode, tier, cfg.chunk_tokens, off, pool, first_block, graphs)
 
 
 def freeze_heap() -> None:
@@ -119,6 +219,7 @@ def run_workload(
     cfg: BenchConfig,
     run: WorkloadRun,
     advance: Advance,
+    graphs: GraphRunner | None = None,
 ) -> dict[str, Any]:
     """Every mode on the workload, paired request by request, ``run.rounds`` times; per mode the
     records of all rounds pooled, turns/s the median of the rounds."""
@@ -129,12 +230,13 @@ def run_workload(
         turns = run.workload.turns(vocab, cfg.seed + 1009 * i)
         engines, first = {}, 0
         for mode in names:
-            engines[mode] = _engine(model, cache, host, cfg, run, mode, first_block=first)
+            engines[mode] = _engine(model, cache, host, cfg, run, mode, None, first, graphs)
             first += run.pool_blocks(mode, cfg.block_size)
         for mode, one in run_paired(engines, host, turns, label, advance, i).items():
             rounds[mode].append(one)
     modes = {m: pool_rounds(rs, model.config.layers) for m, rs in rounds.items()}
     return {
+        "graph": graphs.mode if graphs is not None else "eager",
         "workload": run.workload.as_dict(),
         "rounds": run.rounds,
         "gpu_blocks": run.gpu_blocks,
@@ -142,6 +244,7 @@ def run_workload(
         "host_blocks": run.host_blocks,
         "distinct_blocks": run.workload.distinct_blocks(cfg.block_size),
         "modes": modes,
+        "attribution": attribution(modes),
     }
 
 
@@ -194,7 +297,9 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
         exposed: float | None = sum(r.layer_waits)
     else:
         exposed = r.load_seconds
+    waits = r.kvo_calls.get(LAYER_WAIT, (0.0, 0))
     return {
+        "graph": r.graph,
         "round": round_,
         "conversation": turn.conversation,
         "turn": turn.index,
@@ -210,6 +315,13 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
         "prefill_ms": r.sections.get("prefill", 0.0) * 1e3,
         "gather_ms": r.sections.get("gather", 0.0) * 1e3,
         "sdpa_ms": r.sections.get("sdpa", 0.0) * 1e3,
+        "load_bytes": r.load_bytes,
+        "launch_ms": r.host.get("launch", 0.0) * 1e3,
+        "kvo_ms": {name: s * 1e3 for name, (s, _) in r.kvo_calls.items()},
+        "kvo_calls": {name: n for name, (_, n) in r.kvo_calls.items()},
+        "kvo_ms_total": kvo_calls.total(r.kvo_calls) * 1e3,
+        "kvo_ms_in_ttft": r.kvo_ttft_s * 1e3,
+        "wait_call_us": waits[0] / waits[1] * 1e6 if waits[1] else None,
     }
 
 
@@ -305,6 +417,7 @@ def zero_reuse(
     mc: ModelConfig,
     cfg: BenchConfig,
     advance: Advance,
+    graphs: GraphRunner | None = None,
 ) -> dict[str, Any] | None:
     """Unique prompts as long as the first workload's mean prompt: ``gpu``, ``kvoffload`` with
     the chosen admission and, if that is not ``all``, ``kvoffload`` storing everything, paired
@@ -320,7 +433,7 @@ def zero_reuse(
         seed = cfg.seed + 1000 + i
         turns = unique_turns(cfg.zero_reuse_turns, length, answer, mc.vocab, seed)
         engines = {
-            name: _engine(model, cache, host, cfg, run, mode, offload, j * run.gpu_blocks)
+            name: _engine(model, cache, host, cfg, run, mode, offload, j * run.gpu_blocks, graphs)
             for j, (name, (mode, offload)) in enumerate(variants.items())
         }
         for name, one in run_paired(engines, host, turns, "zero reuse", advance, i).items():
@@ -361,3 +474,55 @@ def _sum(a: TierStats, b: TierStats) -> TierStats:
     return TierStats(
         **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(TierStats)}
     )
+
+
+def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
+    """Where a restored request's time goes, per request and in medians: host time inside
+    kvoffload's calls (per call), the per-layer wait call, the host launch phase against the same
+    request's in ``gpu_all``, and the GPU's wait for the load per layer (exposed)."""
+    if "kvoffload" not in modes:
+        return None
+    restored = [r for r in modes["kvoffload"]["records"] if r["host_hit_tokens"] > 0]
+    if not restored:
+        return None
+    ideal = {_key(r): r for r in modes.get("gpu_all", {}).get("records", [])}
+
+    def med(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return float(np.median(known)) if known else None
+
+    names = sorted({n for r in restored for n in r["kvo_ms"]})
+    paired = [(r, ideal[_key(r)]) for r in restored if _key(r) in ideal]
+    launch = med([r["launch_ms"] for r in restored])
+    ideal_launch = med([g["launch_ms"] for _, g in paired]) if paired else None
+    layers = len(restored[0]["layer_wait_ms"])
+    return {
+        "requests": len(restored),
+        "kvo_ms_total_p50": med([r["kvo_ms_total"] for r in restored]),
+        "kvo_ms_total_p99": float(np.percentile([r["kvo_ms_total"] for r in restored], 99)),
+        "kvo_ms_in_ttft_p50": med([r["kvo_ms_in_ttft"] for r in restored]),
+        "kvo_ms_p50": {n: med([r["kvo_ms"].get(n, 0.0) for r in restored]) for n in names},
+        "kvo_calls_p50": {n: med([r["kvo_calls"].get(n, 0) for r in restored]) for n in names},
+        "wait_call_us_p50": med([r["wait_call_us"] for r in restored]),
+        "launch_ms_p50": launch,
+        "gpu_all_launch_ms_p50": ideal_launch,
+        "launch_vs_gpu_all": launch / ideal_launch if launch and ideal_launch else None,
+        "gpu_wait_ms_p50": med([r["load_exposed_ms"] for r in restored]),
+        "gpu_wait_ms_per_layer_p50": [
+            float(np.median([r["layer_wait_ms"][i] for r in restored])) for i in range(layers)
+        ]
+        if all(len(r["layer_wait_ms"]) == layers for r in restored)
+        else [],
+        "host_ms_p50": {
+            step: med([r["host_ms"].get(step, 0.0) for r in restored])
+            for step in sorted({s for r in restored for s in r["host_ms"]})
+        },
+        "gpu_all_host_ms_p50": {
+            step: med([g["host_ms"].get(step, 0.0) for _, g in paired])
+            for step in sorted({s for _, g in paired for s in g["host_ms"]})
+        },
+    }
+
+
+def _key(r: dict[str, Any]) -> tuple[int, int, int]:
+    return (r["round"], r["conversation"], r["turn"])

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvoffload.bench.e2e.runner.engine import MODES, Offload
+from kvoffload.bench.e2e.runner.graphs import GRAPHS
 from kvoffload.bench.e2e.runner.workload import Workload
 
 Advance = Callable[[str], None]  # progress: called once per request run, with a description
@@ -56,10 +57,21 @@ class BenchConfig:
     zero_reuse_turns: int = 16  # requests per zero-reuse round
     verify: int = 2  # sampled turns checked bit for bit; 0 skips
     seed: int = 0
+    graphs: tuple[str, ...] = ("eager",)  # engine graph modes, each a whole run (graphs.py)
 
     def __post_init__(self) -> None:
         if not self.workloads:
             raise ValueError("expected at least one workload, got none")
+        bad = [g for g in self.graphs if g not in GRAPHS]
+        if bad or not self.graphs or len(set(self.graphs)) != len(self.graphs):
+            raise ValueError(
+                f"expected distinct graph modes from {GRAPHS}, got {list(self.graphs)}"
+            )
+        if self.graphs != ("eager",) and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"expected graph modes other than eager only on a CUDA device (they capture CUDA "
+                f"graphs), got {list(self.graphs)} on {self.device}"
+            )
         for name in ("block_size", "chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"expected {name} > 0, got {getattr(self, name)}")
@@ -97,7 +109,9 @@ class BenchConfig:
         return max([*runs, zero if self.zero_reuse_rounds else 0])
 
     def steps(self) -> int:
-        """Progress steps: warm-ups, requests, zero-reuse requests, sampled checks."""
+        """Progress steps: warm-ups, requests, zero-reuse requests, sampled checks, per graph
+        mode."""
         work = sum(r.rounds * len(r.modes) * r.workload.requests() for r in self.workloads)
         zero = len(self.zero_reuse_variants()) * self.zero_reuse_rounds * self.zero_reuse_turns
-        return len(self.modes) + work + (zero if self.zero_reuse_rounds else 0) + self.verify
+        one = len(self.modes) + work + (zero if self.zero_reuse_rounds else 0) + self.verify
+        return one * len(self.graphs)

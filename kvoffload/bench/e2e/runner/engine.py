@@ -30,6 +30,8 @@ import torch
 from kvoffload import prefix_block_keys
 from kvoffload.bench.e2e.runner.attention import paged_attend
 from kvoffload.bench.e2e.runner.block_pool import BlockKey, BlockPool
+from kvoffload.bench.e2e.runner.calls import total as total_calls
+from kvoffload.bench.e2e.runner.graphs import GraphRunner
 from kvoffload.bench.e2e.runner.host_tier import HostTier, Load
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
@@ -82,6 +84,11 @@ class TurnResult:
     host: dict[str, float]  # host seconds inside TTFT per step (``_HostClock``)
     sections: dict[str, float] = field(default_factory=dict)  # device time inside TTFT
     blocks: list[int] = field(default_factory=list)  # the request's block table, in order
+    graph: str = "eager"  # how the forward ran: eager, piecewise or full (``graphs.py``)
+    # host seconds and call count per kvoffload call during the request (``calls.py``)
+    kvo_calls: dict[str, tuple[float, int]] = field(default_factory=dict)
+    load_bytes: int = 0  # bytes restored from host
+    kvo_ttft_s: float = 0.0  # host seconds inside kvoffload calls before the first token
 
 
 class _HostClock:
@@ -110,9 +117,11 @@ class PagedEngine:
         offload: Offload | None = None,
         pool_blocks: int | None = None,
         first_block: int = 0,
+        graphs: GraphRunner | None = None,
     ) -> None:
         """``pool_blocks`` (default: all) of the cache's blocks from ``first_block`` on are this
-        engine's GPU pool."""
+        engine's GPU pool. ``graphs``: run the forward as CUDA graphs (``graphs.py``; captured
+        already, and shared by every engine of the run); None: eager."""
         if mode not in MODES:
             raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
         if (mode == "kvoffload") != (host is not None):
@@ -131,6 +140,8 @@ class PagedEngine:
         self.host = host
         self.chunk_tokens = chunk_tokens
         self.offload = offload or Offload()
+        self.graphs = graphs
+        self.graph = graphs.mode if graphs is not None else "eager"
         self.pool = BlockPool(pool_blocks, first_block)
         self.timer = SectionTimer(model.device)
         self.late_stores = 0  # blocks stored only when the pool was about to reuse them
@@ -159,6 +170,8 @@ class PagedEngine:
             raise ValueError("expected answer tokens or decode steps, got both")
         req = f"req{next(self._ids)}"
         host_time = _HostClock(t0)
+        if self.host is not None:
+            self.host.calls.take()  # from here on, this request's kvoffload calls
         self._allocated = 0
         self._settle()
         bs = self.cache.block_size
@@ -203,6 +216,7 @@ class PagedEngine:
             self.pool.cache(blocks[gpu_hit:loaded], reusable[gpu_hit:loaded])
         ttft = time.perf_counter() - t0
         host_time.mark("first_token")  # syncing on the first token, checking the load
+        kvo_ttft = total_calls(self.host.calls.peek()) if self.host is not None else 0.0
         sections = self.timer.collect()
         seq, out = tokens, []
         if len(answer):  # launched before the stores, so their host-side work overlaps it
@@ -224,6 +238,7 @@ class PagedEngine:
         self.timer.collect()
         self._finish(req, blocks)
         layers = self.model.config.layers
+        calls = self.host.calls.take() if self.host is not None else {}
         return TurnResult(
             first,
             logits.cpu(),
@@ -238,6 +253,10 @@ class PagedEngine:
             host_time.seconds,
             sections,
             blocks,
+            self.graph,
+            calls,
+            (loaded - gpu_hit) * self.cache.block_bytes,
+            kvo_ttft,
         )
 
     def drop_gpu_cache(self) -> int:
@@ -336,6 +355,8 @@ class PagedEngine:
         due = [b for b in self.pool.head(lead) if b in self._unstored]
         if due:
             self._store_now(due)
+            assert self.host is not None
+            self.host.poll()  # one worker step: the stores start, finished jobs come back
 
     def _store_now(self, blocks: list[int]) -> None:
         assert self.host is not None
@@ -348,23 +369,29 @@ class PagedEngine:
     # -- blocks --------------------------------------------------------------------------------
 
     def _allocate(self, n: int) -> list[int]:
+        """``n`` blocks from the pool. With a host tier, no kvoffload call unless a block at the
+        head is being stored (or must be: it waits for that store) or the pool is short of free
+        blocks (it waits for held ones to settle): the request settled the rest at its start."""
         if n <= 0:
             return []
-        self._settle()
         self._allocated += n
         self._largest = max(self._largest, self._allocated)
-        if self.host is not None:
-            head = self.pool.head(n)
-            late = [b for b in head if b in self._unstored]
-            if late:  # the lead was too short: store them now, on this request's time
-                self.late_stores += len(late)
-                self._store_now(late)
-            for req in {self._store_of[b] for b in head if b in self._store_of}:
-                self.host.wait_settled(req)
+        if self.host is None:
             self._settle()
-            while self.pool.num_free < n and self._held:
-                self.host.wait_settled(next(iter(self._held)))
-                self._settle()
+            return self.pool.allocate(n)
+        head = self.pool.head(n)
+        late = [b for b in head if b in self._unstored]
+        if late:  # the lead was too short: store them now, on this request's time
+            self.late_stores += len(late)
+            self._store_now(late)
+        reading = {self._store_of[b] for b in head if b in self._store_of}
+        for req in reading:
+            self.host.wait_settled(req)
+        if reading:
+            self._settle()
+        while self.pool.num_free < n and self._held:
+            self.host.wait_settled(next(iter(self._held)))
+            self._settle()
         return self.pool.allocate(n)
 
     def _finish(self, req: str, blocks: list[int]) -> None:
@@ -397,7 +424,7 @@ class PagedEngine:
         for s in range(start, len(tokens), self.chunk_tokens):
             e = min(s + self.chunk_tokens, len(tokens))
             with self.timer.section("prefill"):
-                logits = self._forward(tokens[s:e], s, blocks, before_read)
+                logits = self._forward(tokens[s:e], s, blocks, before_read, load)
         return logits
 
     def _layer_wait(self, load: Load) -> Callable[[int], None]:
@@ -416,7 +443,11 @@ class PagedEngine:
         start: int,
         blocks: list[int],
         before_read: Callable[[int], None] | None = None,
+        load: Load | None = None,
     ) -> torch.Tensor:
+        if self.graphs is not None:
+            loads = [load] if load is not None else []
+            return self.graphs.forward(tokens, start, blocks, self.timer, before_read, loads)
         device = self.model.device
         table = torch.tensor(blocks, dtype=torch.int64, device=device)
         positions = torch.arange(start, start + len(tokens), device=device)

@@ -10,6 +10,14 @@ This file is the integration example of ``docs/e2e.md``. The engine calls:
 - ``store(req, keys, blocks)`` for blocks whose KV should reach host (after compute wrote them);
 - ``settled(req)`` before blocks a store reads go back to the free queue: a block whose store is
   still reading it must not be overwritten.
+
+Jobs reach the worker in one call per engine step, ``TransferWorker.step(jobs)``, which submits
+them and returns the jobs finished since the last step: ``store`` queues its job, ``poll`` (and
+``start_load``, which must not wait) hands the queue over. A load's per-layer waits go through one
+``TransferWorker.layer_waiter`` bound at its first wait (one native wait per layer after that);
+a forward captured whole in a CUDA graph waits through ``layer_gate`` instead. Every kvoffload
+call goes through a ``calls.timed`` proxy, so ``calls`` holds the host time the engine's thread
+spent inside them (``LAYER_WAIT`` names the per-layer wait).
 """
 
 from __future__ import annotations
@@ -21,9 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvoffload as kvo
+from kvoffload.bench.e2e.runner.calls import PROBE, CallClock, timed
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 
 BlockKey = bytes
+LAYER_WAIT = "worker.layer_waiter(layer)"  # the per-layer wait's name in ``calls``
 log = logging.getLogger(__name__)
 
 
@@ -49,6 +59,7 @@ class Load:
     start: Any = None  # CUDA event recorded on the engine's stream before the submit
     end: Any = None  # CUDA event on a side stream, once every layer has arrived
     failed: bool = False  # a layer's wait raised: the copy failed
+    waiter: Any = None  # TransferWorker.layer_waiter, bound at the first layer's wait
 
 
 class HostTier:
@@ -57,8 +68,11 @@ class HostTier:
     ) -> None:
         self.layout = kvo.KVLayout.from_tensors(cache.tensors, cache.block_size, block_dim=1)
         self.local = kvo.build_local(self.layout, config)
-        self.offloader = self.local.offloader
-        self.worker = self.local.worker
+        self.calls = CallClock()  # host time inside every kvoffload call (the attribution)
+        self.offloader = timed(self.local.offloader, self.calls, "offloader")
+        self.worker = timed(self.local.worker, self.calls, "worker")
+        self._queued: list[kvo.TransferJob] = []  # scheduled, handed over at the next step
+        self._gate: Any = None
         self.load_timeout = load_timeout
         self.layers = self.layout.groups[0].num_layers
         self.stats = TierStats()
@@ -87,19 +101,22 @@ class HostTier:
 
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
-        self.worker.submit(job)
+        self._queued.append(job)
+        self.poll()  # the load starts now, with the stores queued before it
         return Load(req_id, job.job_id, len(keys), time.perf_counter(), start)
 
     def wait_layer(self, load: Load, layer: int) -> None:
         """Before layer ``layer``'s attention reads the loaded blocks: on a GPU the current stream
         waits for that layer's copy (the host does not block); on a CPU the host waits. A copy
         that failed is noted and ends as a miss in ``finish_load``; the caller recomputes."""
-        self._wait_on(load, layer=layer)
+        if load.waiter is None:  # bound to the current stream, once per load
+            load.waiter = self.worker.layer_waiter(load.job_id)
+        self._guard(load, layer, LAYER_WAIT, load.waiter, layer)
 
     def time_load(self, load: Load) -> None:
         """On a GPU, record ``load.end`` when the load's last byte lands (a side stream waits for
         it): call right after enqueuing the work that reads the blocks. No-op on a CPU."""
-        if self.cuda and load.end is None and self._wait_on(load, stream=self._probe):
+        if self.cuda and load.end is None and self._wait_on(load, self._probe, PROBE):
             import torch
 
             load.end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -120,10 +137,11 @@ class HostTier:
         return self.finish_load(self.start_load(req_id, keys, blocks))
 
     def store(self, req_id: str, keys: Sequence[BlockKey], blocks: Sequence[int]) -> bool:
-        """Start copying blocks to host (keys held already are skipped); False: nothing to copy."""
+        """Copy blocks to host from the next ``poll`` on (keys held already are skipped); False:
+        nothing to copy."""
         job = self.offloader.schedule_store(req_id, keys, blocks)
         if job is not None:
-            self.worker.submit(job)
+            self._queued.append(job)
         return job is not None
 
     def settled(self, req_id: str) -> bool:
@@ -135,18 +153,39 @@ class HostTier:
         return self.offloader.is_settled(req_id)
 
     def wait_settled(self, req_id: str) -> None:
+        if self._queued:
+            self.poll()  # a queued job must run before it can settle
         self.worker.wait(self.offloader.in_flight(req_id))
         self.poll()
+
+    def layer_gate(self) -> Any:
+        """The worker's ``LayerGate`` (one flag word per layer), timed: a CUDA graph captures
+        ``gate.wait(stream, layer)`` before each layer's attention; ``open_layers`` opens it once
+        per step. One per tier (the native engine holds at most 8)."""
+        if self._gate is None:
+            self._gate = timed(self.worker.layer_gate(self.layers), self.calls, "gate")
+        return self._gate
+
+    def open_layers(self, stream: Any, loads: Sequence[Load]) -> None:
+        """Before a step's graph replay on ``stream``: layer L opens once every load's layer L
+        has landed (at once without loads)."""
+        self.layer_gate().open(stream, [load.job_id for load in loads])
 
     def close(self) -> None:
         self.local.close()
 
-    def _wait_on(self, load: Load, stream: Any = None, layer: int | None = None) -> bool:
-        """``TransferWorker.wait_on``; False (and ``load.failed``) if the copy failed."""
+    def _wait_on(self, load: Load, stream: Any, label: str) -> bool:
+        """``TransferWorker.wait_on`` for the whole load; False if the copy failed."""
+        wait = self.local.worker.wait_on
+        return self._guard(load, None, f"{label}worker.wait_on", wait, load.job_id, stream)
+
+    def _guard(self, load: Load, layer: int | None, name: str, wait: Any, *args: Any) -> bool:
+        """A wait for ``load`` (timed as ``name``); False, and ``load.failed``, if the copy
+        failed."""
         if load.failed:
             return False
         try:
-            self.worker.wait_on(load.job_id, stream=stream, layer=layer)
+            self.calls.call(name, wait, *args)
         except Exception:  # the copy's own error, whatever its type: a miss, recomputed
             log.warning("load of %s failed (layer %s); recomputing", load.req_id, layer)
             log.debug("the load's error", exc_info=True)
@@ -154,8 +193,10 @@ class HostTier:
         return not load.failed
 
     def poll(self) -> list[kvo.JobResult]:
-        """Apply the jobs finished since the last poll (stats; loads' results for finish_load)."""
-        results = self.worker.get_finished()
+        """Hand the queued jobs over and apply the jobs finished since the last poll (stats;
+        loads' results for finish_load): one ``TransferWorker.step`` call."""
+        queued, self._queued = self._queued, []
+        results = self.worker.step(queued)
         jobs = {j.job_id: j for j in self.offloader.complete(results)}
         s = self.stats
         for r in results:

@@ -76,22 +76,50 @@ class Model:
         self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
         """Logits (float32) of the last token; ``tokens`` and ``positions`` are int64 [n]."""
-        c = self.config
-        n = tokens.shape[0]
+        x, cos, sin = self.embed_rope(tokens, positions)
+        for i in range(len(self.layers)):
+            q, k, v = self.pre(i, x, cos, sin)
+            x = self.post(i, x, attend(i, q, k, v))
+        return self.head(x[-1:])
+
+    # The forward's parts, in order: ``embed_rope``, then per layer ``pre``, attention, ``post``,
+    # then ``head``. The CUDA-graph runner (``graphs.py``) captures the same parts, so a graph
+    # computes what ``forward`` computes with the same ops.
+
+    def embed_rope(
+        self, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The embeddings of ``tokens`` [n, hidden], and RoPE's cos and sin at ``positions``."""
         cos, sin = self._rope(positions)
-        x = self.embed[tokens]
+        return self.embed[tokens], cos, sin
+
+    def pre(
+        self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``i`` before attention: norm, q/k/v projection, RoPE on q and k."""
+        c, layer = self.config, self.layers[i]
+        h = F.rms_norm(x, (c.hidden,), layer.attn_norm, c.rms_eps)
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(x.shape[0], -1, c.head_size)
         rotated = c.heads + c.kv_heads  # q and k heads, rotated together
-        for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (c.hidden,), layer.attn_norm, c.rms_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(n, -1, c.head_size)
-            qk = rope(qkv[:, :rotated], cos, sin)
-            o = attend(i, qk[:, : c.heads], qk[:, c.heads :], qkv[:, rotated:])
-            x = x + F.linear(o.reshape(n, -1), layer.out)
-            h = F.rms_norm(x, (c.hidden,), layer.mlp_norm, c.rms_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        last = F.rms_norm(x[-1:], (c.hidden,), self.norm, c.rms_eps)
-        return F.linear(last, self.lm_head).float().view(-1)
+        qk = rope(qkv[:, :rotated], cos, sin)
+        return qk[:, : c.heads], qk[:, c.heads :], qkv[:, rotated:]
+
+    def post(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Layer ``i`` after attention (``o``: [n, heads, head]): out projection, SwiGLU MLP."""
+        c, layer = self.config, self.layers[i]
+        x = x + F.linear(o.reshape(x.shape[0], -1), layer.out)
+        h = F.rms_norm(x, (c.hidden,), layer.mlp_norm, c.rms_eps)
+        gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
+        return x + F.linear(F.silu(gate) * up, layer.down)
+
+    def head(self, last: torch.Tensor) -> torch.Tensor:
+        """Logits (float32, [vocab]) of one token's hidden state ``last`` [1, hidden]."""
+        c = self.config
+        return (
+            F.linear(F.rms_norm(last, (c.hidden,), self.norm, c.rms_eps), self.lm_head)
+            .float()
+            .view(-1)
+        )
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin, [n, 1, head]: rope(x) = x * cos + roll(x, head / 2) * sin."""

@@ -1,6 +1,8 @@
-"""The e2e plot, one row per workload: TTFT by turn per mode (median and p10-p90 band); and for
-requests restored from host, the load time per turn split into the part hidden under prefill and
-the part exposed (attention waiting for it), beside the prefill's own time. A workload without
+"""The e2e plot, one row per graph mode and workload: TTFT by turn per mode (median and p10-p90
+band); for requests restored from host, the load time per turn split into the part hidden under
+prefill and the part exposed (attention waiting for it), beside the prefill's own time; and where
+each millisecond of a restored request goes against the same request in ``gpu_all`` (host steps,
+of them the time inside kvoffload's calls, and the GPU's wait for the load). A workload without
 host hits (fits) shows TTFT p50/p99 per mode instead."""
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Any
 import numpy as np
 
 COLORS = {"recompute": "#c0392b", "gpu": "#7f8c8d", "gpu_all": "#27ae60", "kvoffload": "#2471a3"}
+STEPS = ("match", "lookup", "allocate", "load_submit", "launch", "first_token")  # host steps
+STEP_COLORS = ("#d5dbdb", "#f5b041", "#aab7b8", "#e67e22", "#5dade2", "#1f618d")
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
@@ -19,30 +23,60 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = result["results"]["workloads"]
-    rows = len(workloads)
+    runs = result["results"]["runs"]
+    rows = [(g, kind, w) for g, run in runs.items() for kind, w in run["workloads"].items()]
     fig, axes = plt.subplots(
-        rows, 2, figsize=(12, 4.2 * rows), gridspec_kw={"width_ratios": [3, 2]}, squeeze=False
+        len(rows),
+        3,
+        figsize=(17, 4.2 * len(rows)),
+        gridspec_kw={"width_ratios": [3, 2, 2]},
+        squeeze=False,
     )
     cfg = result["config"]
-    for (kind, run), (left, right) in zip(workloads.items(), axes, strict=True):
+    for (graph, kind, run), (left, mid, right) in zip(rows, axes, strict=True):
         _ttft_by_turn(left, run["modes"])
         left.set_title(
-            f"{kind}: {cfg['model']} on {result['device']['name']}, GPU pool {run['gpu_blocks']} "
-            f"blocks (the workload's distinct blocks: {run['distinct_blocks']})",
+            f"{kind}, {graph} graphs: {cfg['model']} on {result['device']['name']}, GPU pool "
+            f"{run['gpu_blocks']} blocks (the workload's distinct blocks: "
+            f"{run['distinct_blocks']})",
             fontsize=9,
         )
         restored = [
             r for r in run["modes"].get("kvoffload", {}).get("records", []) if r["host_hit_tokens"]
         ]
         if restored:
-            _overlap(right, restored)
+            _overlap(mid, restored)
         else:
-            _tails(right, run["modes"])
+            _tails(mid, run["modes"])
+        if run.get("attribution"):
+            _where_ms_go(right, run["attribution"])
+        else:
+            right.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _where_ms_go(ax: Any, att: dict[str, Any]) -> None:
+    """Stacked host steps of a restored request (medians) and of the same request in gpu_all;
+    beside them the part of kvoffload's bar spent inside kvoffload's calls, and the GPU's wait."""
+    for x, steps in enumerate((att["gpu_all_host_ms_p50"], att["host_ms_p50"])):
+        bottom = 0.0
+        for step, color in zip(STEPS, STEP_COLORS, strict=True):
+            value = steps.get(step) or 0.0
+            label = step if x == 1 else None
+            ax.bar(x, value, 0.6, bottom=bottom, color=color, label=label)
+            bottom += value
+        ax.text(x, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=8)
+    kvo, wait = att["kvo_ms_in_ttft_p50"] or 0.0, att["gpu_wait_ms_p50"] or 0.0
+    ax.bar(2, kvo, 0.6, color="#8e44ad", label="in kvoffload calls before the first token")
+    ax.bar(3, wait, 0.6, color="#c0392b", label="GPU waited for the load")
+    ax.set_xticks(range(4), ["gpu_all", "kvoffload", "kvo calls", "GPU wait"], fontsize=8)
+    ax.set_ylabel("ms, median of restored requests")
+    ax.set_title("a restored request: where each ms goes (host steps of TTFT)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
 
 
 def _by_turn(records: list[dict[str, Any]], field: str) -> dict[int, list[float]]:

@@ -16,6 +16,7 @@ class SectionTimer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._open: list[tuple[str, Any, Any]] = []
+        self._added: set[int] = set()  # ids of start events given to ``add`` since collect
         self.seconds: dict[str, float] = defaultdict(float)
 
     @contextmanager
@@ -32,6 +33,13 @@ class SectionTimer:
             yield
             self.seconds[name] += time.perf_counter() - t0
 
+    def add(self, name: str, start: Any, end: Any) -> None:
+        """A section timed by events recorded elsewhere (inside a CUDA graph). Events given
+        twice before ``collect`` (a graph replayed twice) count once: their last record."""
+        if id(start) not in self._added:
+            self._added.add(id(start))
+            self._open.append((name, start, end))
+
     def collect(self) -> dict[str, float]:
         """Seconds per section since the last ``collect`` (synchronizes the device first)."""
         if self._open:
@@ -39,6 +47,7 @@ class SectionTimer:
             for name, start, end in self._open:
                 self.seconds[name] += start.elapsed_time(end) / 1e3
             self._open.clear()
+            self._added.clear()
         out, self.seconds = dict(self.seconds), defaultdict(float)
         return out
 

@@ -20,6 +20,7 @@ import torch
 
 from kvoffload.bench.e2e.runner.config import ModelConfig
 from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine, TurnResult
+from kvoffload.bench.e2e.runner.graphs import GraphRunner
 from kvoffload.bench.e2e.runner.host_tier import HostTier
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
@@ -40,9 +41,12 @@ def check_turn(
     seed: int,
     chunk_tokens: int,
     offload: Offload | None = None,
+    graphs: GraphRunner | None = None,
 ) -> dict[str, Any]:
     """Restore-vs-GPU check of ``turn`` (>= 2) of a fresh conversation shaped like ``chat``,
-    restoring the way ``offload`` says (layer by layer by default; every block is admitted).
+    restoring the way ``offload`` says (layer by layer by default; every block is admitted),
+    with the forward of ``graphs`` (None: eager; its scratch block and those after it are left
+    out of the pool). Both runs take the same padded shapes, so in a graph mode the same graph.
 
     Besides logits and tokens it compares the KV itself, position by position: the restored
     prefix, the suffix prefilled on top of it and the KV written by the decode steps; and it runs
@@ -53,7 +57,8 @@ def check_turn(
     one = ChatShape(1, turn, chat.system_tokens, chat.user_tokens, chat.answer_tokens)
     turns = chat_turns(one, model.config.vocab, seed)
     stores = dataclasses.replace(offload or Offload(), admission="all")
-    engine = PagedEngine(model, cache, "kvoffload", host, chunk_tokens, stores)
+    pool = graphs.scratch if graphs is not None else None
+    engine = PagedEngine(model, cache, "kvoffload", host, chunk_tokens, stores, pool, 0, graphs)
     for t in turns[:-1]:
         engine.run(t.prompt, t.answer)
     engine.idle()
@@ -71,13 +76,15 @@ def check_turn(
     spans = {"prefix": (0, hit), "suffix": (hit, len(prompt)), "decode": (len(prompt), length)}
     kv_equal = {name: _kv_equal(reference, kv, lo, hi) for name, (lo, hi) in spans.items()}
     del reference, kv
-    computed = PagedEngine(model, cache, "recompute", None, chunk_tokens).run(prompt)
+    recompute = PagedEngine(model, cache, "recompute", None, chunk_tokens, None, pool, 0, graphs)
+    computed = recompute.run(prompt)
     same_hit = restored.host_hit_tokens == hit and restored.gpu_hit_tokens == 0
     logits_equal = torch.equal(on_gpu.logits, restored.logits)
     ids = [on_gpu.first_token, *on_gpu.tokens], [restored.first_token, *restored.tokens]
     mismatch = next((i for i, (a, b) in enumerate(zip(*ids, strict=True)) if a != b), None)
     return {
         "turn": turn,
+        "graph": engine.graph,
         "seed": seed,
         "prompt_tokens": len(prompt),
         "reference_gpu_hit_tokens": hit,
@@ -131,6 +138,7 @@ def verify_samples(
     mc: ModelConfig,
     cfg: BenchConfig,
     advance: Advance,
+    graphs: GraphRunner | None = None,
 ) -> list[dict[str, Any]]:
     """``cfg.verify`` sampled turns, spread over 2..T, each on its own fresh conversation."""
     chat = cfg.workloads[0].workload.verify_shape()
@@ -140,7 +148,9 @@ def verify_samples(
     out = []
     for i, turn in enumerate(picks):
         seed = cfg.seed + 5000 + i
-        check = check_turn(model, cache, host, chat, int(turn), seed, cfg.chunk_tokens, cfg.offload)
+        check = check_turn(
+            model, cache, host, chat, int(turn), seed, cfg.chunk_tokens, cfg.offload, graphs
+        )
         out.append(check)
         advance("verify")
     return out

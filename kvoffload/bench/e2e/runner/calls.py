@@ -1,0 +1,69 @@
+"""Host time inside kvoffload's public calls, per request (the e2e attribution).
+
+``HostTier`` reaches the Offloader, the TransferWorker and the LayerGate only through ``timed``
+proxies, so every public call the runner makes is wrapped with ``perf_counter`` and summed per
+call name (``worker.step``, ``offloader.lookup``, ...) in one ``CallClock``. The engine takes the
+sums at the end of each request (``take``). Names starting with ``probe:`` are calls the benchmark
+makes only to time a load (a side stream waiting for it): reported, left out of ``total``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+T = TypeVar("T")
+PROBE = "probe:"
+
+
+class CallClock:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def peek(self) -> dict[str, tuple[float, int]]:
+        """Seconds and call count per name since the last ``take``."""
+        return {n: (s, self.counts[n]) for n, s in self.seconds.items()}
+
+    def take(self) -> dict[str, tuple[float, int]]:
+        """Seconds and call count per name since the last ``take``, then zero."""
+        out = self.peek()
+        self.seconds, self.counts = {}, {}
+        return out
+
+
+def total(calls: dict[str, tuple[float, int]]) -> float:
+    """Seconds of every call but the benchmark's own probes."""
+    return sum(s for name, (s, _) in calls.items() if not name.startswith(PROBE))
+
+
+class _Timed:
+    """``obj`` with its bound methods timed in ``clock`` as ``<prefix>.<method>``."""
+
+    def __init__(self, obj: Any, clock: CallClock, prefix: str) -> None:
+        self._obj, self._clock, self._prefix = obj, clock, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._obj, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+        label, clock = f"{self._prefix}.{name}", self._clock
+
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            return clock.call(label, attr, *args, **kwargs)
+
+        setattr(self, name, timed_call)  # found here from now on, without __getattr__
+        return timed_call
+
+
+def timed(obj: T, clock: CallClock, prefix: str) -> T:
+    return cast(T, _Timed(obj, clock, prefix))
