@@ -1,0 +1,94 @@
+"""The shared tier's data path: pipelined GETs straight into host slots and SETs straight from
+them, on sockets borrowed from the redis client's pools (torch-free).
+
+One batch is split by the node that owns each key (one group on a single server; on a cluster,
+the slot map the client keeps), a connection is taken from each node's pool, every group's
+commands are written before any reply is read (one round trip per node, the nodes working at
+once), then each group's replies are read in order (``resp.Reader``): a GET's value is read with
+``recv_into`` into its block's small head buffer and then into its host slot, so the payload is
+copied once, by the kernel, with the GIL released. A SET's payload is sent from the host slot as
+it is. Several mover threads run batches at once on different connections.
+
+Errors: a reply that is a redirection (``MOVED``/``ASK``, a resharding) or ``TRYAGAIN`` comes back
+as its exception for the caller to redo through the client, which follows it and updates its slot
+map. Any other error reply comes back as its exception. A connection error, timeout or protocol
+surprise raises (``OSError``, or the client's ``ConnectionError``/``TimeoutError``) after every
+connection the batch used is dropped (its state is unknown) and returned to its pool.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from kvoffload.store.tiers import resp
+
+Pieces = Sequence[bytes | memoryview]  # one command, as sent
+
+
+def parse_error(text: str) -> Exception:
+    """The client's exception for an error reply (NOPERM, MOVED, CLUSTERDOWN, ...)."""
+    from redis._parsers.base import BaseParser
+
+    error: Exception = BaseParser.parse_error(text)  # type: ignore[no-untyped-call]
+    return error
+
+
+class Wire:
+    """Batches on ``client`` (a ``redis.Redis`` on a pool, or a ``redis.cluster.RedisCluster``)."""
+
+    def __init__(self, client: Any, cluster: bool) -> None:
+        self.client = client
+        self.cluster = cluster
+
+    def _pool(self, name: bytes) -> Any:
+        if not self.cluster:
+            return self.client.connection_pool
+        node = self.client.nodes_manager.get_node_from_slot(self.client.keyslot(name))
+        return self.client.get_redis_connection(node).connection_pool
+
+    def run(
+        self,
+        names: Sequence[bytes],
+        commands: Sequence[Pieces],
+        into: Sequence[tuple[memoryview, memoryview]] | None = None,
+    ) -> list[Any]:
+        """Send ``commands[i]`` (about ``names[i]``) to its node for every i, then read the
+        replies, in the order of ``names``: with ``into``, each a bulk string read into
+        ``into[i]`` (``Reader.bulk_into``), else small replies (``Reader.reply``)."""
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        for i, name in enumerate(names):
+            pool = self._pool(name)
+            groups.setdefault(id(pool), (pool, []))[1].append(i)
+        taken: list[tuple[Any, Any]] = []
+        replies: list[Any] = [None] * len(names)
+        clean = False
+        try:
+            socks = []
+            for pool, idx in groups.values():
+                conn = pool.get_connection()
+                taken.append((pool, conn))
+                conn.send_packed_command(
+                    resp.coalesce([p for i in idx for p in commands[i]]), check_health=False
+                )
+                sock: socket.socket | None = conn._sock
+                if sock is None:
+                    raise resp.ProtocolError("the client's connection has no socket")
+                socks.append(sock)
+            for sock, (_, idx) in zip(socks, groups.values(), strict=True):
+                reader = resp.Reader(sock)
+                for i in idx:
+                    if into is None:
+                        replies[i] = reader.reply(parse_error)
+                    else:
+                        replies[i] = reader.bulk_into(*into[i], parse_error)
+                if reader.buffered:
+                    raise resp.ProtocolError(f"{reader.buffered} bytes past the last reply")
+            clean = True
+        finally:
+            for pool, conn in taken:
+                if not clean:
+                    conn.disconnect()
+                pool.release(conn)
+        return replies
