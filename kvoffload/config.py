@@ -67,6 +67,9 @@ class OffloadConfig:
     tier_write_backlog_bytes: int = 512 << 20
     # Background threads per lower tier.
     tier_threads: int = 2
+    # The engine's prefill rate (tokens/s) until it reports one (Offloader.report_prefill): a
+    # lower-tier hit is loaded only when expected to beat recomputing it; 0: unknown (loaded).
+    prefill_tokens_per_s: float = 0.0
 
     # -- the shared tier's tenant, credentials and TLS (docs/tiers.md) ------------------------
     # Tenant: part of every Valkey key (kvoffload:<namespace>:...), so deployments sharing a
@@ -139,6 +142,13 @@ class OffloadConfig:
             _check_int(self, name, minimum=1)
         _check_int(self, "valkey_ttl_s", minimum=0)
         _check_seconds(self, "valkey_timeout_s")
+        if not (
+            isinstance(self.prefill_tokens_per_s, (int, float)) and self.prefill_tokens_per_s >= 0
+        ):
+            raise ValueError(
+                f"expected prefill_tokens_per_s >= 0 (tokens/s; 0: unknown), got "
+                f"{self.prefill_tokens_per_s!r}"
+            )
 
     def _check_valkey_access(self) -> None:
         """The shared tier's URL form, namespace, password source and TLS files (the files
