@@ -220,6 +220,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="JSON path, the PNG next to it (default: a new file in ./kvoffload-results/)",
     )
     r.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    t = p.add_argument_group("lower tiers (kvoffload/bench/engine/lower_tiers.py)")
+    t.add_argument(
+        "--lower-tiers",
+        default=None,
+        metavar="LIST",
+        help="only restored prefixes from lower tiers, comma separated from valkey,disk "
+        "(--documents, --document-tokens size them)",
+    )
+    t.add_argument("--valkey-url", default=None, help="--lower-tiers valkey: the server")
 
 
 def _preset(knob: str) -> str:
@@ -323,6 +332,10 @@ def run(args: argparse.Namespace) -> int:
     cuda = bool(torch.cuda.is_available())
     if args.device.startswith("cuda") and not cuda:
         raise SystemExit(f"--device {args.device}: expected a CUDA GPU, found none")
+    if args.lower_tiers is not None:  # restored prefixes from disk and Valkey (lower_tiers.py)
+        from kvoffload.bench.engine.lower_tiers import main as lower_tiers_main
+
+        return lower_tiers_main(args, cuda)
     on_gpu = cuda and args.device != "cpu"
     cfg = build_config(args, on_gpu, dtypes.resolve(args.dtype, "cuda" if on_gpu else "cpu"))
     if not cfg.device.startswith("cuda"):
