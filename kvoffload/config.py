@@ -142,12 +142,10 @@ class OffloadConfig:
             _check_int(self, name, minimum=1)
         _check_int(self, "valkey_ttl_s", minimum=0)
         _check_seconds(self, "valkey_timeout_s")
-        if not (
-            isinstance(self.prefill_tokens_per_s, (int, float)) and self.prefill_tokens_per_s >= 0
-        ):
+        rate = self.prefill_tokens_per_s
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1e30:
             raise ValueError(
-                f"expected prefill_tokens_per_s >= 0 (tokens/s; 0: unknown), got "
-                f"{self.prefill_tokens_per_s!r}"
+                f"expected prefill_tokens_per_s >= 0 (tokens/s; 0: unknown), got {rate!r}"
             )
 
     def _check_valkey_access(self) -> None:
