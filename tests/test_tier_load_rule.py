@@ -7,8 +7,8 @@ import pytest
 
 from kvoffload import prefix_block_keys
 from kvoffload.offload.load_rule import LoadRule
-from kvoffload.offload.lower import TierLookup
-from kvoffload.store.index import READABLE
+from kvoffload.offload.lower import SAMPLE_BLOCKS, TierLookup
+from kvoffload.store.index import FREE, READABLE
 from tests.tiers_support import BS, blocks_of, build, engine_kv, mover_of, run_job, wait_ready
 
 MiB = 1 << 20
@@ -88,4 +88,26 @@ def test_a_faster_tier_is_taken(tmp_path):
     flow = off.tier_stats()["flow"]
     assert flow["loads_taken"] == 4 and flow["loads_declined"] == 0
     _load_equal(local, kv, keys[:6], [0, 1, 2, 3, 4, 5], [20, 21, 22, 23, 24, 25])
+    local.close()
+
+
+def test_of_a_declined_load_only_a_sample_comes_up(tmp_path):
+    kv = engine_kv(5, 160)
+    local = build(kv, host_blocks=80, disk_path=str(tmp_path))
+    off = local.offloader
+    keys = prefix_block_keys(np.arange(150 * BS), BS)
+    for i in range(0, 150, 10):
+        run_job(local, off.schedule_store("a", keys[i : i + 10], list(range(i, i + 10))))
+        assert off.drain_tiers(10)
+    assert off.lookup(keys) == 0
+    assert wait_ready(local, keys[:2], 2) == 2  # measures the disk
+    off.report_prefill(10**15, 1.0)
+    assert off.lookup_tiers(keys[:42]) == TierLookup(ready=2, pending=0, probing=False)
+    assert off.tier_stats()["flow"]["loads_declined"] == 40
+    assert mover_of(local).wait_idle(20)
+    off.poll_tiers()
+    states = [off.index.state(k) for k in keys[2:42]]
+    assert states == [READABLE] * SAMPLE_BLOCKS + [FREE] * (40 - SAMPLE_BLOCKS)
+    n = 2 + SAMPLE_BLOCKS
+    _load_equal(local, kv, keys[:n], list(range(n)), list(range(120, 120 + n)))
     local.close()

@@ -15,9 +15,10 @@ behind other reads and the round trips are in it; the rate is an exponentially w
 Without both figures (a tier never read yet, an engine that reports no prefill rate) the load is
 taken: that is how a tier gets measured at all.
 
-A declined load still reads the blocks up, in the background (they come up for later requests,
-and keep the tier's rate measured, so a tier that got faster is taken again); the request itself
-recomputes them.
+A declined load is recomputed by the request (which then stores those blocks as any it computed);
+its first ``lower.SAMPLE_BLOCKS`` blocks are still read up in the background, so the tier's rate
+stays measured and a tier that got faster is taken again (two mover ops, run at once by the
+default two threads, as a whole prefix's ops would be).
 """
 
 from __future__ import annotations

@@ -39,10 +39,11 @@ Coming up, promotion:
 Whether a hit is worth loading (``load_rule.py``):
     Before promoting, the lookup asks the ``LoadRule`` whether reading those blocks up is expected
     to beat recomputing their tokens (the tier's measured read rate against the engine's prefill
-    rate). If not, the blocks are still read up, in the background, but the lookup does not
-    report them: the request recomputes them, and later lookups do not report them pending
-    either (``_declined``) until they are READABLE. ``loads_taken``, ``loads_declined`` and
-    ``loads_unmeasured`` count the blocks of each decision.
+    rate). If not, the lookup reports none of them: the request recomputes them (and stores them
+    as any computed block). Its first ``SAMPLE_BLOCKS`` are read up anyway, in the background,
+    so the tier's rate stays measured (a tier that got faster is taken again); later lookups do
+    not report those pending either (``_declined``) until they are READABLE. ``loads_taken``,
+    ``loads_declined`` and ``loads_unmeasured`` count the blocks of each decision.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from kvoffload.store.keys import BlockKey
 
 OP_BLOCKS = 16  # blocks per tier op: one pipeline / a run of disk I/O, then a result
 LOOKAHEAD = 512  # most keys past the host prefix one lookup walks (at most half the host slots)
+SAMPLE_BLOCKS = 2 * OP_BLOCKS  # of a declined load, read up anyway: the tier's rate stays known
 
 
 @dataclass(frozen=True)
@@ -163,10 +165,12 @@ class LowerTiers:
                 promote[key] = source
             chain.append(key)
         worth = self.rule.worth(Counter(promote.values())) if promote else None
+        if worth is False:  # the request recomputes them; a sample comes up to keep measuring
+            self.stats.loads_declined += len(promote)
+            promote = dict(itertools.islice(promote.items(), SAMPLE_BLOCKS))
         granted = self._promote(promote, held) if promote else set()
         if worth is False:
             self._declined.update(granted)
-            self.stats.loads_declined += len(granted)
         elif worth:
             self.stats.loads_taken += len(granted)
         else:

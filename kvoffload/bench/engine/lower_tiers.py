@@ -12,8 +12,9 @@ Two workloads, each in two engine processes, one after the other:
 In the second process every document comes back with a new question, as three requests in turn:
 ``recompute`` (no prefix cache), ``lower`` (GPU pool and host cold: the prefix comes up from the
 lower tier, if the load rule expects that to beat recomputing it, else it is recomputed) and
-``host`` (a third question, the GPU pool dropped: the prefix is now on host). The engine's prefill
-rate, measured on the ``recompute`` requests, is reported to the offloader
+``host`` (a third question, the GPU pool dropped: the prefix is now on host, loaded or stored by
+the ``lower`` request). Every copy and tier write is finished before the next request. The
+engine's prefill rate, measured on the ``recompute`` requests, is reported to the offloader
 (``Offloader.report_prefill``) before each ``lower`` request, so the load rule weighs the tier's
 measured read rate against it.
 
@@ -93,10 +94,11 @@ class TieredHost(HostTier):
             time.sleep(1e-4)
 
     def settle_tiers(self) -> None:
-        """Wait for every read and write of the lower tiers (background ones too)."""
+        """Wait for every read and write of the lower tiers (background ones too), so that none
+        runs under the next timed request."""
         if self.local.mover is not None:
             self.local.mover.wait_idle(PENDING_TIMEOUT_S)
-        self.offloader.poll_tiers()
+        self.offloader.drain_tiers(PENDING_TIMEOUT_S)
 
 
 def _host(cache: PagedKVCache, blocks: int, tier: dict[str, Any]) -> TieredHost:
@@ -153,7 +155,7 @@ def _second_engine(p: Params, tier: dict[str, Any]) -> dict[str, Any]:
     start = 0
     for name, blocks in pools.items():
         mode = {"recompute": "recompute", "reference": "gpu", "lower": "kvoffload"}[name]
-        off = Offload(admission="none") if name == "lower" else None
+        off = Offload(admission="all", store="behind") if name == "lower" else None
         engines[name] = PagedEngine(
             model,
             cache,
@@ -178,9 +180,11 @@ def _second_engine(p: Params, tier: dict[str, Any]) -> dict[str, Any]:
             rec = engines["recompute"].run(prompt, cache=False)
             host.offloader.report_prefill(rec.computed_tokens, rec.ttft)
             low = engines["lower"].run(prompt)
-            host.settle_tiers()  # declined blocks come up in the background: let them land
-            engines["lower"].drop_gpu_cache()
+            engines["lower"].drop_gpu_cache()  # its blocks stored: a recomputed prefix too
+            host.settle_tiers()
             hit = engines["lower"].run(np.concatenate([doc, q[2]]))
+            engines["lower"].idle()
+            host.settle_tiers()
             ttft["recompute"].append(rec.ttft)
             ttft["lower"].append(low.ttft)
             ttft["host"].append(hit.ttft)
