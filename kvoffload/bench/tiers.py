@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         need_client("/".join(sorted(shared)), "--sections format,disk,policy")
     base = Path(tempfile.mkdtemp(prefix="kvoffload-bench-tiers-", dir=args.dir))
     result: dict[str, Any] = {"benchmark": "tiers", **machine_info(), "dir_fs": fs_of(base)}
+    result["load_average_1min"] = {"start": os.getloadavg()[0]}  # a shared machine's busyness
     result["params"] = {"mib": args.mib, "rounds": args.rounds, "batch_blocks": BATCH}
     try:
         with contextlib.ExitStack() as stack:
@@ -112,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
                         result[section][label] = median_round(rounds)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    result["load_average_1min"]["end"] = os.getloadavg()[0]
     _print(result)
     out = args.out or default_out("tiers", "cpu")
     console.print(f"wrote {write_json(out, result)}")
