@@ -27,10 +27,10 @@ step() {
   "$@" 2>&1 | tee -a "$LOG" || { status=1; echo "=== FAILED: $*" | tee -a "$LOG"; }
 }
 step redis-server --version
-step timeout 60 python3 -m kvoffload.cli bench tiers --sections read --mib 512 --rounds 1 \
+step timeout 50 python3 -m kvoffload.cli bench tiers --sections read --mib 512 --rounds 1 \
   --out "$OUT/tiers_read_gpu.json"
 for model in llama3-8b qwen2.5-7b; do
-  step timeout 85 python3 -m kvoffload.cli bench e2e --lower-tiers valkey,disk --model "$model" \
+  step timeout 90 python3 -m kvoffload.cli bench e2e --lower-tiers valkey,disk --model "$model" \
     --out "$OUT/e2e_lower_$model.json"
 done
 exit $status

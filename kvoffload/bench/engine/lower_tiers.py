@@ -47,8 +47,8 @@ from kvoffload.bench.engine.model import Model
 WORKLOADS = ("valkey", "disk")
 # documents, document tokens, question tokens per model scale
 SHAPES = {
-    "llama3-8b": (8, 4096, 128),
-    "qwen2.5-7b": (8, 4096, 128),
+    "llama3-8b": (6, 4096, 128),
+    "qwen2.5-7b": (6, 4096, 128),
     "tiny": (10, 2048, 64),
     "micro": (5, 256, 16),
 }
