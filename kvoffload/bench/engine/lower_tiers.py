@@ -91,7 +91,10 @@ class TieredHost(HostTier):
             found = self.offloader.lookup_tiers(keys)
             if not (found.pending or found.probing) or time.perf_counter() > deadline:
                 return found.ready
-            time.sleep(1e-4)
+            # Woken when the mover's reads are done (a walk of the keys holds the GIL: no busy
+            # polling under the reads); the runner lets no other tier op run at the same time.
+            if self.local.mover is not None:
+                self.local.mover.wait_idle(0.01)
 
     def settle_tiers(self) -> None:
         """Wait for every read and write of the lower tiers (background ones too), so that none
