@@ -20,7 +20,8 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-READ_CHUNK = 256 << 10  # bytes the reader asks the socket for at once for small replies
+READ_CHUNK = 4 << 10  # the most a reply line read takes from the socket: a value's first bytes
+# read with its line are copied once more, the rest goes straight to its slot
 SMALL_PIECE = 64 << 10  # pieces under this are coalesced into one send
 
 

@@ -51,6 +51,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -168,6 +169,12 @@ class ValkeyTier(Tier):
         self._closed = threading.Event()
         self._reconnecting = threading.Lock()
         self._client: Any = None
+        # A cluster's nodes' replies are read at once, on these threads (valkey_wire.py).
+        self._readers = (
+            ThreadPoolExecutor(8, thread_name_prefix="kvoffload-valkey-read")
+            if self.endpoint.cluster
+            else None
+        )
         try:
             self._client = self._open()
         except self._connect_errors as e:
@@ -295,6 +302,8 @@ class ValkeyTier(Tier):
 
     def close(self) -> None:
         self._closed.set()
+        if self._readers is not None:
+            self._readers.shutdown(wait=False)
         if self._client is not None:
             self._client.close()
             if not self.endpoint.cluster:
@@ -374,7 +383,8 @@ class ValkeyTier(Tier):
             self.stats.add(**{"put_skipped" if what == "put" else "errors": n})
             return None
         try:
-            return Wire(self._client, self.endpoint.cluster).run(names, commands, into)
+            wire = Wire(self._client, self.endpoint.cluster, self._readers)
+            return wire.run(names, commands, into)
         except self._errors as e:
             self.stats.add(**{"put_failures" if what == "put" else "errors": n})
             self._warn.warn(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 from kvoffload.store.tiers import resp
@@ -38,9 +39,12 @@ def parse_error(text: str) -> Exception:
 class Wire:
     """Batches on ``client`` (a ``redis.Redis`` on a pool, or a ``redis.cluster.RedisCluster``)."""
 
-    def __init__(self, client: Any, cluster: bool) -> None:
+    def __init__(self, client: Any, cluster: bool, readers: Executor | None = None) -> None:
+        """``readers``: threads that read the other nodes' replies while this thread reads the
+        first node's (a cluster); None: one node after another."""
         self.client = client
         self.cluster = cluster
+        self.readers = readers
 
     def _pool(self, name: bytes) -> Any:
         if not self.cluster:
@@ -76,15 +80,8 @@ class Wire:
                 if sock is None:
                     raise resp.ProtocolError("the client's connection has no socket")
                 socks.append(sock)
-            for sock, (_, idx) in zip(socks, groups.values(), strict=True):
-                reader = resp.Reader(sock)
-                for i in idx:
-                    if into is None:
-                        replies[i] = reader.reply(parse_error)
-                    else:
-                        replies[i] = reader.bulk_into(*into[i], parse_error)
-                if reader.buffered:
-                    raise resp.ProtocolError(f"{reader.buffered} bytes past the last reply")
+            jobs = [(sock, idx) for sock, (_, idx) in zip(socks, groups.values(), strict=True)]
+            self._read_all(jobs, replies, into)
             clean = True
         finally:
             for pool, conn in taken:
@@ -92,3 +89,40 @@ class Wire:
                     conn.disconnect()
                 pool.release(conn)
         return replies
+
+    def _read_all(
+        self,
+        jobs: list[tuple[socket.socket, list[int]]],
+        replies: list[Any],
+        into: Sequence[tuple[memoryview, memoryview]] | None,
+    ) -> None:
+        """Each node's replies, the nodes at once where there are ``readers``; every read has
+        ended (the socket timeout bounds each) before the first error is raised."""
+
+        def read(sock: socket.socket, idx: list[int]) -> None:
+            reader = resp.Reader(sock)
+            for i in idx:
+                if into is None:
+                    replies[i] = reader.reply(parse_error)
+                else:
+                    replies[i] = reader.bulk_into(*into[i], parse_error)
+            if reader.buffered:
+                raise resp.ProtocolError(f"{reader.buffered} bytes past the last reply")
+
+        if self.readers is None or len(jobs) == 1:
+            for sock, idx in jobs:
+                read(sock, idx)
+            return
+        others = [self.readers.submit(read, sock, idx) for sock, idx in jobs[1:]]
+        errors: list[BaseException] = []
+        try:
+            read(*jobs[0])
+        except BaseException as e:  # noqa: BLE001 (raised below, once the other reads ended)
+            errors.append(e)
+        for future in others:
+            try:
+                future.result()
+            except BaseException as e:  # noqa: BLE001 (likewise)
+                errors.append(e)
+        if errors:
+            raise errors[0]
