@@ -154,11 +154,14 @@ class ValkeyTier(Tier):
             redis.exceptions.RedisClusterException,
             OSError,
         )
-        # Replies the client must redo on the node they name (a slot moving between nodes).
+        # Replies the client redoes itself (as it did every command before the tier sent its
+        # own): a slot moving between nodes (it follows the node named and updates its slot
+        # map), a cluster briefly down (it refreshes the map and retries before giving up).
         self._redirects = (
             redis.exceptions.MovedError,
             redis.exceptions.AskError,
             redis.exceptions.TryAgainError,
+            redis.exceptions.ClusterDownError,
         )
         # What connecting may meet: the errors above or a refusal (_refusal says which; a
         # refusal at start-up raises, the reconnect thread retries: the operator may fix it).
@@ -256,11 +259,16 @@ class ValkeyTier(Tier):
             )
             if replies is None:
                 continue
+            redo = [j for j, reply in enumerate(replies) if isinstance(reply, self._redirects)]
+            if redo:  # through the client, which follows them; values come back as bytes
+                again = self._pipeline([self._get_cmd(names[j]) for j in redo], "get")
+                for j, value in zip(redo, again or [False] * len(redo), strict=True):
+                    replies[j] = value  # False: the tier went down (counted)
             for j, (key, reply) in enumerate(zip(batch, replies, strict=True)):
                 if reply is True:
                     ok[start + j] = self._check(key, heads[j], bouts[j])
-                elif isinstance(reply, self._redirects):  # a slot moving: the client follows
-                    ok[start + j] = self._get_via_client(key, bouts[j])
+                elif reply is False:
+                    continue
                 elif isinstance(reply, int):
                     self._unusable(key, f"a value of {reply} bytes, not {self._value_bytes(key)}")
                 else:
@@ -362,12 +370,8 @@ class ValkeyTier(Tier):
         self.stats.add(gets=1, get_bytes=len(out))
         return True
 
-    def _get_via_client(self, key: BlockKey, out: memoryview) -> bool:
-        """One GET through the client, which follows MOVED/ASK and updates its slot map."""
-        name = self.key_name(key)
-        cmd: _Cmd = ("getex", (name,), {"ex": self.ttl_s}) if self.ttl_s else ("get", (name,), {})
-        replies = self._pipeline([cmd], "get")
-        return replies is not None and self._accept(key, replies[0], out)
+    def _get_cmd(self, name: bytes) -> _Cmd:  # _get_command, for the client's pipeline
+        return ("getex", (name,), {"ex": self.ttl_s}) if self.ttl_s else ("get", (name,), {})
 
     def _send(
         self,

@@ -2,12 +2,13 @@
 them, on sockets borrowed from the redis client's pools (torch-free).
 
 One batch is split by the node that owns each key (one group on a single server; on a cluster,
-the slot map the client keeps), a connection is taken from each node's pool, every group's
-commands are written before any reply is read (one round trip per node, the nodes working at
-once), then each group's replies are read in order (``resp.Reader``): a GET's value is read with
-``recv_into`` into its block's small head buffer and then into its host slot, so the payload is
-copied once, by the kernel, with the GIL released. A SET's payload is sent from the host slot as
-it is. Several mover threads run batches at once on different connections.
+the slot map the client keeps). Each group takes a connection from its node's pool, writes all
+its commands in one packed send, then reads its replies in order (``resp.Reader``): one round
+trip per node. A GET's value is read with ``recv_into`` into its block's small head buffer and
+then into its host slot, so the payload is copied once, by the kernel, with the GIL released. A
+SET's payload is sent from the host slot as it is. On a cluster the groups run at once, on the
+tier's ``readers`` threads and the caller's, so every primary sends (or takes) its share at the
+same time; several mover threads run batches at once on different connections.
 
 Errors: a reply that is a redirection (``MOVED``/``ASK``, a resharding) or ``TRYAGAIN`` comes back
 as its exception for the caller to redo through the client, which follows it and updates its slot
@@ -40,8 +41,8 @@ class Wire:
     """Batches on ``client`` (a ``redis.Redis`` on a pool, or a ``redis.cluster.RedisCluster``)."""
 
     def __init__(self, client: Any, cluster: bool, readers: Executor | None = None) -> None:
-        """``readers``: threads that read the other nodes' replies while this thread reads the
-        first node's (a cluster); None: one node after another."""
+        """``readers``: threads that serve the other nodes while this thread serves the first
+        (a cluster); None: one node after another."""
         self.client = client
         self.cluster = cluster
         self.readers = readers
@@ -67,39 +68,17 @@ class Wire:
             groups.setdefault(id(pool), (pool, []))[1].append(i)
         taken: list[tuple[Any, Any]] = []
         replies: list[Any] = [None] * len(names)
-        clean = False
-        try:
-            socks = []
-            for pool, idx in groups.values():
-                conn = pool.get_connection()
-                taken.append((pool, conn))
-                conn.send_packed_command(
-                    resp.coalesce([p for i in idx for p in commands[i]]), check_health=False
-                )
-                sock: socket.socket | None = conn._sock
-                if sock is None:
-                    raise resp.ProtocolError("the client's connection has no socket")
-                socks.append(sock)
-            jobs = [(sock, idx) for sock, (_, idx) in zip(socks, groups.values(), strict=True)]
-            self._read_all(jobs, replies, into)
-            clean = True
-        finally:
-            for pool, conn in taken:
-                if not clean:
-                    conn.disconnect()
-                pool.release(conn)
-        return replies
 
-    def _read_all(
-        self,
-        jobs: list[tuple[socket.socket, list[int]]],
-        replies: list[Any],
-        into: Sequence[tuple[memoryview, memoryview]] | None,
-    ) -> None:
-        """Each node's replies, the nodes at once where there are ``readers``; every read has
-        ended (the socket timeout bounds each) before the first error is raised."""
-
-        def read(sock: socket.socket, idx: list[int]) -> None:
+        def node(pool: Any, idx: list[int]) -> None:
+            """One node's share: one packed write, then its replies in order."""
+            conn = pool.get_connection()
+            taken.append((pool, conn))
+            conn.send_packed_command(
+                resp.coalesce([p for i in idx for p in commands[i]]), check_health=False
+            )
+            sock: socket.socket | None = conn._sock
+            if sock is None:
+                raise resp.ProtocolError("the client's connection has no socket")
             reader = resp.Reader(sock)
             for i in idx:
                 if into is None:
@@ -109,15 +88,30 @@ class Wire:
             if reader.buffered:
                 raise resp.ProtocolError(f"{reader.buffered} bytes past the last reply")
 
+        clean = False
+        try:
+            self._each(node, list(groups.values()))
+            clean = True
+        finally:
+            for pool, conn in taken:
+                if not clean:
+                    conn.disconnect()
+                pool.release(conn)
+        return replies
+
+    def _each(self, fn: Any, jobs: list[tuple[Any, list[int]]]) -> None:
+        """``fn(*job)`` for every job: at once on the ``readers`` (and this thread) where there
+        are several; every call has ended (socket timeouts bound each) before the first error
+        is raised."""
         if self.readers is None or len(jobs) == 1:
-            for sock, idx in jobs:
-                read(sock, idx)
+            for job in jobs:
+                fn(*job)
             return
-        others = [self.readers.submit(read, sock, idx) for sock, idx in jobs[1:]]
+        others = [self.readers.submit(fn, *job) for job in jobs[1:]]
         errors: list[BaseException] = []
         try:
-            read(*jobs[0])
-        except BaseException as e:  # noqa: BLE001 (raised below, once the other reads ended)
+            fn(*jobs[0])
+        except BaseException as e:  # noqa: BLE001 (raised below, once the other calls ended)
             errors.append(e)
         for future in others:
             try:
