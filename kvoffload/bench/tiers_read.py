@@ -10,8 +10,9 @@ Per target (one server, and with ``--cluster`` a cluster beside it), with blocks
   a bytes object per value, then a copy into the slot), 2 threads of 16-block batches: the A/B.
 - ``put``: the tier's writes, 2 threads of 16-block batches.
 - ``server_get_limit`` (one server): raw pipelined GETs of the same values on 2 connections, 16 in
-  flight on each, read into a scratch buffer and nothing checked; and ``redis-benchmark`` GETs of
-  one value of the same size (``-P 16``, 2 clients) where its binary is on PATH.
+  flight on each, each read into its own arena row (as the tier's land) and nothing checked; and
+  ``redis-benchmark`` GETs of one value of the same size (``-P 16``, 2 clients, one value read
+  again and again: hot in the caches) where its binary is on PATH.
 """
 
 from __future__ import annotations
@@ -72,12 +73,12 @@ def _target(tier: ValkeyTier, data: np.ndarray, limit: bool) -> dict[str, Any]:
         )
         if not np.array_equal(arena.slots, data):
             raise RuntimeError("bench tiers read: the client pipeline read different bytes")
+        if limit and tier.endpoint.seeds:  # a TCP server (not a unix socket)
+            names = [tier.key_name(k) for k in ks]
+            row["server_get_limit_MBps"] = _raw_get_mbps(tier, names, arena.slots)
+            row["redis_benchmark_get_MBps"] = _redis_benchmark(tier, size)
     finally:
         arena.close()
-    if limit and tier.endpoint.seeds:  # a TCP server (not a unix socket)
-        names = [tier.key_name(k) for k in ks]
-        row["server_get_limit_MBps"] = _raw_get_mbps(tier, names, size)
-        row["redis_benchmark_get_MBps"] = _redis_benchmark(tier, size)
     return row
 
 
@@ -123,8 +124,9 @@ def _two_threads(fn: Any, ks: list[bytes], bufs: list[memoryview]) -> float:
     return time.perf_counter() - t0
 
 
-def _raw_get_mbps(tier: ValkeyTier, names: list[bytes], size: int) -> float:
-    """Pipelined GETs on ``LIMIT_CONNECTIONS`` plain sockets, values read and dropped."""
+def _raw_get_mbps(tier: ValkeyTier, names: list[bytes], dest: np.ndarray) -> float:
+    """Pipelined GETs on ``LIMIT_CONNECTIONS`` plain sockets, each value read into its row of
+    ``dest`` (an arena, as the tier's reads land) and nothing checked."""
     host, port = tier.endpoint.seeds[0]
     total = [0] * LIMIT_CONNECTIONS
 
@@ -132,14 +134,16 @@ def _raw_get_mbps(tier: ValkeyTier, names: list[bytes], size: int) -> float:
         sock = socket.create_connection((host, port), timeout=10)
         with sock:
             reader = resp.Reader(sock)
-            scratch = memoryview(bytearray(size + 4096))
-            mine = names[c::LIMIT_CONNECTIONS]
+            mine = list(range(c, len(names), LIMIT_CONNECTIONS))
             for s in range(0, len(mine), BATCH):
                 batch = mine[s : s + BATCH]
-                sock.sendall(b"".join(resp.pack(b"GET", name) for name in batch))
-                for _ in batch:
+                sock.sendall(b"".join(resp.pack(b"GET", names[i]) for i in batch))
+                for i in batch:
                     n = int(reader.line()[1:])
-                    reader.into(scratch[: n + 2])
+                    row = memoryview(dest[i])
+                    reader.into(row[: min(n, len(row))])
+                    reader.skip(n - min(n, len(row)))
+                    reader.crlf()
                     total[c] += n
 
     threads = [threading.Thread(target=conn, args=(c,)) for c in range(LIMIT_CONNECTIONS)]
