@@ -12,13 +12,14 @@ expire after ``ttl_s`` (a hit refreshes the TTL with ``GETEX``); values over ``m
 are not stored. The servers' own ``maxmemory`` and ``maxmemory-policy`` bound the total
 (``docs/tiers.md`` says why kvoffload cannot count a tenant's bytes across nodes).
 
-Reads and writes go in pipelines of up to ``PIPELINE_BYTES``. On one server that is one round
-trip; on a cluster, redis-py's ``ClusterPipeline`` sends each primary its share of the batch
-(written to every node before any reply is read), so a batch costs one round trip per primary it
-touches, whatever its length. The client follows MOVED/ASK redirections and refreshes its slot map
-after a connection error (a failover); with its retries turned off, a failure is reported at once
-as a miss. ``timeout_s`` bounds connecting and every socket read; ``pool_size`` connections per
-server (per node on a cluster) are shared by the mover's threads.
+Reads and writes go in pipelines of up to ``PIPELINE_BYTES``, sent and read by the tier itself
+(``valkey_wire.py``): values land in their host slots and leave from them without copies. A batch
+costs one round trip per server (per primary it touches on a cluster, the primaries served at
+once), whatever its length. Replies that redirect (MOVED/ASK/TRYAGAIN) or say the cluster is down
+are redone through the client, which follows them and refreshes its slot map (also after a
+connection error: a failover); with its retries off, a failure is reported at once as a miss.
+``timeout_s`` bounds connecting and every socket read; ``pool_size`` connections per server (per
+node on a cluster) are shared by the mover's threads.
 
 Start-up: the constructor connects once. Credentials or a TLS handshake the server refuses, or a
 URL of the wrong kind for the server (cluster or not), raise ``TierStartupError``: no retry fixes
