@@ -220,15 +220,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="JSON path, the PNG next to it (default: a new file in ./kvoffload-results/)",
     )
     r.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    t = p.add_argument_group("lower tiers (kvoffload/bench/engine/lower_tiers.py)")
-    t.add_argument(
-        "--lower-tiers",
-        default=None,
-        metavar="LIST",
-        help="only restored prefixes from lower tiers, comma separated from valkey,disk "
-        "(--documents, --document-tokens size them)",
-    )
-    t.add_argument("--valkey-url", default=None, help="--lower-tiers valkey: the server")
+    from kvoffload.bench.engine.lower_tiers_args import add_arguments as lower_tier_arguments
+
+    lower_tier_arguments(p)
 
 
 def _preset(knob: str) -> str:
