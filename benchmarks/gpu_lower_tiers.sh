@@ -6,6 +6,7 @@
 # by `bash benchmarks/carry_redis.sh` (and carried with the run). From the repository root:
 #
 #   OUT=/some/dir bash benchmarks/gpu_lower_tiers.sh
+#   MODELS=micro MIB=64 OUT=/tmp/x bash benchmarks/gpu_lower_tiers.sh   # a smoke test on a CPU
 #
 # Writes under $OUT: lower_tiers.log, tiers_read_gpu.json, e2e_lower_llama3-8b.json,
 # e2e_lower_qwen2.5-7b.json. Each step has its own time limit (together under 4 minutes).
@@ -27,9 +28,9 @@ step() {
   "$@" 2>&1 | tee -a "$LOG" || { status=1; echo "=== FAILED: $*" | tee -a "$LOG"; }
 }
 step redis-server --version
-step timeout 50 python3 -m kvoffload.cli bench tiers --sections read --mib 512 --rounds 1 \
+step timeout 50 python3 -m kvoffload.cli bench tiers --sections read --mib "${MIB:-512}" --rounds 1 \
   --out "$OUT/tiers_read_gpu.json"
-for model in llama3-8b qwen2.5-7b; do
+for model in ${MODELS:-llama3-8b qwen2.5-7b}; do
   step timeout 90 python3 -m kvoffload.cli bench e2e --lower-tiers valkey,disk --model "$model" \
     --out "$OUT/e2e_lower_$model.json"
 done
