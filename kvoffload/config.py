@@ -72,6 +72,9 @@ class OffloadConfig:
     tier_write_backlog_bytes: int = 512 << 20
     # Background threads per lower tier.
     tier_threads: int = 2
+    # The engine's prefill rate (tokens/s) until it reports one (Offloader.report_prefill): a
+    # lower-tier hit is loaded only when expected to beat recomputing it; 0: unknown (loaded).
+    prefill_tokens_per_s: float = 0.0
 
     # -- the shared tier's tenant, credentials and TLS (docs/tiers.md) ------------------------
     # Tenant: part of every Valkey key (kvoffload:<namespace>:...), so deployments sharing a
@@ -151,6 +154,11 @@ class OffloadConfig:
             _check_int(self, name, minimum=1)
         _check_int(self, "valkey_ttl_s", minimum=0)
         _check_seconds(self, "valkey_timeout_s")
+        rate = self.prefill_tokens_per_s
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1e30:
+            raise ValueError(
+                f"expected prefill_tokens_per_s >= 0 (tokens/s; 0: unknown), got {rate!r}"
+            )
 
     def _check_valkey_access(self) -> None:
         """The shared tier's URL form, namespace, password source and TLS files (the files

@@ -107,7 +107,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "counter",
         ("counter",),
         "The lower tiers' flow: writes, written, write_failures, lost, promotions, promoted, "
-        "promote_failures, probes",
+        "promote_failures, probes, loads_taken, loads_declined, loads_unmeasured",
     ),
 }
 

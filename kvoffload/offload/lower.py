@@ -35,17 +35,27 @@ Coming up, promotion:
     ready: the normal load path follows. A block that failed (missing, corrupt, timeout) is rolled
     back: the engine recomputes it, exactly as for a host miss. So a tier failure can only turn a
     pending block into a miss, never into wrong KV.
+
+Whether a hit is worth loading (``load_rule.py``):
+    Before promoting, the lookup asks the ``LoadRule`` whether reading those blocks up is expected
+    to beat recomputing their tokens (the tier's measured read rate against the engine's prefill
+    rate). If not, the lookup reports none of them: the request recomputes them (and stores them
+    as any computed block). Its first ``SAMPLE_BLOCKS`` are read up anyway, in the background,
+    so the tier's rate stays measured (a tier that got faster is taken again); later lookups do
+    not report those pending either (``_declined``) until they are READABLE. ``loads_taken``,
+    ``loads_declined`` and ``loads_unmeasured`` count the blocks of each decision.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvoffload.offload.load_rule import LoadRule
 from kvoffload.offload.tiers import OpKind, TierMover, TierOp, TierResult
 from kvoffload.store.index import FREE, READABLE, WRITING, BlockIndex
 from kvoffload.store.keys import BlockKey
@@ -55,6 +65,7 @@ from kvoffload.store.tiers.valkey import ValkeyTier
 
 OP_BLOCKS = 16  # blocks per tier op: one pipeline / a run of disk I/O, then a result
 LOOKAHEAD = 512  # most keys past the host prefix one lookup walks (at most half the host slots)
+SAMPLE_BLOCKS = 2 * OP_BLOCKS  # of a declined load, read up anyway: the tier's rate stays known
 
 
 @dataclass(frozen=True)
@@ -81,15 +92,25 @@ class FlowStats:
     promoted: int = 0  # blocks read up, verified and READABLE on host
     promote_failures: int = 0  # blocks whose read failed: rolled back, a miss
     probes: int = 0  # keys asked about with a probe
+    loads_taken: int = 0  # blocks promoted for a request: expected faster than recomputing
+    loads_declined: int = 0  # blocks the request recomputes instead (read up in the background)
+    loads_unmeasured: int = 0  # blocks promoted for a request before the rule had its figures
 
 
 class LowerTiers:
-    def __init__(self, index: BlockIndex, mover: TierMover, backlog_blocks: int) -> None:
+    def __init__(
+        self,
+        index: BlockIndex,
+        mover: TierMover,
+        backlog_blocks: int,
+        rule: LoadRule | None = None,
+    ) -> None:
         if backlog_blocks <= 0:
             raise ValueError(f"expected backlog_blocks > 0, got {backlog_blocks}")
         self.index = index
         self.mover = mover
         self.backlog_blocks = backlog_blocks
+        self.rule = rule if rule is not None else LoadRule(index.slot_bytes, None)
         self.names = list(mover.tiers)
         self.stats = FlowStats()
         self._ids = itertools.count()
@@ -97,6 +118,9 @@ class LowerTiers:
         self._dirty: OrderedDict[BlockKey, tuple[str, ...]] = OrderedDict()
         self._pinned = 0  # block writes in flight (each pins its slot once)
         self._probing: set[BlockKey] = set()
+        self._declined: set[BlockKey] = set()  # being read up, but not for the asking request
+        self._op_reads: dict[int, int] = {}  # read op -> its promotion (for the rule's timing)
+        self._reads: dict[int, list[Any]] = {}  # promotion -> [tier, ops left, ok blocks, s]
 
     # -- engine events ------------------------------------------------------------------------
 
@@ -133,6 +157,8 @@ class LowerTiers:
             state = index.state(key)
             if state == READABLE:
                 held.append(key)
+            elif state == WRITING and key in self._declined:
+                break  # coming up in the background; this request recomputes it
             elif state != WRITING:
                 source, maybe = self._source(key)
                 if source is None:
@@ -141,10 +167,20 @@ class LowerTiers:
                     break
                 promote[key] = source
             chain.append(key)
+        worth = self.rule.worth(Counter(promote.values())) if promote else None
+        if worth is False:  # the request recomputes them; a sample comes up to keep measuring
+            self.stats.loads_declined += len(promote)
+            promote = dict(itertools.islice(promote.items(), SAMPLE_BLOCKS))
         granted = self._promote(promote, held) if promote else set()
+        if worth is False:
+            self._declined.update(granted)
+        elif worth:
+            self.stats.loads_taken += len(granted)
+        else:
+            self.stats.loads_unmeasured += len(granted)
         pending = 0
         for key in chain:
-            if key in promote and key not in granted:
+            if key in promote and (worth is False or key not in granted):
                 break
             pending += 1
         probing = bool(unknown) and pending == len(chain)
@@ -174,9 +210,13 @@ class LowerTiers:
         for key, slot in zip(plan.keys, plan.slots.tolist(), strict=True):
             by_tier.setdefault(promote[key], []).append((key, slot))
         for name, items in by_tier.items():
+            promotion = next(self._ids)
+            self._reads[promotion] = [name, 0, 0, 0.0]
             for start in range(0, len(items), OP_BLOCKS):
                 chunk = items[start : start + OP_BLOCKS]
-                self._submit("read", name, [k for k, _ in chunk], [s for _, s in chunk])
+                op = self._submit("read", name, [k for k, _ in chunk], [s for _, s in chunk])
+                self._op_reads[op] = promotion
+                self._reads[promotion][1] += 1
         self.stats.promotions += len(plan.keys)
         return set(plan.keys)
 
@@ -221,10 +261,24 @@ class LowerTiers:
         self._submit("write", name, keys, [s for s in slots if s is not None])
         self.stats.writes += len(keys)
 
-    def _submit(self, kind: OpKind, tier: str, keys: list[BlockKey], slots: list[int]) -> None:
+    def _submit(self, kind: OpKind, tier: str, keys: list[BlockKey], slots: list[int]) -> int:
         op = TierOp(next(self._ids), kind, tier, tuple(keys), tuple(slots))
         self._ops[op.op_id] = op
         self.mover.submit(op)
+        return op.op_id
+
+    def _timed_read(self, op_id: int, ok: int, seconds: float) -> None:
+        """A promotion's ops were all submitted at once: its time is its slowest op's."""
+        promotion = self._op_reads.pop(op_id, None)
+        if promotion is None:
+            return
+        timing = self._reads[promotion]
+        timing[1] -= 1
+        timing[2] += ok
+        timing[3] = max(timing[3], seconds)
+        if timing[1] == 0:
+            del self._reads[promotion]
+            self.rule.read(timing[0], timing[2], timing[3])
 
     def _apply(self, result: TierResult) -> None:
         op = self._ops.pop(result.op_id)
@@ -242,6 +296,8 @@ class LowerTiers:
                 self.index.complete_store(bad, success=False)
             self.stats.promoted += len(ok)
             self.stats.promote_failures += len(bad)
+            self._declined.difference_update(op.keys)
+            self._timed_read(op.op_id, len(ok), result.seconds)
             above = tuple(self.names[: self.names.index(op.tier)])
             for key in ok if above else ():  # a shared-tier hit is kept on local disk too
                 self._dirty[key] = above
@@ -273,7 +329,13 @@ class LowerTiers:
         tiers = {name: t.stats.snapshot() for name, t in self.mover.tiers.items()}
         reads = {name: h.snapshot() for name, h in self.mover.read_seconds.items()}
         up = {name: _usable(t) for name, t in self.mover.tiers.items()}
-        return {"flow": asdict(self.stats), "tiers": tiers, "read_seconds": reads, "up": up}
+        return {
+            "flow": asdict(self.stats),
+            "tiers": tiers,
+            "read_seconds": reads,
+            "up": up,
+            "rule": self.rule.snapshot(),
+        }
 
 
 def _usable(tier: Tier) -> bool:

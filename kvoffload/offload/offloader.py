@@ -46,6 +46,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.offload.inputs import check_block_ids, not_held
 from kvoffload.offload.jobs import JobResult, TransferJob
 from kvoffload.offload.ledger import JobLedger
+from kvoffload.offload.load_rule import LoadRule
 from kvoffload.offload.lower import LowerTiers, TierLookup
 from kvoffload.offload.tiers import TierMover
 from kvoffload.store.index import BlockIndex
@@ -251,7 +252,15 @@ class Offloader:
             slots_cap = max(1, self.num_slots // 2)
             backlog_bytes = self.config.tier_write_backlog_bytes
             backlog = max(1, min(backlog_bytes // self.slot_bytes, slots_cap))
-            self.lower = LowerTiers(self.index, mover, backlog)
+            rule = LoadRule(self.slot_bytes, self.block_size, self.config.prefill_tokens_per_s)
+            self.lower = LowerTiers(self.index, mover, backlog, rule)
+
+    def report_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` of prefill in ``seconds``: the rate ``lookup_tiers``
+        weighs a lower-tier load against (``kvoffload.offload.load_rule``)."""
+        with self._lock:
+            if self.lower is not None:
+                self.lower.rule.prefill(tokens, seconds)
 
     def lookup_tiers(self, keys: Sequence[BlockKey]) -> TierLookup:
         """Like ``lookup``, and also start bringing up the next blocks a lower tier holds.

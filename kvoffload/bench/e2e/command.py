@@ -229,6 +229,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="JSON path, the PNG next to it (default: a new file in ./kvoffload-results/)",
     )
     r.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    from kvoffload.bench.e2e.runner.lower_tiers_args import add_arguments as lower_tier_arguments
+
+    lower_tier_arguments(p)
 
 
 def _preset(knob: str) -> str:
@@ -335,6 +338,10 @@ def run(args: argparse.Namespace) -> int:
     cuda = bool(torch.cuda.is_available())
     if args.device.startswith("cuda") and not cuda:
         raise SystemExit(f"--device {args.device}: expected a CUDA GPU, got none")
+    if args.lower_tiers is not None:  # restored prefixes from disk and Valkey (lower_tiers.py)
+        from kvoffload.bench.e2e.runner.lower_tiers import main as lower_tiers_main
+
+        return lower_tiers_main(args, cuda)
     on_gpu = cuda and args.device != "cpu"
     cfg = build_config(args, on_gpu, dtypes.resolve(args.dtype, "cuda" if on_gpu else "cpu"))
     if not cfg.device.startswith("cuda"):

@@ -13,6 +13,8 @@ interleaved inside each round, and the median round is reported. One module per 
 - ``sharing`` (``--cluster``; ``sharing.py``): ``--processes`` engine processes sharing
   prefixes through one server and through a cluster (3 primaries + 3 replicas started here
   unless ``--cluster-url`` is given), side by side.
+- ``read`` (``read.py``): one engine process reading 2 MiB blocks through its tier mover
+  from one server and from a cluster beside it, against the server's raw GETs in the same run.
 - ``--fleet [N]`` (``fleet.py``): N engine-like processes (default 8) storing and loading
   through a cluster (``--cluster-url``, or 3 + 3 started here, one of whose primaries is killed
   mid-run), against one process on one server: hits before / during / after the failover,
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,7 +38,7 @@ from kvoffload.bench.common import console, default_out, machine_info, progress,
 from kvoffload.bench.tiers.common import BATCH, FP, SIZES, Fatal, blocks, fs_of, median_round
 from kvoffload.bench.tiers.servers import need_client, servers
 
-SECTIONS = ("format", "disk", "valkey", "policy", "sharing")
+SECTIONS = ("format", "disk", "valkey", "policy", "sharing", "read")
 DEFAULT_SECTIONS = ("format", "disk", "valkey", "policy")
 FLEET_DEFAULT = 8  # --fleet without a number
 
@@ -85,20 +88,23 @@ def run(args: argparse.Namespace) -> int:
 
         return fleet_cli.run(args)
     sections = _sections(args)
-    shared = {"valkey", "sharing"} & set(sections)
+    shared = {"valkey", "sharing", "read"} & set(sections)
     if shared:
         need_client("/".join(sorted(shared)), "--sections format,disk,policy")
     base = Path(tempfile.mkdtemp(prefix="kvoffload-bench-tiers-", dir=args.dir))
     result: dict[str, Any] = {"benchmark": "tiers", **machine_info(), "dir_fs": fs_of(base)}
+    result["load_average_1min"] = {"start": os.getloadavg()[0]}  # a shared machine's busyness
     result["params"] = {"mib": args.mib, "rounds": args.rounds, "batch_blocks": BATCH}
     try:
         with contextlib.ExitStack() as stack:
-            urls = servers(stack, "sharing" in sections, args, result) if shared else {}
+            both = bool({"sharing", "read"} & set(sections))  # one server and a cluster
+            urls = servers(stack, both, args, result) if shared else {}
             with progress() as bar:
                 task = bar.add_task("tiers", total=len(sections) * len(SIZES) * args.rounds)
                 for section in sections:
                     result[section] = {}
-                    for label, size in SIZES.items():
+                    sizes = {"slot_2MiB": SIZES["slot_2MiB"]} if section == "read" else SIZES
+                    for label, size in sizes.items():
                         bar.update(task, description=f"{section} {label}")
                         rounds = []
                         for r in range(args.rounds):
@@ -108,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
                         result[section][label] = median_round(rounds)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    result["load_average_1min"]["end"] = os.getloadavg()[0]
     _print(result)
     out = args.out or default_out("tiers", "cpu")
     console.print(f"wrote {write_json(out, result)}")
@@ -131,6 +138,10 @@ def _sections(args: argparse.Namespace) -> list[str]:
 def _section(
     section: str, root: Path, size: int, args: argparse.Namespace, urls: dict[str, str]
 ) -> dict[str, Any]:
+    if section == "read":
+        from kvoffload.bench.tiers.read import read_round
+
+        return read_round(urls, blocks(max(BATCH * 2, (args.mib << 20) // size), size))
     if section == "sharing":
         from kvoffload.bench.tiers.sharing import run_sharing
 
@@ -184,7 +195,9 @@ def _print(result: dict[str, Any]) -> None:
         table.add_column("numbers")
         for label, row in result[section].items():
             variants = (
-                row.items() if section in ("format", "policy", "sharing") else [("tier", row)]
+                row.items()
+                if section in ("format", "policy", "sharing", "read")
+                else [("tier", row)]
             )
             for name, numbers in variants:
                 flat = ", ".join(

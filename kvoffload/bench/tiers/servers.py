@@ -8,11 +8,10 @@ import argparse
 import contextlib
 import importlib.util
 import logging
-import subprocess
-from pathlib import Path
 from typing import Any
 
 from kvoffload.bench.tiers.common import FP, Fatal
+from kvoffload.store.tiers.local_server import server_version
 
 
 def need_client(what: str, instead: str) -> None:
@@ -63,16 +62,6 @@ def servers(
             result[f"valkey_{name}"] = "given by URL"
         reachable(urls[name])
     return {k: v for k, v in urls.items() if v is not None}
-
-
-def server_version() -> str:
-    """``redis-server 7.0.15``: the server started here, by name and version (not its path)."""
-    from kvoffload.store.tiers.local_server import server_binary
-
-    binary = server_binary() or "?"
-    done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
-    version = next((w[2:] for w in done.stdout.split() if w.startswith("v=")), "?")
-    return f"{Path(binary).name} {version}"
 
 
 def reachable(url: str) -> None:

@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 SERVER_BINARIES = ("valkey-server", "redis-server")
 BIND_ATTEMPTS = 8  # starts on new ports after a bind failure on ports we chose
@@ -395,3 +396,11 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def server_version() -> str:
+    """``redis-server 7.0.15``: the server started here, by name and version (not its path)."""
+    binary = server_binary() or "?"
+    done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    version = next((w[2:] for w in done.stdout.split() if w.startswith("v=")), "?")
+    return f"{Path(binary).name} {version}"

@@ -1,5 +1,4 @@
-"""The shared tier on Valkey (or Redis), one server or a cluster: one binary value per block, for
-many engine instances.
+"""The shared tier on Valkey (or Redis), one server or a cluster: a binary value per block.
 
 Key: ``kvoffload:<namespace>:v<format>:<fingerprint hex>:{<xxh3-64 hex of the block key>}`` then
 the block key. The namespace (tenant) comes first so an ACL can confine a tenant's user to
@@ -12,13 +11,14 @@ expire after ``ttl_s`` (a hit refreshes the TTL with ``GETEX``); values over ``m
 are not stored. The servers' own ``maxmemory`` and ``maxmemory-policy`` bound the total
 (``docs/tiers.md`` says why kvoffload cannot count a tenant's bytes across nodes).
 
-Reads and writes go in pipelines of up to ``PIPELINE_BYTES``. On one server that is one round
-trip; on a cluster, redis-py's ``ClusterPipeline`` sends each primary its share of the batch
-(written to every node before any reply is read), so a batch costs one round trip per primary it
-touches, whatever its length. The client follows MOVED/ASK redirections and refreshes its slot map
-after a connection error (a failover); with its retries turned off, a failure is reported at once
-as a miss. ``timeout_s`` bounds connecting and every socket read; ``pool_size`` connections per
-server (per node on a cluster) are shared by the mover's threads.
+Reads and writes go in pipelines of up to ``PIPELINE_BYTES``, sent and read by the tier itself
+(``valkey_wire.py``): values land in their host slots and leave from them without copies. A batch
+costs one round trip per server (per primary it touches on a cluster, the primaries served at
+once), whatever its length. Replies that redirect (MOVED/ASK/TRYAGAIN) or say the cluster is down
+are redone through the client, which follows them and refreshes its slot map (also after a
+connection error: a failover); with its retries off, a failure is reported at once as a miss.
+``timeout_s`` bounds connecting and every socket read; ``pool_size`` connections per server (per
+node on a cluster) are shared by the mover's threads.
 
 Start-up: the constructor connects once. Credentials or a TLS handshake the server refuses, or a
 URL of the wrong kind for the server (cluster or not), raise ``TierStartupError``: no retry fixes
@@ -48,16 +48,17 @@ every key: nothing is probed or read.
 from __future__ import annotations
 
 import logging
-import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import xxhash
 
 from kvoffload.store.keys import BlockKey
+from kvoffload.store.tiers import resp
 from kvoffload.store.tiers.base import RateLimitedLog, Tier, TierStartupError
 from kvoffload.store.tiers.endpoint import (
     Credentials,
@@ -75,16 +76,22 @@ from kvoffload.store.tiers.payload import (
     pack_header,
     parse_header,
 )
+from kvoffload.store.tiers.valkey_connect import (
+    PIPELINE_BYTES,
+    batches,
+    import_redis,
+    open_client,
+    refusal,
+)
+from kvoffload.store.tiers.valkey_wire import Wire
 
 log = logging.getLogger(__name__)
 
-PIPELINE_BYTES = 64 << 20  # per round trip; bounds the client's buffers
 KNOWN_PRESENT_S = 30.0  # how long a "held" answer is trusted (a later GET may still miss)
 KNOWN_ABSENT_S = 1.0  # how long a "not held" answer is trusted (another instance may store it)
 KNOWN_BAD_S = 30.0  # how long a key that held no block, or was refused, is not asked for again
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.5, 5.0
 MAX_TIMEOUT_S = 86400.0  # a socket timeout must fit the OS (inf or 1e12 overflow); a day is plenty
-T = TypeVar("T")
 _Cmd = tuple[str, tuple[Any, ...], dict[str, Any]]
 
 
@@ -114,7 +121,7 @@ class ValkeyTier(Tier):
         tls_key_file: str | None = None,
     ) -> None:
         super().__init__(fingerprint, block_bytes)
-        redis = _import_redis()
+        redis = import_redis()
         if (
             ttl_s < 0
             or max_value_bytes <= 0
@@ -148,6 +155,15 @@ class ValkeyTier(Tier):
             redis.exceptions.RedisClusterException,
             OSError,
         )
+        # Replies the client redoes itself (as it did every command before the tier sent its
+        # own): a slot moving between nodes (it follows the node named and updates its slot
+        # map), a cluster briefly down (it refreshes the map and retries before giving up).
+        self._redirects = (
+            redis.exceptions.MovedError,
+            redis.exceptions.AskError,
+            redis.exceptions.TryAgainError,
+            redis.exceptions.ClusterDownError,
+        )
         # What connecting may meet: the errors above or a refusal (_refusal says which; a
         # refusal at start-up raises, the reconnect thread retries: the operator may fix it).
         self._connect_errors = (*self._errors, redis.RedisError)
@@ -157,10 +173,16 @@ class ValkeyTier(Tier):
         self._closed = threading.Event()
         self._reconnecting = threading.Lock()
         self._client: Any = None
+        # A cluster's nodes' replies are read at once, on these threads (valkey_wire.py).
+        self._readers = (
+            ThreadPoolExecutor(8, thread_name_prefix="kvoffload-valkey-read")
+            if self.endpoint.cluster
+            else None
+        )
         try:
             self._client = self._open()
         except self._connect_errors as e:
-            reason = _refusal(e)
+            reason = refusal(e)
             if reason is not None:
                 raise TierStartupError(f"valkey tier: {self.url} {reason}") from None
             self._warn.warn(
@@ -185,20 +207,38 @@ class ValkeyTier(Tier):
             if len(head) + len(payload) > self.max_value_bytes:
                 self.stats.add(put_skipped=1)
                 continue
-            todo.append((i, b"".join((head, payload))))
-        ex = self.ttl_s or None
-        for batch in _batches(todo, lambda item: len(item[1])):
-            replies = self._pipeline(
-                [("set", (self.key_name(keys[i]), v), {"ex": ex}) for i, v in batch], "put"
+            todo.append((i, head))
+        ex = self.ttl_s
+        ex_kw = {"ex": ex or None}
+        for batch in batches(todo, lambda item: len(item[1]) + self.block_bytes):
+            names = [self.key_name(keys[i]) for i, _ in batch]
+            replies = self._send(
+                "put",
+                names,
+                [
+                    resp.set_pieces(name, h, payloads[i], ex)
+                    for name, (i, h) in zip(names, batch, strict=True)
+                ],
             )
             if replies is None:
                 continue
+            redo = [j for j, reply in enumerate(replies) if isinstance(reply, self._redirects)]
+            if redo:  # a slot moving: the client follows the redirection
+                again = self._pipeline(
+                    [
+                        ("set", (names[j], b"".join((batch[j][1], payloads[batch[j][0]]))), ex_kw)
+                        for j in redo
+                    ],
+                    "put",
+                )
+                for j, reply in zip(redo, again or [None] * len(redo), strict=True):
+                    replies[j] = reply if again is not None else False
             for (i, _), reply in zip(batch, replies, strict=True):
                 if reply is True:
                     ok[i] = True
                     self._remember(keys[i], True)
                     self.stats.add(puts=1, put_bytes=self.block_bytes)
-                else:
+                elif reply is not False:  # False: the redo found the tier down (counted)
                     self.stats.add(put_failures=1)
                     self._failed_reply(keys[i], reply, "SET", read=False)
         return ok
@@ -209,15 +249,31 @@ class ValkeyTier(Tier):
         per_batch = max(1, PIPELINE_BYTES // self.block_bytes)
         for start in range(0, len(keys), per_batch):
             batch = keys[start : start + per_batch]
-            if self.ttl_s:  # a hit refreshes the TTL
-                cmds = [("getex", (self.key_name(k),), {"ex": self.ttl_s}) for k in batch]
-            else:
-                cmds = [("get", (self.key_name(k),), {}) for k in batch]
-            replies = self._pipeline(cmds, "get")
+            bouts = outs[start : start + per_batch]
+            names = [self.key_name(k) for k in batch]
+            heads = [memoryview(bytearray(HEADER_BYTES + len(k))) for k in batch]
+            replies = self._send(
+                "get",
+                names,
+                [(self._get_command(name),) for name in names],
+                list(zip(heads, bouts, strict=True)),
+            )
             if replies is None:
                 continue
-            for j, (key, value) in enumerate(zip(batch, replies, strict=True)):
-                ok[start + j] = self._accept(key, value, outs[start + j])
+            redo = [j for j, reply in enumerate(replies) if isinstance(reply, self._redirects)]
+            if redo:  # through the client, which follows them; values come back as bytes
+                again = self._pipeline([self._get_cmd(names[j]) for j in redo], "get")
+                for j, value in zip(redo, again or [False] * len(redo), strict=True):
+                    replies[j] = value  # False: the tier went down (counted)
+            for j, (key, reply) in enumerate(zip(batch, replies, strict=True)):
+                if reply is True:
+                    ok[start + j] = self._check(key, heads[j], bouts[j])
+                elif reply is False:
+                    continue
+                elif isinstance(reply, int):
+                    self._unusable(key, f"a value of {reply} bytes, not {self._value_bytes(key)}")
+                else:
+                    ok[start + j] = self._accept(key, reply, bouts[j])
         return ok
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool | None]:
@@ -255,6 +311,8 @@ class ValkeyTier(Tier):
 
     def close(self) -> None:
         self._closed.set()
+        if self._readers is not None:
+            self._readers.shutdown(wait=False)
         if self._client is not None:
             self._client.close()
             if not self.endpoint.cluster:
@@ -272,61 +330,8 @@ class ValkeyTier(Tier):
 
     def _open(self) -> Any:
         """A client that has answered once (a cluster's every primary); raises what it met."""
-        redis = _import_redis()
-        kwargs: dict[str, Any] = {
-            "socket_timeout": self.timeout_s,
-            "socket_connect_timeout": self.timeout_s,
-            "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0),
-        }
-        if self._credentials.has_password:
-            kwargs["credential_provider"] = self._credentials
-        elif self.endpoint.username:
-            kwargs["username"] = self.endpoint.username
-        if self.endpoint.tls:  # verified: the CA (or the system's) and the host name
-            kwargs.update(
-                ssl_cert_reqs="required",
-                ssl_check_hostname=True,
-                ssl_ca_certs=self._tls.ca_file,
-                ssl_certfile=self._tls.cert_file,
-                ssl_keyfile=self._tls.key_file,
-            )
-        ep = self.endpoint
-        if ep.cluster:
-            cluster = redis.cluster
-            client = cluster.RedisCluster(
-                startup_nodes=[cluster.ClusterNode(host, port) for host, port in ep.seeds],
-                require_full_coverage=True,
-                max_connections=self.pool_size,
-                ssl=ep.tls,
-                **kwargs,
-            )
-            client.ping(target_nodes=cluster.RedisCluster.PRIMARIES)
-            return client
-        if ep.unix_path is not None:
-            kwargs.update(connection_class=redis.UnixDomainSocketConnection, path=ep.unix_path)
-        else:
-            kwargs.update(
-                connection_class=redis.SSLConnection if ep.tls else redis.Connection,
-                host=ep.seeds[0][0],
-                port=ep.seeds[0][1],
-            )
-        pool = redis.BlockingConnectionPool(
-            max_connections=self.pool_size,
-            timeout=self.timeout_s,  # waiting for a free connection
-            db=ep.db,
-            **kwargs,
-        )
-        client = redis.Redis(connection_pool=pool)
-        client.ping()
-        try:
-            client.execute_command("CLUSTER", "MYID")
-        except redis.ResponseError:  # cluster support disabled (or not ours to ask): as expected
-            return client
-        client.close()
-        pool.disconnect()
-        raise TierStartupError(
-            f"valkey tier: {self.url} is a node of a Valkey/Redis Cluster; name its nodes with "
-            "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)"
+        return open_client(
+            self.endpoint, self.url, self.timeout_s, self.pool_size, self._credentials, self._tls
         )
 
     def _check_up(self) -> None:
@@ -349,6 +354,49 @@ class ValkeyTier(Tier):
         if for_s is None:
             for_s = KNOWN_PRESENT_S if held else KNOWN_ABSENT_S
         self._known[key] = (held, time.monotonic() + for_s)
+
+    def _get_command(self, name: bytes) -> bytes:
+        if self.ttl_s:  # a hit refreshes the TTL
+            return resp.pack(b"GETEX", name, b"EX", self.ttl_s)
+        return resp.pack(b"GET", name)
+
+    def _check(self, key: BlockKey, head: memoryview, out: memoryview) -> bool:
+        """A value read into ``head`` and ``out`` (its host slot): a block only if it checks."""
+        try:
+            check_payload(parse_header(head, self._fp, key), out)
+        except CorruptBlock as e:
+            self._unusable(key, str(e))
+            return False
+        self._remember(key, True)
+        self.stats.add(gets=1, get_bytes=len(out))
+        return True
+
+    def _get_cmd(self, name: bytes) -> _Cmd:  # _get_command, for the client's pipeline
+        return ("getex", (name,), {"ex": self.ttl_s}) if self.ttl_s else ("get", (name,), {})
+
+    def _send(
+        self,
+        what: str,
+        names: list[bytes],
+        commands: list[Any],
+        into: list[tuple[memoryview, memoryview]] | None = None,
+    ) -> list[Any] | None:
+        """``Wire.run`` with the accounting of ``_pipeline``: None (counted) when the tier is
+        down or the batch failed on a connection."""
+        n = len(names)
+        if not self._up.is_set():
+            self.stats.add(**{"put_skipped" if what == "put" else "errors": n})
+            return None
+        try:
+            wire = Wire(self._client, self.endpoint.cluster, self._readers)
+            return wire.run(names, commands, into)
+        except self._errors as e:
+            self.stats.add(**{"put_failures" if what == "put" else "errors": n})
+            self._warn.warn(
+                "down", "valkey tier: %s unreachable (%s); misses until it is back", self.url, e
+            )
+            self._mark_down()
+            return None
 
     def _accept(self, key: BlockKey, value: Any, out: memoryview) -> bool:
         if value is None:
@@ -381,7 +429,7 @@ class ValkeyTier(Tier):
         """One command's error reply (or a non-OK reply to SET); a failed ``read`` counts as
         ``errors`` unless the value was unusable or refused."""
         text = str(reply)
-        if isinstance(reply, _import_redis().exceptions.NoPermissionError):
+        if isinstance(reply, import_redis().exceptions.NoPermissionError):
             self.stats.add(refused=1)
             self._warn.warn("refused", "valkey tier: %s refused (%s); a miss", command, text)
             self._remember(key, False, KNOWN_BAD_S)
@@ -439,7 +487,7 @@ class ValkeyTier(Tier):
                 try:
                     self._check_up()
                 except (*self._connect_errors, ValueError, TierStartupError) as e:
-                    reason = _refusal(e)
+                    reason = refusal(e)
                     if reason is not None:
                         self._warn.warn("refused", "valkey tier: %s %s", self.url, reason)
                     delay = min(RECONNECT_MAX_S, delay * 2)
@@ -450,52 +498,3 @@ class ValkeyTier(Tier):
                 return
         finally:
             self._reconnecting.release()
-
-
-def _import_redis() -> Any:
-    try:
-        import redis
-    except ImportError:
-        raise ImportError(
-            "the Valkey tier needs the redis client: pip install -e '.[tiers]' in a checkout "
-            "(bash .ci/tiers.sh installs it with a server)"
-        ) from None
-    return redis
-
-
-def _refusal(error: BaseException) -> str | None:
-    """Why the server turned us away, where retrying cannot help; None when it just did not
-    answer (down, unreachable, timed out)."""
-    exceptions = _import_redis().exceptions
-
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, TierStartupError):
-            return str(e).removeprefix("valkey tier: ")
-        if isinstance(e, ssl.SSLError):
-            return (
-                f"refused the TLS handshake ({e}; a server that requires a client certificate "
-                "needs valkey_tls_cert_file)"
-            )
-        if isinstance(e, exceptions.AuthenticationError):
-            return f"refused the credentials ({e})"
-        if isinstance(e, exceptions.NoPermissionError):
-            return f"refused a command the tier needs to this user ({e}); see docs/tiers.md"
-        if "Cluster mode is not enabled" in str(e):
-            return "is not a cluster node: use redis:// (rediss:// for TLS)"
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _batches(items: list[T], size: Callable[[T], int]) -> list[list[T]]:
-    out: list[list[T]] = []
-    acc = 0
-    for item in items:
-        if not out or acc + size(item) > PIPELINE_BYTES:
-            out.append([])
-            acc = 0
-        out[-1].append(item)
-        acc += size(item)
-    return out

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Lower tiers on the GPU host (issue 30): `bench tiers --sections read` (one engine process reading
+# 2 MiB blocks from one local server and a local 3 + 3 cluster, against the server's raw GETs and
+# redis-benchmark) and `bench e2e --lower-tiers valkey,disk` on Llama-3-8B and Qwen2.5-7B shapes.
+# The machine has no package index: the server and the client come from .carry/redis, built HERE
+# by `bash benchmarks/carry_redis.sh` (and carried with the run). From the repository root:
+#
+#   OUT=/some/dir bash benchmarks/gpu_lower_tiers.sh
+#   MODELS=micro MIB=64 OUT=/tmp/x bash benchmarks/gpu_lower_tiers.sh   # a smoke test on a CPU
+#
+# Writes under $OUT: lower_tiers.log, tiers_read_gpu.json, e2e_lower_llama3-8b.json,
+# e2e_lower_qwen2.5-7b.json. Each step has its own time limit (together under 4 minutes).
+# Exit status: non-zero if any step failed or a restored turn was not bit-exact.
+set -o pipefail
+OUT=${OUT:-benchmarks/results/gpu_lower_tiers}
+mkdir -p "$OUT"
+CARRY=$PWD/.carry/redis
+if [ ! -x "$CARRY/bin/redis-server" ]; then
+  echo "gpu_lower_tiers.sh: no $CARRY/bin/redis-server; run benchmarks/carry_redis.sh first" >&2
+  exit 1
+fi
+export PATH="$CARRY/bin:$PATH" PYTHONPATH=".:$CARRY/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+LOG="$OUT/lower_tiers.log"
+status=0
+step() {
+  echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+  "$@" 2>&1 | tee -a "$LOG" || { status=1; echo "=== FAILED: $*" | tee -a "$LOG"; }
+}
+step redis-server --version
+step timeout 50 python3 -m kvoffload.cli bench tiers --sections read --mib "${MIB:-512}" --rounds 1 \
+  --out "$OUT/tiers_read_gpu.json"
+for model in ${MODELS:-llama3-8b qwen2.5-7b}; do
+  step timeout 90 python3 -m kvoffload.cli bench e2e --lower-tiers valkey,disk --model "$model" \
+    --out "$OUT/e2e_lower_$model.json"
+done
+exit $status

@@ -1,0 +1,18 @@
+"""The options of ``kvoffload bench e2e --lower-tiers`` (``lower_tiers.py``); torch-free, so the
+CLI's parser is built without importing the model runner."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("lower tiers (kvoffload/bench/e2e/runner/lower_tiers.py)")
+    g.add_argument(
+        "--lower-tiers",
+        default=None,
+        metavar="LIST",
+        help="only restored prefixes from lower tiers, comma separated from valkey,disk "
+        "(--documents, --document-tokens size them)",
+    )
+    g.add_argument("--valkey-url", default=None, help="--lower-tiers valkey: the server")
