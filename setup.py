@@ -1,4 +1,5 @@
-"""The native transfer engine, a C extension built at install (docs/transfer.md, "Native engine").
+"""The C extensions built at install: the native transfer engine (docs/transfer.md, "Native
+engine") and the native block index (kvoffload/store/index.py).
 
 Plain C11 with pthreads and the Python C API; no CUDA toolkit: the driver's entry points are
 resolved from libcuda.so.1 at run time. ``optional=True``: where no C compiler exists the install
@@ -8,6 +9,7 @@ still succeeds and the ``staged`` backend runs its Python path (``kvoffload doct
 from setuptools import Extension, setup
 
 NATIVE = "kvoffload/transfer/cuda/native/"
+INDEX = "kvoffload/store/native/"
 
 setup(
     ext_modules=[
@@ -20,6 +22,19 @@ setup(
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             libraries=["dl", "pthread"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvoffload.store._index",
+            sources=[
+                INDEX + f
+                for f in (
+                    *("module.c", "index.c", "check.c", "batch.c", "keys.c", "table.c"),
+                    *("lists.c", "policy.c", "lru.c", "arc.c"),
+                )
+            ],
+            depends=[INDEX + "ix.h"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            optional=True,
+        ),
     ]
 )
