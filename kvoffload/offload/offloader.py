@@ -48,7 +48,7 @@ from kvoffload.offload.ledger import JobLedger
 from kvoffload.offload.lower import LowerTiers, TierLookup
 from kvoffload.offload.tiers import TierMover
 from kvoffload.store.index import BlockIndex
-from kvoffload.store.keys import BlockKey, checked_keys
+from kvoffload.store.keys import BlockKey, KeyArray, checked_keys, key_list
 from kvoffload.transfer.spec import Direction, TransferSpec, check_engine_blocks
 
 _REFUSED = {
@@ -113,14 +113,18 @@ class Offloader:
     def closed(self) -> bool:
         return self._closed
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
+    def lookup(self, keys: Sequence[BlockKey] | KeyArray) -> int:
         """How many leading ``keys`` are held on host, ready to load."""
         with self._lock:
             self._check_open("lookup")
             return self.index.lookup(checked_keys(keys, "lookup"))
 
     def schedule_load(
-        self, req_id: str, keys: Sequence[BlockKey], blocks: Sequence[int], group: int = 0
+        self,
+        req_id: str,
+        keys: Sequence[BlockKey] | KeyArray,
+        blocks: Sequence[int] | np.ndarray,
+        group: int = 0,
     ) -> TransferJob:
         """Pin held ``keys`` and describe their copy into engine ``blocks`` (same order, distinct).
 
@@ -135,7 +139,11 @@ class Offloader:
             return self._job(req_id, "load", keys, TransferSpec("load", blocks_arr, slots, group))
 
     def schedule_store(
-        self, req_id: str, keys: Sequence[BlockKey], blocks: Sequence[int], group: int = 0
+        self,
+        req_id: str,
+        keys: Sequence[BlockKey] | KeyArray,
+        blocks: Sequence[int] | np.ndarray,
+        group: int = 0,
     ) -> TransferJob | None:
         """Reserve slots for the ``keys`` not held yet; None when there is nothing to store.
 
@@ -152,12 +160,12 @@ class Offloader:
                 self.lower.evicted(plan.evicted)
             if not plan.keys:
                 return None
-            position = {k: i for i, k in enumerate(keys)}
-            chosen = blocks_arr[[position[k] for k in plan.keys]]
+            chosen = blocks_arr[plan.positions]
             spec = TransferSpec("store", chosen, plan.slots, group)
-            return self._job(req_id, "store", plan.keys, spec)
+            new = keys[plan.positions] if isinstance(keys, np.ndarray) else plan.keys
+            return self._job(req_id, "store", new, spec)
 
-    def touch(self, keys: Iterable[BlockKey]) -> None:
+    def touch(self, keys: Iterable[BlockKey] | KeyArray) -> None:
         """Mark held ``keys`` as just used (e.g. blocks the engine's GPU cache keeps hitting, so
         the host copy of a hot system prompt is not the first evicted). Unknown keys are ignored."""
         with self._lock:
@@ -249,7 +257,7 @@ class Offloader:
             backlog = max(1, min(backlog_bytes // self.slot_bytes, slots_cap))
             self.lower = LowerTiers(self.index, mover, backlog)
 
-    def lookup_tiers(self, keys: Sequence[BlockKey]) -> TierLookup:
+    def lookup_tiers(self, keys: Sequence[BlockKey] | KeyArray) -> TierLookup:
         """Like ``lookup``, and also start bringing up the next blocks a lower tier holds.
 
         ``ready`` leading keys are on host now (as ``lookup`` returns); ``pending`` more after
@@ -261,7 +269,7 @@ class Offloader:
             keys = checked_keys(keys, "lookup_tiers")
             if self.lower is None:
                 return TierLookup(self.index.lookup(keys), 0, False)
-            return self.lower.lookup(keys)
+            return self.lower.lookup(key_list(keys))
 
     def poll_tiers(self) -> None:
         """Apply finished lower-tier reads and writes (``complete`` and ``lookup_tiers`` do too)."""
@@ -318,8 +326,8 @@ class Offloader:
     def _engine_blocks(
         self,
         req_id: str,
-        keys: list[BlockKey],
-        blocks: Sequence[int],
+        keys: Sequence[BlockKey] | KeyArray,
+        blocks: Sequence[int] | np.ndarray,
         group: int,
         direction: Direction,
     ) -> np.ndarray:
@@ -348,15 +356,21 @@ class Offloader:
         return arr
 
     def _job(
-        self, req_id: str, direction: Direction, keys: Sequence[BlockKey], spec: TransferSpec
+        self,
+        req_id: str,
+        direction: Direction,
+        keys: Sequence[BlockKey] | KeyArray,
+        spec: TransferSpec,
     ) -> TransferJob:
         spec.blocks.flags.writeable = False  # a job is data that cannot change once checked
         spec.slots.flags.writeable = False
+        if isinstance(keys, np.ndarray):
+            keys.flags.writeable = False
         job = TransferJob(
             next(self._ids),
             req_id,
             direction,
-            tuple(keys),
+            keys if isinstance(keys, np.ndarray) else tuple(keys),
             (spec,),
             len(keys) * self.slot_bytes,
             self.token,
@@ -370,6 +384,6 @@ class Offloader:
         if job.direction == "store":
             self.index.complete_store(job.keys, ok)
             if ok and self.lower is not None and not self._closed:
-                self.lower.stored(job.keys)
+                self.lower.stored(key_list(job.keys))
         else:
             self.index.complete_load(job.keys, ok)
