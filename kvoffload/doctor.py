@@ -2,7 +2,8 @@
 
 Prints the GPU, the CUDA driver version, whether ``cuMemcpyBatchAsync`` resolved (else the
 ``cuMemcpyAsync`` fallback is used), Triton's and cuda-python's status, the calibration table in
-use, which path the ``staged`` backend runs (the native engine or Python, and why), and the link
+use, which path the ``staged`` backend runs (the native engine or Python, and why), whether the
+native block index is built, and the link
 GB/s measured now (contiguous pinned copies after a warm-up).
 """
 
@@ -28,6 +29,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         except ImportError as err:
             out[key] = f"unavailable ({err})"
     out["staged_enqueue"] = staged_enqueue()
+    out["block_index"] = block_index()
     if not cuda_available():
         out["gpu"] = "none (CUDA not available): the host backend is used"
         return out
@@ -67,6 +69,16 @@ def staged_enqueue() -> str:
     if module is not None:
         return f"native engine ({module.__file__}, built at install)"
     return f"Python path: {native.unavailable()}"
+
+
+def block_index() -> str:
+    """Whether the native block index (the compiled extension every Offloader needs) is there."""
+    from kvoffload.store.index import native_index
+
+    try:
+        return f"native ({native_index().__file__}, built at install)"
+    except ImportError as err:
+        return f"missing: {err}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,6 +32,11 @@ uint32_t ix_find(const ix_index *ix, const ix_key *k) {
     return ix_table_find(&ix->table, k->hash, entry_match, &ctx);
 }
 
+uint32_t ix_find_at(const ix_index *ix, const ix_key *keys, int64_t n, int64_t i) {
+    if (i + IX_PREFETCH < n) ix_table_prefetch(&ix->table, keys[i + IX_PREFETCH].hash);
+    return ix_find(ix, &keys[i]);
+}
+
 static int readable(const ix_index *ix, uint32_t slot) {
     return slot != IX_NIL && ix->e[slot].state == IX_READABLE;
 }
@@ -71,7 +76,7 @@ size_t ix_nbytes(const ix_index *ix) {
 
 int64_t ix_lookup(ix_index *ix, const ix_key *keys, int64_t n) {
     int64_t i = 0;
-    while (i < n && readable(ix, ix_find(ix, &keys[i]))) i++;
+    while (i < n && readable(ix, ix_find_at(ix, keys, n, i))) i++;
     return i;
 }
 
@@ -196,7 +201,7 @@ ix_status ix_prepare_store(ix_index *ix, const ix_key *keys, int64_t n, ix_plan 
     if (plan->pos == NULL || plan->slots == NULL || copies == NULL) st = IX_NOMEM;
     int64_t fresh = 0;
     for (int64_t i = 0; i < n && st == IX_OK; i++)
-        if (ix_find(ix, &keys[i]) == IX_NIL) plan->pos[fresh++] = i;
+        if (ix_find_at(ix, keys, n, i) == IX_NIL) plan->pos[fresh++] = i;
     int64_t short_by = fresh > ix->num_free ? fresh - ix->num_free : 0;
     if (st == IX_OK) st = copy_long(ix, keys, plan->pos, fresh, copies);
     if (st == IX_OK) st = out_alloc(plan, short_by);
@@ -237,21 +242,40 @@ ix_status ix_prepare_store(ix_index *ix, const ix_key *keys, int64_t n, ix_plan 
     return st;
 }
 
+/* The slots of ``keys``, all of them in ``state`` and distinct: the common case, found with one
+ * lookup per key and the entries' marks for repeats. 0 if not so (the caller then words the
+ * refusal the slow way). */
+static int all_distinct_in(ix_index *ix, const ix_key *keys, int64_t n, int state,
+                           uint32_t *slots) {
+    int64_t i = 0;
+    for (; i < n; i++) {
+        uint32_t s = slots[i] = ix_find_at(ix, keys, n, i);
+        if (s == IX_NIL || ix->e[s].state != state || ix->e[s].mark) break;
+        ix->e[s].mark = 1;
+    }
+    for (int64_t j = 0; j < i; j++) ix->e[slots[j]].mark = 0;
+    return i == n;
+}
+
 ix_status ix_complete_store(ix_index *ix, const ix_key *keys, int64_t n, int success,
                             ix_refusal *why) {
-    ix_status st = check_distinct(keys, n, why);
-    if (st != IX_OK) return st;
-    why->count = 0;
-    why->first = -1;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t s = ix_find(ix, &keys[i]);
-        if (s == IX_NIL || ix->e[s].state != IX_WRITING) {
-            if (why->count++ == 0) why->first = i;
+    uint32_t *slots = malloc((size_t)(n ? n : 1) * sizeof *slots);
+    if (slots == NULL) return IX_NOMEM;
+    ix_status st = IX_OK;
+    if (!all_distinct_in(ix, keys, n, IX_WRITING, slots)) {
+        st = check_distinct(keys, n, why);
+        why->count = 0;
+        why->first = -1;
+        for (int64_t i = 0; i < n && st == IX_OK; i++) {
+            uint32_t s = ix_find(ix, &keys[i]);
+            if ((s == IX_NIL || ix->e[s].state != IX_WRITING) && why->count++ == 0) why->first = i;
         }
+        if (st == IX_OK) st = why->count ? IX_NOT_WRITING : IX_NOMEM; /* NOMEM: cannot happen */
+        free(slots);
+        return st;
     }
-    if (why->count) return IX_NOT_WRITING;
     for (int64_t i = 0; i < n && st == IX_OK; i++) {
-        uint32_t s = ix_find(ix, &keys[i]);
+        uint32_t s = slots[i];
         ix->num_writing--;
         if (success) {
             ix->e[s].state = IX_READABLE;
@@ -267,6 +291,7 @@ ix_status ix_complete_store(ix_index *ix, const ix_key *keys, int64_t n, int suc
         memset(&ix->e[s], 0, sizeof ix->e[s]);
         ix->free[ix->num_free++] = s;
     }
+    free(slots);
     return st;
 }
 
@@ -277,7 +302,7 @@ ix_status ix_acquire(ix_index *ix, const ix_key *keys, int64_t n, int touch, int
     why->count = 0;
     why->first = -1;
     for (int64_t i = 0; i < n; i++) {
-        uint32_t s = ix_find(ix, &keys[i]);
+        uint32_t s = ix_find_at(ix, keys, n, i);
         slots[i] = s;
         if (!readable(ix, s) && why->count++ == 0) why->first = i;
     }
@@ -289,7 +314,9 @@ ix_status ix_acquire(ix_index *ix, const ix_key *keys, int64_t n, int touch, int
     return IX_OK;
 }
 
-ix_status ix_release(ix_index *ix, const ix_key *keys, int64_t n, ix_refusal *why) {
+/* The refusal of a release that would drop more readers than a key has: how many distinct keys,
+ * and the first (in the order of their first occurrence). */
+static ix_status release_refusal(ix_index *ix, const ix_key *keys, int64_t n, ix_refusal *why) {
     int64_t *first = malloc((size_t)(n ? n : 1) * 2 * sizeof *first);
     if (first == NULL || ix_batch_firsts(keys, n, first) < 0) {
         free(first);
@@ -307,17 +334,36 @@ ix_status ix_release(ix_index *ix, const ix_key *keys, int64_t n, ix_refusal *wh
         if (have < times[i] && why->count++ == 0) why->first = i;
     }
     free(first);
-    if (why->count) return IX_FEW_READERS;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t s = ix_find(ix, &keys[i]);
-        if (--ix->e[s].readers == 0) ix->num_pinned--;
+    return IX_FEW_READERS;
+}
+
+ix_status ix_release(ix_index *ix, const ix_key *keys, int64_t n, ix_refusal *why) {
+    uint32_t *slots = malloc((size_t)(n ? n : 1) * sizeof *slots);
+    if (slots == NULL) return IX_NOMEM;
+    int64_t i = 0; /* drop one reader per key as we go; undo them all at the first shortfall */
+    for (; i < n; i++) {
+        uint32_t s = slots[i] = ix_find_at(ix, keys, n, i);
+        if (!readable(ix, s) || ix->e[s].readers == 0) break;
+        ix->e[s].readers--;
     }
+    if (i < n) {
+        for (int64_t j = 0; j < i; j++) ix->e[slots[j]].readers++;
+        free(slots);
+        return release_refusal(ix, keys, n, why);
+    }
+    for (int64_t j = 0; j < n; j++) /* a key released twice is counted unpinned once */
+        if (ix->e[slots[j]].readers == 0 && !ix->e[slots[j]].mark) {
+            ix->e[slots[j]].mark = 1;
+            ix->num_pinned--;
+        }
+    for (int64_t j = 0; j < n; j++) ix->e[slots[j]].mark = 0;
+    free(slots);
     return IX_OK;
 }
 
 void ix_touch(ix_index *ix, const ix_key *keys, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
-        uint32_t s = ix_find(ix, &keys[i]);
+        uint32_t s = ix_find_at(ix, keys, n, i);
         if (readable(ix, s)) ix_policy_touch(ix, s);
     }
 }

@@ -21,6 +21,7 @@
 #define IX_MAX_SLOTS 0x7ffffffeu  /* ARC ghosts (at most 2x) keep uint32 ids */
 #define IX_LOAD_NUM 3       /* a table is at most 3/4 full */
 #define IX_LOAD_DEN 4
+#define IX_PREFETCH 8       /* keys ahead whose bucket a batch loop asks the cache for */
 
 enum { IX_FREE = 0, IX_WRITING = 1, IX_READABLE = 2 };
 enum { IX_LRU = 0, IX_ARC = 1 };
@@ -72,6 +73,7 @@ typedef int (*ix_match)(const void *ctx, uint32_t id);
 ix_status ix_table_init(ix_table *t, uint64_t capacity);
 void ix_table_free(ix_table *t);
 uint32_t ix_table_find(const ix_table *t, uint64_t hash, ix_match match, const void *ctx);
+void ix_table_prefetch(const ix_table *t, uint64_t hash);
 ix_status ix_table_add(ix_table *t, uint64_t hash, uint32_t id); /* grows when full */
 void ix_table_del(ix_table *t, uint64_t hash, uint32_t id);
 size_t ix_table_nbytes(const ix_table *t);
@@ -174,6 +176,8 @@ ix_status ix_init(ix_index *ix, uint32_t num_slots, int policy);
 void ix_free(ix_index *ix);
 size_t ix_nbytes(const ix_index *ix);
 uint32_t ix_find(const ix_index *ix, const ix_key *k); /* slot, or IX_NIL */
+/* ix_find of keys[i], with the bucket of keys[i + IX_PREFETCH] prefetched (a batch's loop). */
+uint32_t ix_find_at(const ix_index *ix, const ix_key *keys, int64_t n, int64_t i);
 int64_t ix_lookup(ix_index *ix, const ix_key *keys, int64_t n);
 ix_status ix_prepare_store(ix_index *ix, const ix_key *keys, int64_t n, ix_plan *plan,
                            ix_refusal *why);

@@ -34,6 +34,10 @@ uint32_t ix_table_find(const ix_table *t, uint64_t hash, ix_match match, const v
     }
 }
 
+void ix_table_prefetch(const ix_table *t, uint64_t hash) {
+    __builtin_prefetch(&t->b[(uint32_t)hash & t->mask]);
+}
+
 static void put(ix_bucket *b, uint64_t mask, uint32_t fp, uint32_t id1) {
     uint64_t i = fp & mask;
     while (b[i].id1 != 0) i = (i + 1) & mask;
