@@ -154,8 +154,9 @@ def measure(
     row: dict[str, Any] = {"policy": policy, "resident": resident}
     row["rss_bytes_per_block"] = (rss_bytes() - rss) / resident
     del rows
-    if hasattr(index, "nbytes"):
-        row["native_bytes_per_block"] = index.nbytes() / (resident + spare)
+    if hasattr(index, "nbytes"):  # the native index's own count (its capacity: + spare slots)
+        row["native_bytes_per_block"] = index.nbytes() / resident
+    row["bytes_per_block"] = row.get("native_bytes_per_block", row["rss_bytes_per_block"])
     row["gc_tracked_objects_added"] = len(gc.get_objects()) - objects
     t0 = time.perf_counter()
     gc.collect()
@@ -231,7 +232,7 @@ def print_rows(rows: list[dict[str, Any]], api: dict[str, Any]) -> None:
             f"{r['lookup_us_per_block']:.4f}",
             f"{r['store_512_us']:.1f}",
             f"{r['store_512_evicting_us']:.1f}",
-            f"{r.get('native_bytes_per_block', float('nan')):.1f}",
+            f"{r['bytes_per_block']:.1f}",
             f"{r['rss_bytes_per_block']:.1f}",
             f"{r['gc_collections']} (max {r['gc_max_pause_us']:.0f} µs)",
         )

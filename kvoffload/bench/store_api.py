@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -43,13 +43,19 @@ def _keys(rng: np.random.Generator, n: int, kind: str) -> Any:
     return rows if kind == "array" else rows.view("V16").ravel().tolist()
 
 
-def measure_api(blocks: Sequence[int], reps: int) -> dict[str, Any]:
+def measure_api(
+    blocks: Sequence[int], reps: int, make_index: Callable[[int, int, str], Any] | None = None
+) -> dict[str, Any]:
+    """The costs above; ``make_index(num_slots, slot_bytes, policy)`` puts another index with
+    ``BlockIndex``'s API under the Offloader (the Python model, for the ratio)."""
     biggest = max(blocks)
     kv = np.zeros((2 * biggest, BLOCK_BYTES), np.uint8)
     layout = KVLayout.from_tensors([kv], block_size=16, block_dim=0)
     capacity = 2 * (reps + 1) * sum(blocks) + biggest
     local = build_local(layout, OffloadConfig(host_capacity_blocks=capacity))
     off = local.offloader
+    if make_index is not None:
+        off.index = make_index(off.num_slots, off.slot_bytes, off.config.eviction_policy)
     local.worker.close()
     worker = local.worker = TransferWorker(InlineHostBackend(layout, local.arena), off)
     rng = np.random.default_rng(0)

@@ -189,7 +189,8 @@ class Offloader:
             refused: dict[str, list[object]] = {why: [] for why in _REFUSED}
             # a late load's timeout first, when its end comes in the same call
             items: list[object] = list(results)
-            items.sort(key=lambda r: not isinstance(r, JobResult) or r.final)
+            if len(items) > 1:
+                items.sort(key=lambda r: not isinstance(r, JobResult) or r.final)
             for result in items:
                 if not isinstance(result, JobResult):
                     refused["unknown"].append(result)

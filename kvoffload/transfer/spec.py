@@ -85,6 +85,11 @@ def _check_distinct(dst: np.ndarray, what: str, direction: str) -> None:
 
 
 def _check_range(ids: np.ndarray, upper: int, what: str) -> None:
-    if len(ids) and (ids.min() < 0 or ids.max() >= upper):
+    # one pass: a negative int64 read as uint64 is >= 2**63, so beyond any upper bound
+    if ids.dtype == np.int64:
+        out = len(ids) and ids.view(np.uint64).max() >= upper
+    else:
+        out = len(ids) and (ids.min() < 0 or ids.max() >= upper)
+    if out:
         bad = ids[(ids < 0) | (ids >= upper)][0]
         raise ValueError(f"expected every {what} in [0, {upper}), got {bad}")
