@@ -3,7 +3,7 @@
 # built from the sdist, so the native engine compiles from the shipped sources), the wheel is
 # installed (not editable) in a fresh venv, and the CPU tests run against that installed package
 # from a directory that holds only the tests and the docs they read. KVOFFLOAD_REQUIRE_NATIVE=1:
-# the native engine extension must be in the wheel. test_structure.py reads the source tree, so it
+# the native engine and native block index extensions must be in the wheel. test_structure.py reads the source tree, so it
 # runs in the main job only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,7 @@ work=$(mktemp -d)
 cp -r tests docs pyproject.toml "$work"/
 cd "$work"
 "$repo/.venv-wheel/bin/python" -c "import kvoffload, kvoffload.transfer.cuda.native as n; \
-print('installed:', kvoffload.__file__); print('native engine:', n.module() or n.unavailable())"
+print('installed:', kvoffload.__file__); print('native engine:', n.module() or n.unavailable()); \
+from kvoffload.doctor import block_index; print('native index:', block_index())"
 KVOFFLOAD_REQUIRE_NATIVE=1 CI="${CI:-1}" "$repo/.venv-wheel/bin/python" -m pytest -q \
   -p no:cacheprovider --ignore=tests/test_structure.py

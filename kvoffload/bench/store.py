@@ -10,7 +10,8 @@ Two parts, both timed as medians over ``--reps`` runs after a warm-up:
    - prepare_store + complete_store of 512 new blocks with free slots, and under pressure (each
      block evicts one resident block);
    - memory per resident block: the native allocator's own count (``BlockIndex.nbytes``) and the
-     growth of the process's resident set over building and filling the index;
+     growth of the process's resident set over building and filling the index, and again after
+     as many evicting stores as there are resident blocks (ARC then also holds ghost keys);
    - the garbage collector: collections and their longest pause (``gc.callbacks``) while the
      timed calls ran, Python objects the collector tracks added by the filled index
      (``gc.get_objects``), and a full ``gc.collect()`` with the index filled.
@@ -188,6 +189,14 @@ def measure(
         gc.callbacks.remove(watch)
     row.update(watch.summary())
     row["cpu_us"] = dict(zip(("lookup_2048", "store_512", "store_512_evicting"), cpu, strict=True))
+    rss = rss_bytes()
+    fill(index, key_rows(rng, resident))  # as many evicting stores as resident blocks
+    gc.collect()
+    row["rss_bytes_per_block_after_churn"] = (
+        row["rss_bytes_per_block"] + (rss_bytes() - rss) / resident
+    )
+    if hasattr(index, "nbytes"):  # ARC now also remembers ~resident evicted keys (ghosts)
+        row["bytes_per_block_after_churn"] = index.nbytes() / resident
     row["lookup_us_per_block"] = row["lookup_2048_us"] / LOOKUP_BLOCKS
     row["store_us_per_block"] = row["store_512_us"] / STORE_BLOCKS
     gc.collect()
@@ -222,7 +231,7 @@ def print_rows(rows: list[dict[str, Any]], api: dict[str, Any]) -> None:
 
     table = Table(title="store index (median µs per call; bytes per resident block)")
     cols = ("policy", "resident", "lookup 2048", "µs/block", "store 512", "evicting", "bytes")
-    for c in (*cols, "RSS", "GC pauses"):
+    for c in (*cols, "churned", "RSS", "GC pauses"):
         table.add_column(c, justify="left" if c == "policy" else "right")
     for r in rows:
         table.add_row(
@@ -233,6 +242,7 @@ def print_rows(rows: list[dict[str, Any]], api: dict[str, Any]) -> None:
             f"{r['store_512_us']:.1f}",
             f"{r['store_512_evicting_us']:.1f}",
             f"{r['bytes_per_block']:.1f}",
+            f"{r.get('bytes_per_block_after_churn', r['rss_bytes_per_block_after_churn']):.1f}",
             f"{r['rss_bytes_per_block']:.1f}",
             f"{r['gc_collections']} (max {r['gc_max_pause_us']:.0f} µs)",
         )
