@@ -112,7 +112,7 @@ class BlockIndex:
 
     def lookup(self, keys: Keys) -> int:
         """Number of leading ``keys`` that are READABLE. Counts hits and misses in ``stats``."""
-        n, total = self._ix.lookup(keys)
+        n, total = self._ix.lookup(_sequence(keys))
         self.stats.lookups += 1
         self.stats.hits += n
         self.stats.misses += total - n
@@ -222,7 +222,7 @@ class BlockIndex:
         """Evict up to ``n`` unpinned READABLE blocks in policy order; returns their keys."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"evict: expected a block count >= 0, got {n!r}")
-        victims: list[BlockKey] = self._ix.evict(n)
+        victims: list[BlockKey] = self._ix.evict(min(n, self.num_slots))
         self.stats.evictions += len(victims)
         return victims
 
@@ -277,7 +277,9 @@ class BlockIndex:
 def _sequence(keys: Iterable[BlockKey] | np.ndarray) -> Keys:
     """``keys`` as the native index takes them without a Python loop: lists, tuples and arrays
     as they are, any other iterable as a list."""
-    if isinstance(keys, (list, tuple, np.ndarray)):
+    if isinstance(keys, np.ndarray):
+        return np.ascontiguousarray(keys)  # the native index reads rows in place
+    if isinstance(keys, (list, tuple)):
         return keys
     return list(keys)
 

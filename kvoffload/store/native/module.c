@@ -310,43 +310,87 @@ static PyObject *index_nbytes(IndexObject *self, PyObject *noargs) {
     return PyLong_FromSize_t(ix_nbytes(&self->ix));
 }
 
-static PyObject *slot_keys(const ix_index *ix, const ix_list *l) {
-    PyObject *out = PyList_New(0);
-    for (uint32_t s = l ? l->head : IX_NIL; out != NULL && s != IX_NIL; s = ix->pol.links[s].next) {
-        const ix_entry *e = &ix->e[s];
-        PyObject *k = stored_key(e->b, e->tag, ix->full ? ix->full[s] : NULL);
-        if (k == NULL || PyList_Append(out, k) < 0) Py_CLEAR(out);
-        Py_XDECREF(k);
+/* Keys copied out of a policy list before any Python object is made (making one may run the
+ * collector, and with it another thread that changes the index). */
+typedef struct {
+    ix_key *keys;
+    uint8_t **full; /* long keys' bytes (8-byte length first), copied; NULL for the others */
+    int64_t n;
+} snapshot;
+
+static int snap(const ix_index *ix, const ix_list *l, int ghosts, snapshot *out) {
+    const ix_policy *pol = &ix->pol;
+    int64_t cap = l ? (int64_t)l->len : 0;
+    out->n = 0;
+    out->keys = malloc((size_t)(cap ? cap : 1) * sizeof *out->keys);
+    out->full = calloc((size_t)(cap ? cap : 1), sizeof *out->full);
+    if (out->keys == NULL || out->full == NULL) return -1;
+    const ix_link *links = ghosts ? pol->glinks : pol->links;
+    for (uint32_t id = l ? l->head : IX_NIL; id != IX_NIL && out->n < cap; id = links[id].next) {
+        ix_key *k = &out->keys[out->n];
+        const uint8_t *b = ghosts ? pol->ghosts[id].b : ix->e[id].b;
+        k->tag = ghosts ? pol->ghosts[id].tag : ix->e[id].tag;
+        memcpy(k->b, b, IX_KEY_BYTES);
+        const uint8_t *full = !ghosts && ix->full ? ix->full[id] : NULL;
+        if (full != NULL) {
+            uint64_t len;
+            memcpy(&len, full, 8);
+            if ((out->full[out->n] = malloc(8 + len)) == NULL) return -1;
+            memcpy(out->full[out->n], full, 8 + len);
+        }
+        out->n++;
     }
-    return out;
+    return 0;
 }
 
-static PyObject *ghost_keys(const ix_policy *pol, const ix_list *l) {
-    PyObject *out = PyList_New(0);
-    for (uint32_t g = l->head; out != NULL && g != IX_NIL; g = pol->glinks[g].next) {
-        const ix_ghost *gh = &pol->ghosts[g];
-        PyObject *k = gh->tag == IX_TAG_LONG ? Py_NewRef(Py_None) : stored_key(gh->b, gh->tag, NULL);
-        if (k == NULL || PyList_Append(out, k) < 0) Py_CLEAR(out);
-        Py_XDECREF(k);
+static void snap_free(snapshot *s) {
+    for (int64_t i = 0; s->full != NULL && i < s->n; i++) free(s->full[i]);
+    free(s->full);
+    free(s->keys);
+}
+
+/* The keys as a list (a ghost's long key, of which only a digest is kept, as None); frees s. */
+static PyObject *snap_list(snapshot *s) {
+    PyObject *out = PyList_New(s->n);
+    for (int64_t i = 0; out != NULL && i < s->n; i++) {
+        const ix_key *k = &s->keys[i];
+        PyObject *key = k->tag == IX_TAG_LONG && s->full[i] == NULL
+                            ? Py_NewRef(Py_None)
+                            : stored_key(k->b, k->tag, s->full[i]);
+        if (key == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, key);
     }
+    snap_free(s);
     return out;
 }
 
 /* The policy's whole state, for tests: (victim order, T1, T2, B1, B2, p); long ghosts as None. */
 static PyObject *index_policy_state(IndexObject *self, PyObject *noargs) {
     const ix_index *ix = &self->ix;
-    const ix_list *first, *second;
-    ix_policy_order(&ix->pol, &first, &second);
-    PyObject *order = slot_keys(ix, first), *rest = slot_keys(ix, second);
-    if (order != NULL && rest != NULL) {
-        Py_ssize_t n = PyList_GET_SIZE(order);
-        if (PyList_SetSlice(order, n, n, rest) < 0) Py_CLEAR(order);
+    const ix_list *lists[6];
+    ix_policy_order(&ix->pol, &lists[0], &lists[1]);
+    lists[2] = &ix->pol.t1, lists[3] = &ix->pol.t2, lists[4] = &ix->pol.b1, lists[5] = &ix->pol.b2;
+    snapshot s[6] = {{0}};
+    int failed = 0;
+    for (int i = 0; i < 6; i++) failed |= snap(ix, lists[i], i >= 4, &s[i]) < 0;
+    unsigned long long p = ix->pol.p;
+    if (failed) {
+        for (int i = 0; i < 6; i++) snap_free(&s[i]);
+        return PyErr_NoMemory();
     }
-    Py_XDECREF(rest);
-    if (order == NULL) return NULL;
-    return Py_BuildValue("(NNNNNK)", order, slot_keys(ix, &ix->pol.t1), slot_keys(ix, &ix->pol.t2),
-                         ghost_keys(&ix->pol, &ix->pol.b1), ghost_keys(&ix->pol, &ix->pol.b2),
-                         (unsigned long long)ix->pol.p);
+    PyObject *got[6];
+    for (int i = 0; i < 6; i++) got[i] = snap_list(&s[i]);
+    PyObject *order = got[0];
+    if (order != NULL && got[1] != NULL) {
+        Py_ssize_t n = PyList_GET_SIZE(order);
+        if (PyList_SetSlice(order, n, n, got[1]) < 0) Py_CLEAR(order);
+    }
+    Py_XDECREF(got[1]);
+    if (order == NULL) {
+        for (int i = 2; i < 6; i++) Py_XDECREF(got[i]);
+        return NULL;
+    }
+    return Py_BuildValue("(NNNNNK)", order, got[2], got[3], got[4], got[5], p);
 }
 
 static PyMethodDef index_methods[] = {
