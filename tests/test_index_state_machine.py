@@ -2,10 +2,10 @@
 
 ``OffloaderMachine``: 10^5 operations on the scheduler side (Offloader over the native
 BlockIndex and its Python model side by side, ``tests/index_twin.py``: every index call is made on
-both and must give the same result; LRU and ARC in turn; keys of 4, 16, 17 (negative-int form) and
-36 bytes; its jobs run by a host-backend worker whose copies fail when the test says), bad calls
-and forged results mixed in. After every step the two indexes hold the same state, key by key,
-and: every slot is exactly one of free / being written / readable; a block
+both and must give the same result; the policy, LRU or ARC, drawn first; keys of 4, 16, 17
+(negative-int form) and 36 bytes; its jobs run by a host-backend worker whose copies fail when the
+test says), bad calls and forged results mixed in. After every step the two indexes hold the
+same state, key by key, and: every slot is exactly one of free / being written / readable; a block
 being read is still readable (never evicted); a failed or cancelled store left nothing readable;
 the stats equal the model's counts; a refused call changed nothing (capacity, pins, settled-ness).
 
@@ -30,7 +30,13 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from kvoffload import KVLayout, build_local
 from kvoffload.config import OffloadConfig
@@ -47,7 +53,6 @@ KEY_FORMS = (
     lambda i: i.to_bytes(32, "big") + b"\x00\x00\x00\x01",
 )
 KEYS = [KEY_FORMS[i % 4](i) for i in range(64)]
-TURN = [0]  # LRU and ARC in turn, one machine each
 STEPS = [0]  # invariant checks run, i.e. operations executed (plus one per example)
 BAD_CALLS = [0]  # refused calls among them
 FORGED = [0]  # refused made-up results among those
@@ -77,12 +82,9 @@ class OffloaderMachine(RuleBasedStateMachine):
         super().__init__()
         self.kv = np.zeros((16, 64), np.uint8)  # kept alive: the layout holds its address
         layout = KVLayout.from_tensors([self.kv], block_size=16, block_dim=0)
-        TURN[0] += 1
-        policy = ("lru", "arc")[TURN[0] % 2]
-        config = OffloadConfig(host_capacity_blocks=SLOTS, eviction_policy=policy)
-        self.local = build_local(layout, config)
+        self.local = build_local(layout, OffloadConfig(host_capacity_blocks=SLOTS))
         self.off = self.local.offloader
-        self.twin = TwinIndex(SLOTS, self.off.slot_bytes, policy)
+        self.twin = TwinIndex(SLOTS, self.off.slot_bytes)
         self.off.index = self.twin  # type: ignore[assignment]
         self.local.worker.close()
         self.backend = FlakyBackend(layout, self.local.arena)
@@ -95,6 +97,12 @@ class OffloaderMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.local.close()
+
+    @initialize(policy=st.sampled_from(["lru", "arc"]))
+    def choose_policy(self, policy: str) -> None:
+        """The eviction policy, drawn like any other choice (nothing has been stored yet)."""
+        self.twin = TwinIndex(SLOTS, self.off.slot_bytes, policy)
+        self.off.index = self.twin  # type: ignore[assignment]
 
     def _new_req(self) -> str:
         self.req += 1
