@@ -29,7 +29,7 @@ setup(
                 INDEX + f
                 for f in (
                     *("module.c", "index.c", "check.c", "batch.c", "keys.c", "table.c"),
-                    *("lists.c", "policy.c", "lru.c", "arc.c"),
+                    *("lists.c", "policy.c", "lru.c", "arc.c", "inspect.c"),
                 )
             ],
             depends=[INDEX + "ix.h"],

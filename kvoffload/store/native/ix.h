@@ -2,8 +2,9 @@
  *
  * One owner per concept, one file each: keys.c (a key as a fixed-size value), table.c (open
  * addressing from a key's hash to an id), lists.c (intrusive doubly linked lists of ids), lru.c
- * and arc.c (eviction order), policy.c (the one switch between them), index.c (slots, states,
- * readers: the two-phase protocol), module.c (the Python binding, which only calls index.c).
+ * and arc.c (eviction order), policy.c (the one switch between them), batch.c (the distinct keys
+ * of one call), index.c (slots, states, readers: the two-phase protocol), check.c (invariants),
+ * inspect.c (the index read out), module.c (the Python binding, which only calls functions).
  * No locks: every entry point runs under the GIL and never releases it, so a call is atomic.
  * Every fallible function returns an ix_status; IX_OK is 0.
  */
@@ -192,5 +193,26 @@ void ix_touch(ix_index *ix, const ix_key *keys, int64_t n);
 ix_status ix_evict(ix_index *ix, int64_t n, ix_plan *out);
 ix_status ix_remove(ix_index *ix, const ix_key *keys, int64_t n, int all, ix_plan *out);
 const char *ix_check(const ix_index *ix); /* NULL, or what contradicts itself */
+
+/* -- inspect.c: the index read out, for the binding ---------------------------------------- */
+typedef struct {
+    int state;
+    int64_t slot; /* -1: absent */
+    uint32_t readers;
+} ix_status_of;
+
+/* Keys copied out of the index (the caller may then run code that changes it). */
+typedef struct {
+    ix_key *keys;
+    uint8_t **full; /* long keys' bytes (8-byte length first), copied; NULL for the others */
+    int64_t n;
+} ix_keylist;
+
+#define IX_POLICY_LISTS 6 /* victim order (first list, then second), T1, T2, B1, B2 */
+
+ix_status_of ix_state_of(const ix_index *ix, const ix_key *k);
+void ix_counts(const ix_index *ix, uint32_t out[4]); /* free, writing, readable, pinned */
+ix_status ix_policy_lists(const ix_index *ix, ix_keylist out[IX_POLICY_LISTS], uint64_t *p);
+void ix_keylist_free(ix_keylist *l);
 
 #endif

@@ -182,16 +182,14 @@ static PyObject *index_find(IndexObject *self, PyObject *key) {
         ix_key_set(&k, (const uint8_t *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key));
     else
         ix_key_none(&k);
-    uint32_t s = ix_find(&self->ix, &k);
-    if (s == IX_NIL) return Py_BuildValue("(iLI)", IX_FREE, -1LL, 0u);
-    const ix_entry *e = &self->ix.e[s];
-    return Py_BuildValue("(iLI)", (int)e->state, (long long)s, (unsigned)e->readers);
+    ix_status_of st = ix_state_of(&self->ix, &k);
+    return Py_BuildValue("(iLI)", st.state, (long long)st.slot, (unsigned)st.readers);
 }
 
 static PyObject *index_counts(IndexObject *self, PyObject *noargs) {
-    const ix_index *ix = &self->ix;
-    return Py_BuildValue("(IIII)", ix->num_free, ix->num_writing, ix->num_readable,
-                         ix->num_pinned);
+    uint32_t c[4];
+    ix_counts(&self->ix, c);
+    return Py_BuildValue("(IIII)", c[0], c[1], c[2], c[3]);
 }
 
 static PyObject *index_prepare_store(IndexObject *self, PyObject *obj) {
@@ -310,47 +308,8 @@ static PyObject *index_nbytes(IndexObject *self, PyObject *noargs) {
     return PyLong_FromSize_t(ix_nbytes(&self->ix));
 }
 
-/* Keys copied out of a policy list before any Python object is made (making one may run the
- * collector, and with it another thread that changes the index). */
-typedef struct {
-    ix_key *keys;
-    uint8_t **full; /* long keys' bytes (8-byte length first), copied; NULL for the others */
-    int64_t n;
-} snapshot;
-
-static int snap(const ix_index *ix, const ix_list *l, int ghosts, snapshot *out) {
-    const ix_policy *pol = &ix->pol;
-    int64_t cap = l ? (int64_t)l->len : 0;
-    out->n = 0;
-    out->keys = malloc((size_t)(cap ? cap : 1) * sizeof *out->keys);
-    out->full = calloc((size_t)(cap ? cap : 1), sizeof *out->full);
-    if (out->keys == NULL || out->full == NULL) return -1;
-    const ix_link *links = ghosts ? pol->glinks : pol->links;
-    for (uint32_t id = l ? l->head : IX_NIL; id != IX_NIL && out->n < cap; id = links[id].next) {
-        ix_key *k = &out->keys[out->n];
-        const uint8_t *b = ghosts ? pol->ghosts[id].b : ix->e[id].b;
-        k->tag = ghosts ? pol->ghosts[id].tag : ix->e[id].tag;
-        memcpy(k->b, b, IX_KEY_BYTES);
-        const uint8_t *full = !ghosts && ix->full ? ix->full[id] : NULL;
-        if (full != NULL) {
-            uint64_t len;
-            memcpy(&len, full, 8);
-            if ((out->full[out->n] = malloc(8 + len)) == NULL) return -1;
-            memcpy(out->full[out->n], full, 8 + len);
-        }
-        out->n++;
-    }
-    return 0;
-}
-
-static void snap_free(snapshot *s) {
-    for (int64_t i = 0; s->full != NULL && i < s->n; i++) free(s->full[i]);
-    free(s->full);
-    free(s->keys);
-}
-
 /* The keys as a list (a ghost's long key, of which only a digest is kept, as None); frees s. */
-static PyObject *snap_list(snapshot *s) {
+static PyObject *snap_list(ix_keylist *s) {
     PyObject *out = PyList_New(s->n);
     for (int64_t i = 0; out != NULL && i < s->n; i++) {
         const ix_key *k = &s->keys[i];
@@ -360,26 +319,17 @@ static PyObject *snap_list(snapshot *s) {
         if (key == NULL) Py_CLEAR(out);
         else PyList_SET_ITEM(out, i, key);
     }
-    snap_free(s);
+    ix_keylist_free(s);
     return out;
 }
 
 /* The policy's whole state, for tests: (victim order, T1, T2, B1, B2, p); long ghosts as None. */
 static PyObject *index_policy_state(IndexObject *self, PyObject *noargs) {
-    const ix_index *ix = &self->ix;
-    const ix_list *lists[6];
-    ix_policy_order(&ix->pol, &lists[0], &lists[1]);
-    lists[2] = &ix->pol.t1, lists[3] = &ix->pol.t2, lists[4] = &ix->pol.b1, lists[5] = &ix->pol.b2;
-    snapshot s[6] = {{0}};
-    int failed = 0;
-    for (int i = 0; i < 6; i++) failed |= snap(ix, lists[i], i >= 4, &s[i]) < 0;
-    unsigned long long p = ix->pol.p;
-    if (failed) {
-        for (int i = 0; i < 6; i++) snap_free(&s[i]);
-        return PyErr_NoMemory();
-    }
-    PyObject *got[6];
-    for (int i = 0; i < 6; i++) got[i] = snap_list(&s[i]);
+    ix_keylist s[IX_POLICY_LISTS];
+    uint64_t p;
+    if (ix_policy_lists(&self->ix, s, &p) != IX_OK) return PyErr_NoMemory();
+    PyObject *got[IX_POLICY_LISTS];
+    for (int i = 0; i < IX_POLICY_LISTS; i++) got[i] = snap_list(&s[i]);
     PyObject *order = got[0];
     if (order != NULL && got[1] != NULL) {
         Py_ssize_t n = PyList_GET_SIZE(order);
@@ -387,10 +337,11 @@ static PyObject *index_policy_state(IndexObject *self, PyObject *noargs) {
     }
     Py_XDECREF(got[1]);
     if (order == NULL) {
-        for (int i = 2; i < 6; i++) Py_XDECREF(got[i]);
+        for (int i = 2; i < IX_POLICY_LISTS; i++) Py_XDECREF(got[i]);
         return NULL;
     }
-    return Py_BuildValue("(NNNNNK)", order, got[2], got[3], got[4], got[5], p);
+    return Py_BuildValue("(NNNNNK)", order, got[2], got[3], got[4], got[5],
+                         (unsigned long long)p);
 }
 
 static PyMethodDef index_methods[] = {
