@@ -3,7 +3,9 @@ engine") and the native block index (kvoffload/store/index.py).
 
 Plain C11 with pthreads and the Python C API; no CUDA toolkit: the driver's entry points are
 resolved from libcuda.so.1 at run time. ``optional=True``: where no C compiler exists the install
-still succeeds and the ``staged`` backend runs its Python path (``kvoffload doctor`` says so).
+still succeeds, the ``staged`` backend runs its Python path, and building a ``BlockIndex`` (every
+Offloader does) raises ImportError saying how to get the extension (a wheel carries both;
+``kvoffload doctor`` names what is missing).
 """
 
 from setuptools import Extension, setup
