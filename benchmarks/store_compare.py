@@ -60,7 +60,7 @@ def main() -> int:
         for pol in ("lru", "arc")
         for n in args.model_resident
     ]
-    model_api = measure_api(API_BLOCKS, args.reps, ModelIndex)
+    model_api = measure_api(API_BLOCKS, args.reps, ModelIndex, kinds=("list",))
     console.print("Python model (the index before this change)")
     print_rows(model_rows, model_api)
     data["reference"]["load_average_after"] = os.getloadavg()

@@ -55,7 +55,8 @@ def test_an_array_of_keys_is_the_list_of_its_rows():
     as_list = [bytes(r) for r in arr]
     a, b = BlockIndex(32, 1, "arc"), BlockIndex(32, 1, "arc")
     pa, pb = a.prepare_store(arr), b.prepare_store(as_list)
-    assert pa.keys == pb.keys == as_list[:32] and np.array_equal(pa.slots, pb.slots)
+    assert isinstance(pa.keys, np.ndarray) and np.array_equal(pa.keys, arr[:32])  # its rows
+    assert pb.keys == as_list[:32] and np.array_equal(pa.slots, pb.slots)
     a.complete_store(arr[:32])
     b.complete_store(as_list[:32])
     assert a.lookup(arr) == b.lookup(as_list) == 32

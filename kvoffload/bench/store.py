@@ -132,7 +132,7 @@ def fill(index: Any, rows: np.ndarray) -> None:
     for i in range(0, len(rows), FILL_BATCH):
         batch = rows[i : i + FILL_BATCH] if native else key_list(rows[i : i + FILL_BATCH])
         plan = index.prepare_store(batch)
-        index.complete_store(batch[plan.positions] if native else plan.keys)
+        index.complete_store(plan.keys)
 
 
 def _store(index: Any, keys: list[bytes]) -> None:
@@ -157,6 +157,7 @@ def measure(
     del rows
     if hasattr(index, "nbytes"):  # the native index's own count (its capacity: + spare slots)
         row["native_bytes_per_block"] = index.nbytes() / resident
+        row["native_bytes_per_slot"] = index.nbytes() / (resident + spare)
     row["bytes_per_block"] = row.get("native_bytes_per_block", row["rss_bytes_per_block"])
     row["gc_tracked_objects_added"] = len(gc.get_objects()) - objects
     t0 = time.perf_counter()

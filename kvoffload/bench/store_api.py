@@ -44,7 +44,10 @@ def _keys(rng: np.random.Generator, n: int, kind: str) -> Any:
 
 
 def measure_api(
-    blocks: Sequence[int], reps: int, make_index: Callable[[int, int, str], Any] | None = None
+    blocks: Sequence[int],
+    reps: int,
+    make_index: Callable[[int, int, str], Any] | None = None,
+    kinds: Sequence[str] = ("list", "array"),
 ) -> dict[str, Any]:
     """The costs above; ``make_index(num_slots, slot_bytes, policy)`` puts another index with
     ``BlockIndex``'s API under the Offloader (the Python model, for the ratio)."""
@@ -62,7 +65,7 @@ def measure_api(
     out: dict[str, Any] = {"blocks": list(blocks), "block_bytes": BLOCK_BYTES, "phases_us": {}}
     out["total_us"], out["total_cpu_us"], out["lookup_us"], out["fits"] = {}, {}, {}, {}
     try:
-        for kind in ("list", "array"):
+        for kind in kinds:
             for n in blocks:
                 ids: Any = np.arange(n, dtype=np.int64) if kind == "array" else list(range(n))
                 stored = [_keys(rng, n, kind) for _ in range(reps + 1)]

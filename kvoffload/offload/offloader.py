@@ -158,12 +158,11 @@ class Offloader:
             plan = self.index.prepare_store(keys)
             if self.lower is not None:
                 self.lower.evicted(plan.evicted)
-            if not plan.keys:
+            if not len(plan.keys):
                 return None
             chosen = blocks_arr[plan.positions]
             spec = TransferSpec("store", chosen, plan.slots, group)
-            new = keys[plan.positions] if isinstance(keys, np.ndarray) else plan.keys
-            return self._job(req_id, "store", new, spec)
+            return self._job(req_id, "store", plan.keys, spec)
 
     def touch(self, keys: Iterable[BlockKey] | KeyArray) -> None:
         """Mark held ``keys`` as just used (e.g. blocks the engine's GPU cache keeps hitting, so

@@ -74,7 +74,7 @@ def _no_positions() -> np.ndarray:
 class StorePlan:
     """What ``prepare_store`` decided: write ``keys`` into ``slots`` (same order)."""
 
-    keys: list[BlockKey]
+    keys: list[BlockKey] | np.ndarray  # an array's rows where the keys came as an array
     slots: np.ndarray  # int64, one per key
     evicted: list[BlockKey] = field(default_factory=list)
     skipped_present: int = 0  # keys already WRITING or READABLE
@@ -159,7 +159,17 @@ class BlockIndex:
         except self._refused as refusal:
             raise self._refusal("prepare_store", keys, refusal) from None
         self.stats.evictions += len(evicted)
-        return StorePlan(new, _ids(slots), evicted, present, full, _ids(pos))
+        positions = _ids(pos)
+        if new is None:  # the keys came as an array: the plan's keys are its rows
+            return StorePlan(
+                np.asarray(keys).reshape(-1, 16)[positions],
+                _ids(slots),
+                evicted,
+                present,
+                full,
+                positions,
+            )
+        return StorePlan(new, _ids(slots), evicted, present, full, positions)
 
     def complete_store(self, keys: Iterable[BlockKey] | np.ndarray, success: bool = True) -> None:
         keys = _sequence(keys)

@@ -202,8 +202,10 @@ static PyObject *index_prepare_store(IndexObject *self, PyObject *obj) {
     if (st != IX_OK) {
         fail(st, &why);
     } else {
-        PyObject *keys = PyList_New(plan.n);
-        for (int64_t j = 0; keys != NULL && j < plan.n; j++) {
+        /* a list of the caller's own key objects; None for a buffer (its rows at ``positions``
+         * are the keys: no bytes object is made per key) */
+        PyObject *keys = c.seq != NULL ? PyList_New(plan.n) : Py_NewRef(Py_None);
+        for (int64_t j = 0; c.seq != NULL && keys != NULL && j < plan.n; j++) {
             PyObject *k = key_at(&c, plan.pos[j]);
             if (k == NULL) Py_CLEAR(keys);
             else PyList_SET_ITEM(keys, j, k);
@@ -349,7 +351,7 @@ static PyMethodDef index_methods[] = {
     {"find", (PyCFunction)index_find, METH_O, "(state, slot or -1, readers) of one key"},
     {"counts", (PyCFunction)index_counts, METH_NOARGS, "(free, writing, readable, pinned)"},
     {"prepare_store", (PyCFunction)index_prepare_store, METH_O,
-     "(keys, positions, slots, evicted, skipped_present, skipped_full)"},
+     "(keys or None for a buffer, positions, slots, evicted, skipped_present, skipped_full)"},
     {"complete_store", (PyCFunction)index_complete_store, METH_VARARGS, "(keys, success): keys"},
     {"prepare_load", (PyCFunction)index_prepare_load, METH_O, "add a reader, touch; slots"},
     {"pin", (PyCFunction)index_pin, METH_O, "add a reader; slots"},
