@@ -85,8 +85,8 @@ class ModelIndex:
     def prepare_store(self, keys: Sequence[BlockKey]) -> StorePlan:
         """Reserve slots for the keys not yet present (see the module docstring)."""
         _check_unique(keys, "prepare_store")
-        present = self._readable.keys() | self._writing.keys()
-        positions = [i for i, k in enumerate(keys) if k not in present]
+        readable, writing = self._readable, self._writing
+        positions = [i for i, k in enumerate(keys) if k not in readable and k not in writing]
         new = [keys[i] for i in positions]
         evicted: list[BlockKey] = []
         if len(new) > self._num_free:  # never evict a block of this same call
