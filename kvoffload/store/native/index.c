@@ -50,7 +50,15 @@ ix_status ix_init(ix_index *ix, uint32_t num_slots, int policy) {
     for (uint32_t i = 0; i < num_slots; i++) ix->free[i] = num_slots - 1 - i; /* pops 0 first */
     ix->num_free = num_slots;
     ix_status st = ix_table_init(&ix->table, num_slots);
-    return st != IX_OK ? st : ix_policy_init(&ix->pol, policy, num_slots);
+    if (st == IX_OK) st = ix_policy_init(&ix->pol, policy, num_slots);
+    if (st != IX_OK) return st;
+    /* Fault every page in now, not on the scheduler's first stores into it: measured on the
+     * 2-core CI VM, prepare_store of 512 new keys into pages never touched took 136 us against
+     * 49 us once they were (the memory is the index's size either way). */
+    memset(ix->e, 0, (size_t)num_slots * sizeof *ix->e);
+    memset(ix->table.b, 0, ix_table_nbytes(&ix->table));
+    memset(ix->pol.links, 0, (size_t)num_slots * sizeof *ix->pol.links);
+    return IX_OK;
 }
 
 void ix_free(ix_index *ix) {
