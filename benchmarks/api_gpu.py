@@ -82,12 +82,13 @@ def shape(model: str, layout: str, device: str) -> list[dict[str, Any]]:
     counts = COUNTS if device != "cpu" else (1, 37, 100)  # a CPU smoke run stays small
     pool = 2 * max(counts) + 8
     gen = torch.Generator().manual_seed(0)
+    dtype = torch.int8 if MODELS[model].dtype_bytes == 1 else torch.int16  # the model's bytes
     tensors, block_dim = engine_tensors(
         MODELS[model],
         layout,
         pool,
         16,
-        lambda s: torch.randint(-100, 100, s, dtype=torch.int8, generator=gen).to(device),
+        lambda s: torch.randint(-100, 100, s, dtype=dtype, generator=gen).to(device),
     )
     kv = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
     backend = "host" if device == "cpu" else "staged"
