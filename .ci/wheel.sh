@@ -38,7 +38,8 @@ work=$(mktemp -d)
 cp -r tests docs dashboards pyproject.toml "$work"/
 cd "$work"
 "$repo/.venv-wheel/bin/python" -c "import kvoffload, kvoffload.transfer.cuda.extension as n; \
-print('installed:', kvoffload.__file__); print('native core:', n.module() or n.unavailable())"
+print('installed:', kvoffload.__file__); print('native core:', n.module() or n.unavailable()); \
+from kvoffload.doctor import block_index; print('native index:', block_index())"
 KVOFFLOAD_REQUIRE_NATIVE=1 CI="${CI:-1}" "$repo/.venv-wheel/bin/python" -m pytest -q \
   -p no:cacheprovider --ignore=tests/test_structure.py --ignore=tests/test_release.py \
   --ignore=tests/test_figures.py

@@ -2,9 +2,10 @@
 
 Prints the GPU, the CUDA driver version, whether ``cuMemcpyBatchAsync`` resolved (else the
 ``cuMemcpyAsync`` fallback is used), Triton's and cuda-python's status, the calibration table in
-use, which path the ``staged`` backend runs (the native core or Python, and why), the link
-GB/s measured now (contiguous pinned copies after a warm-up), and where a host arena lands: the
-NUMA node chosen for GPU 0 (or why none) and the nodes of a probe arena's pages, read back.
+use, which path the ``staged`` backend runs (the native core or ``dma``, and why), whether the
+native block index is built, the link GB/s measured now (contiguous pinned copies after a
+warm-up), and where a host arena lands: the NUMA node chosen for GPU 0 (or why none) and the
+nodes of a probe arena's pages, read back.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         except ImportError as err:
             out[key] = f"unavailable ({err})"
     out["staged_enqueue"] = staged_enqueue()
+    out["block_index"] = block_index()
     if not cuda_available():
         out["gpu"] = "none (CUDA not available): the host backend is used"
         out["numa"] = numa_line(args.numa_node, "cpu")
@@ -110,6 +112,16 @@ def staged_enqueue() -> str:
         f"native core ({module.__file__}, built at install; readiness on the GPU: stream "
         "memory operations)"
     )
+
+
+def block_index() -> str:
+    """Whether the native block index (the compiled extension every Offloader needs) is there."""
+    from kvoffload.store.index import native_index
+
+    try:
+        return f"native ({native_index().__file__}, built at install)"
+    except ImportError as err:
+        return f"missing: {err}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,8 +1,11 @@
 """Random operations on the engine-neutral API against a model, in three variants.
 
-``OffloaderMachine``: 10^5 operations on the scheduler side (Offloader over BlockIndex; its jobs
-run by a host-backend worker whose copies fail when the test says), bad calls and forged results
-mixed in. After every step: every slot is exactly one of free / being written / readable; a block
+``OffloaderMachine``: 10^5 operations on the scheduler side (Offloader over the native
+BlockIndex and its Python model side by side, ``tests/index_twin.py``: every index call is made on
+both and must give the same result; the policy, LRU or ARC, drawn first; keys of 4, 16, 17
+(negative-int form) and 36 bytes; its jobs run by a host-backend worker whose copies fail when the
+test says), bad calls and forged results mixed in. After every step the two indexes hold the
+same state, key by key, and: every slot is exactly one of free / being written / readable; a block
 being read is still readable (never evicted); a failed or cancelled store left nothing readable;
 the stats equal the model's counts; a refused call changed nothing (capacity, pins, settled-ness).
 
@@ -27,15 +30,29 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from kvoffload import KVLayout, build_local
 from kvoffload.config import OffloadConfig
 from kvoffload.offload import JobResult, LocalOffload, TransferJob, TransferWorker
 from kvoffload.transfer.host import FuturePending, HostBackend
+from tests.index_twin import TwinIndex
 
 SLOTS = 24
-KEYS = [i.to_bytes(4, "big") for i in range(64)]
+# Every form the native index keeps: short (4 bytes, padded), 16 bytes, b"-" + 16, long (digest).
+KEY_FORMS = (
+    lambda i: i.to_bytes(4, "big"),
+    lambda i: i.to_bytes(16, "big"),
+    lambda i: b"-" + i.to_bytes(16, "big"),
+    lambda i: i.to_bytes(32, "big") + b"\x00\x00\x00\x01",
+)
+KEYS = [KEY_FORMS[i % 4](i) for i in range(64)]
 STEPS = [0]  # invariant checks run, i.e. operations executed (plus one per example)
 BAD_CALLS = [0]  # refused calls among them
 FORGED = [0]  # refused made-up results among those
@@ -67,6 +84,8 @@ class OffloaderMachine(RuleBasedStateMachine):
         layout = KVLayout.from_tensors([self.kv], block_size=16, block_dim=0)
         self.local = build_local(layout, OffloadConfig(host_capacity_blocks=SLOTS))
         self.off = self.local.offloader
+        self.twin = TwinIndex(SLOTS, self.off.slot_bytes)
+        self.off.index = self.twin  # type: ignore[assignment]
         self.local.worker.close()
         self.backend = FlakyBackend(layout, self.local.arena)
         self.worker = self.local.worker = TransferWorker(self.backend, self.off)
@@ -78,6 +97,12 @@ class OffloaderMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.local.close()
+
+    @initialize(policy=st.sampled_from(["lru", "arc"]))
+    def choose_policy(self, policy: str) -> None:
+        """The eviction policy, drawn like any other choice (nothing has been stored yet)."""
+        self.twin = TwinIndex(SLOTS, self.off.slot_bytes, policy)
+        self.off.index = self.twin  # type: ignore[assignment]
 
     def _new_req(self) -> str:
         self.req += 1
@@ -238,6 +263,7 @@ class OffloaderMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         ix = self.off.index
         ix.check_invariants()
+        self.twin.assert_same(KEYS)
         assert self._readable_now() == self.readable
         assert self._pinned() <= self.readable, "a block being read is not readable"
         writing = {k for j in self.jobs.values() if j.direction == "store" for k in j.keys}

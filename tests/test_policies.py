@@ -1,6 +1,6 @@
 import pytest
 
-from kvoffload.store.policies import ARCPolicy, LRUPolicy, make_policy
+from tests.policy_model import ARCPolicy, LRUPolicy, make_policy
 
 
 def k(i: int) -> bytes:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvoffload.store.index import READABLE, BlockIndex
-from kvoffload.store.keys import BlockKey
+from kvoffload.store.keys import BlockKey, KeyArray, key_list
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -27,10 +27,11 @@ def check_block_ids(raw: np.ndarray, where: str) -> None:
 
 
 def not_held(
-    index: BlockIndex, keys: Sequence[BlockKey], where: str, refused: ValueError
+    index: BlockIndex, keys: Sequence[BlockKey] | KeyArray, where: str, refused: ValueError
 ) -> ValueError:
     """The refusal of a load asking for ``keys`` of which some are not held on host (never
     stored, evicted, or still being stored); the index's own ``refused`` for anything else."""
+    keys = key_list(keys)
     absent = [i for i, key in enumerate(keys) if index.state(key) != READABLE]
     if not absent:
         return ValueError(f"{where}: {refused}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvoffload.store.keys import BlockKey
 from kvoffload.transfer.spec import Direction, TransferSpec
 
@@ -13,7 +15,9 @@ class TransferJob:
     job_id: int  # increasing per Offloader
     req_id: str
     direction: Direction
-    keys: tuple[BlockKey, ...]  # one per block, in spec order
+    # one per block, in spec order: bytes, or the rows of a read-only (n, 16) uint8 array where the
+    # keys were given as one (Offloader.schedule_*)
+    keys: tuple[BlockKey, ...] | np.ndarray
     specs: tuple[TransferSpec, ...]
     nbytes: int
     owner: str = ""  # the token of the Offloader that made it (``Offloader.token``)

@@ -256,9 +256,8 @@ class LowerTiers:
             self._write(name, batch)
 
     def _write(self, name: str, keys: list[BlockKey]) -> None:
-        self.index.pin(keys)  # raises unless every key is READABLE: each has a slot
-        slots = [self.index.slot_of(k) for k in keys]
-        self._submit("write", name, keys, [s for s in slots if s is not None])
+        slots = self.index.pin(keys)  # raises unless every key is READABLE: each has a slot
+        self._submit("write", name, keys, slots.tolist())
         self.stats.writes += len(keys)
 
     def _submit(self, kind: OpKind, tier: str, keys: list[BlockKey], slots: list[int]) -> int:

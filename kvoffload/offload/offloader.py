@@ -50,7 +50,7 @@ from kvoffload.offload.load_rule import LoadRule
 from kvoffload.offload.lower import LowerTiers, TierLookup
 from kvoffload.offload.tiers import TierMover
 from kvoffload.store.index import BlockIndex
-from kvoffload.store.keys import BlockKey, checked_keys
+from kvoffload.store.keys import BlockKey, KeyArray, checked_keys, key_list
 from kvoffload.transfer.spec import Direction, TransferSpec, check_engine_blocks
 
 _REFUSED = {
@@ -115,14 +115,18 @@ class Offloader:
     def closed(self) -> bool:
         return self._closed
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
+    def lookup(self, keys: Sequence[BlockKey] | KeyArray) -> int:
         """How many leading ``keys`` are held on host, ready to load."""
         with self._lock:
             self._check_open("lookup")
             return self.index.lookup(checked_keys(keys, "lookup"))
 
     def schedule_load(
-        self, req_id: str, keys: Sequence[BlockKey], blocks: Sequence[int], group: int = 0
+        self,
+        req_id: str,
+        keys: Sequence[BlockKey] | KeyArray,
+        blocks: Sequence[int] | np.ndarray,
+        group: int = 0,
     ) -> TransferJob:
         """Pin held ``keys`` and describe their copy into engine ``blocks`` (same order, distinct).
 
@@ -140,7 +144,11 @@ class Offloader:
             return self._job(req_id, "load", keys, TransferSpec("load", blocks_arr, slots, group))
 
     def schedule_store(
-        self, req_id: str, keys: Sequence[BlockKey], blocks: Sequence[int], group: int = 0
+        self,
+        req_id: str,
+        keys: Sequence[BlockKey] | KeyArray,
+        blocks: Sequence[int] | np.ndarray,
+        group: int = 0,
     ) -> TransferJob | None:
         """Reserve slots for the ``keys`` not held yet; None when there is nothing to store.
 
@@ -155,14 +163,13 @@ class Offloader:
             plan = self.index.prepare_store(keys)
             if self.lower is not None:
                 self.lower.evicted(plan.evicted)
-            if not plan.keys:
+            if not len(plan.keys):
                 return None
-            position = {k: i for i, k in enumerate(keys)}
-            chosen = blocks_arr[[position[k] for k in plan.keys]]
+            chosen = blocks_arr[plan.positions]
             spec = TransferSpec("store", chosen, plan.slots, group)
             return self._job(req_id, "store", plan.keys, spec)
 
-    def touch(self, keys: Iterable[BlockKey]) -> None:
+    def touch(self, keys: Iterable[BlockKey] | KeyArray) -> None:
         """Mark held ``keys`` as just used (e.g. blocks the engine's GPU cache keeps hitting, so
         the host copy of a hot system prompt is not the first evicted). Unknown keys are ignored."""
         with self._lock:
@@ -186,7 +193,8 @@ class Offloader:
             refused: dict[str, list[object]] = {why: [] for why in _REFUSED}
             # a late load's timeout first, when its end comes in the same call
             items: list[object] = list(results)
-            items.sort(key=lambda r: not isinstance(r, JobResult) or r.final)
+            if len(items) > 1:
+                items.sort(key=lambda r: not isinstance(r, JobResult) or r.final)
             for result in items:
                 if not isinstance(result, JobResult):
                     refused["unknown"].append(result)
@@ -262,7 +270,7 @@ class Offloader:
             if self.lower is not None:
                 self.lower.rule.prefill(tokens, seconds)
 
-    def lookup_tiers(self, keys: Sequence[BlockKey]) -> TierLookup:
+    def lookup_tiers(self, keys: Sequence[BlockKey] | KeyArray) -> TierLookup:
         """Like ``lookup``, and also start bringing up the next blocks a lower tier holds.
 
         ``ready`` leading keys are on host now (as ``lookup`` returns); ``pending`` more after
@@ -274,7 +282,7 @@ class Offloader:
             keys = checked_keys(keys, "lookup_tiers")
             if self.lower is None:
                 return TierLookup(self.index.lookup(keys), 0, False)
-            return self.lower.lookup(keys)
+            return self.lower.lookup(key_list(keys))
 
     def poll_tiers(self) -> None:
         """Apply finished lower-tier reads and writes (``complete`` and ``lookup_tiers`` do too)."""
@@ -331,8 +339,8 @@ class Offloader:
     def _engine_blocks(
         self,
         req_id: str,
-        keys: list[BlockKey],
-        blocks: Sequence[int],
+        keys: Sequence[BlockKey] | KeyArray,
+        blocks: Sequence[int] | np.ndarray,
         group: int,
         direction: Direction,
     ) -> np.ndarray:
@@ -362,15 +370,21 @@ class Offloader:
         return arr
 
     def _job(
-        self, req_id: str, direction: Direction, keys: Sequence[BlockKey], spec: TransferSpec
+        self,
+        req_id: str,
+        direction: Direction,
+        keys: Sequence[BlockKey] | KeyArray,
+        spec: TransferSpec,
     ) -> TransferJob:
         spec.blocks.flags.writeable = False  # a job is data that cannot change once checked
         spec.slots.flags.writeable = False
+        if isinstance(keys, np.ndarray):
+            keys.flags.writeable = False
         job = TransferJob(
             next(self._ids),
             req_id,
             direction,
-            tuple(keys),
+            keys if isinstance(keys, np.ndarray) else tuple(keys),
             (spec,),
             len(keys) * self.slot_bytes,
             self.token,
@@ -384,6 +398,6 @@ class Offloader:
         if job.direction == "store":
             self.index.complete_store(job.keys, ok)
             if ok and self.lower is not None and not self._closed:
-                self.lower.stored(job.keys)
+                self.lower.stored(key_list(job.keys))
         else:
             self.index.complete_load(job.keys, ok)

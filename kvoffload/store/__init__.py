@@ -3,7 +3,7 @@
 from kvoffload.store.arena import HostArena, slots_for_capacity
 from kvoffload.store.index import FREE, READABLE, WRITING, BlockIndex, StorePlan
 from kvoffload.store.keys import BlockKey, as_block_key, as_block_keys, prefix_block_keys
-from kvoffload.store.policies import POLICIES, EvictionPolicy, make_policy
+from kvoffload.store.policies import POLICIES
 from kvoffload.store.stats import StoreStats
 
 __all__ = [
@@ -13,13 +13,11 @@ __all__ = [
     "WRITING",
     "BlockIndex",
     "BlockKey",
-    "EvictionPolicy",
     "HostArena",
     "StorePlan",
     "StoreStats",
     "as_block_key",
     "as_block_keys",
-    "make_policy",
     "prefix_block_keys",
     "slots_for_capacity",
 ]

@@ -19,193 +19,212 @@ Lifecycle of a block (the one place it is written down)::
   ``unpin``) is never evicted. ``pin`` is for copies out of a host slot that are not engine loads
   (a lower tier writing the block down): it counts no load and does not touch the policy.
 - A failed store (``complete_store(success=False)``) leaves nothing readable and frees its slots.
+- ``reset`` drops the unpinned READABLE blocks in the policy's victim order.
 
-The index deals in keys and integer slot ids only: no bytes, no torch. It is single-threaded: the
-scheduler that owns it calls it from one thread (the ``Offloader`` holds its lock around every
-call). Keys are non-empty ``bytes``: the caller's boundary checks that once (``Offloader`` through
-``checked_keys``), the index does not again. Every call that refuses its input (a key in the
-wrong state, a repeated key, a bad count) raises ValueError before it changes anything.
+The per-block work is native (``kvoffload/store/native/``, the extension
+``kvoffload.store._index``): keys are held as fixed-size values (16 bytes and a tag; the 17-byte
+negative-int form of ``keys.py`` too; any other length by a digest, with its bytes kept and
+compared on a match), the index is an open-addressing table, the eviction policies
+(``policies.py``: LRU, ARC) are lists threaded through per-slot arrays. No Python object is kept
+per block, so a host of millions of blocks costs tens of bytes each and gives the garbage
+collector nothing to walk. Every call here does O(1) Python work whatever the number of keys:
+keys come as a list or tuple of ``bytes`` (any other iterable is made a list), or as a
+C-contiguous uint8 array of shape (n, 16) (one 16-byte key per row); slots come back as int64
+arrays. A Python model of the same index is the test oracle (``tests/index_model.py``); there is
+no Python fallback in the library: where the extension was not built, ``BlockIndex`` raises
+ImportError saying so (wheels carry it).
+
+The index deals in keys and integer slot ids only: no bytes, no torch. Calls are atomic (the
+native index runs under the GIL and never releases it), but the scheduler that owns it calls it
+from one thread or under its lock (the ``Offloader`` holds its lock around every call). Keys are
+non-empty ``bytes``: the caller's boundary checks that (``Offloader`` through ``checked_keys``);
+``prepare_store`` refuses others, the other calls treat them as keys never stored. Every call that
+refuses its input (a key in the wrong state, a repeated key, a bad count) raises ValueError
+before it changes anything.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from kvoffload.store.keys import BlockKey
-from kvoffload.store.policies import EvictionPolicy, make_policy
+from kvoffload.store.policies import POLICIES
 from kvoffload.store.stats import StoreStats
 
+try:
+    import kvoffload.store._index as _index
+except ImportError as err:  # an install without a C compiler: say so when an index is built
+    _index = None  # type: ignore[assignment]
+    _MISSING = str(err)
+
 FREE, WRITING, READABLE = 0, 1, 2
+Keys = Sequence[BlockKey] | np.ndarray
+PolicyState = tuple[list[bytes], list[bytes], list[bytes], list[Any], list[Any], int]
+
+
+def _no_positions() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
 class StorePlan:
     """What ``prepare_store`` decided: write ``keys`` into ``slots`` (same order)."""
 
-    keys: list[BlockKey]
+    keys: list[BlockKey] | np.ndarray  # an array's rows where the keys came as an array
     slots: np.ndarray  # int64, one per key
     evicted: list[BlockKey] = field(default_factory=list)
     skipped_present: int = 0  # keys already WRITING or READABLE
     skipped_full: int = 0  # keys that found no slot
+    positions: np.ndarray = field(default_factory=_no_positions)  # of ``keys`` in the call's keys
+
+
+def native_index() -> Any:
+    """The extension module; ImportError, saying how to get it, where it was not built."""
+    if _index is None:
+        raise ImportError(
+            f"kvoffload's native block index is not built ({_MISSING}); install a kvoffload "
+            "wheel, or reinstall with a C compiler present (gcc or clang)"
+        )
+    return _index
 
 
 class BlockIndex:
-    def __init__(self, num_slots: int, slot_bytes: int, policy: str | EvictionPolicy = "lru"):
-        if num_slots <= 0:
+    def __init__(self, num_slots: int, slot_bytes: int, policy: str = "lru"):
+        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots <= 0:
             raise ValueError(f"expected num_slots > 0, got {num_slots}")
+        if policy not in POLICIES:
+            raise ValueError(f"expected an eviction policy in {sorted(POLICIES)}, got {policy!r}")
+        native = native_index()
+        if num_slots > native.MAX_SLOTS:
+            raise ValueError(f"expected num_slots <= {native.MAX_SLOTS}, got {num_slots}")
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self.policy = make_policy(policy, num_slots) if isinstance(policy, str) else policy
+        self.policy = policy
         self.stats = StoreStats()
-        self._readable: dict[BlockKey, int] = {}
-        self._writing: dict[BlockKey, int] = {}
-        self._readers: dict[BlockKey, int] = {}  # only keys with readers > 0
-        # Free slots as an int32 stack (4 bytes per slot instead of a list of Python ints).
-        self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int32)
-        self._num_free = num_slots
+        self._ix = native.Index(num_slots, policy)
+        self._refused = native.Refused
 
     # -- queries ------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
+    def lookup(self, keys: Keys) -> int:
         """Number of leading ``keys`` that are READABLE. Counts hits and misses in ``stats``."""
-        readable = self._readable
-        n = 0
-        for key in keys:
-            if key not in readable:
-                break
-            n += 1
+        n, total = self._ix.lookup(_sequence(keys))
         self.stats.lookups += 1
         self.stats.hits += n
-        self.stats.misses += len(keys) - n
-        return n
+        self.stats.misses += total - n
+        return int(n)
 
     def state(self, key: BlockKey) -> int:
-        if key in self._readable:
-            return READABLE
-        return WRITING if key in self._writing else FREE
+        return int(self._ix.find(key)[0])
 
     def slot_of(self, key: BlockKey) -> int | None:
-        slot = self._readable.get(key)
-        return self._writing.get(key) if slot is None else slot
+        slot = self._ix.find(key)[1]
+        return None if slot < 0 else int(slot)
 
     def readers(self, key: BlockKey) -> int:
-        return self._readers.get(key, 0)
+        return int(self._ix.find(key)[2])
 
     @property
     def num_free(self) -> int:
-        return self._num_free
-
-    @property
-    def num_readable(self) -> int:
-        return len(self._readable)
+        return int(self._ix.counts()[0])
 
     @property
     def num_writing(self) -> int:
-        return len(self._writing)
+        return int(self._ix.counts()[1])
+
+    @property
+    def num_readable(self) -> int:
+        return int(self._ix.counts()[2])
 
     @property
     def num_pinned(self) -> int:
         """READABLE blocks with readers (being loaded or copied down): not evictable now."""
-        return len(self._readers)
+        return int(self._ix.counts()[3])
+
+    def candidates(self) -> list[BlockKey]:
+        """Every READABLE key, best victim first (pinned ones included); O(n), for tools."""
+        return list(self._ix.policy_state()[0])
 
     # -- stores -------------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[BlockKey]) -> StorePlan:
+    def prepare_store(self, keys: Keys) -> StorePlan:
         """Reserve slots for the keys not yet present (see the module docstring)."""
-        _check_unique(keys, "prepare_store")
-        new = [k for k in keys if k not in self._readable and k not in self._writing]
-        evicted: list[BlockKey] = []
-        if len(new) > self._num_free:  # never evict a block of this same call
-            evicted = self._evict(len(new) - self._num_free, protect=set(keys))
-        fit = min(len(new), self._num_free)
-        new, dropped = new[:fit], len(new) - fit
-        slots = self._pop_free(fit)
-        self._writing.update(zip(new, slots.tolist(), strict=True))
-        return StorePlan(new, slots, evicted, len(keys) - len(new) - dropped, dropped)
-
-    def complete_store(self, keys: Iterable[BlockKey], success: bool = True) -> None:
-        keys = list(keys)
-        _check_unique(keys, "complete_store")
-        missing = [k for k in keys if k not in self._writing]
-        if missing:
-            raise ValueError(
-                f"complete_store: expected keys prepared for store, got {len(missing)} that are "
-                f"not being written (first: {_show(missing[0])})"
+        keys = _sequence(keys)
+        try:
+            new, pos, slots, evicted, present, full = self._ix.prepare_store(keys)
+        except self._refused as refusal:
+            raise self._refusal("prepare_store", keys, refusal) from None
+        self.stats.evictions += len(evicted)
+        positions = _ids(pos)
+        if new is None:  # the keys came as an array: the plan's keys are its rows
+            return StorePlan(
+                np.asarray(keys).reshape(-1, 16)[positions],
+                _ids(slots),
+                evicted,
+                present,
+                full,
+                positions,
             )
-        slots = [self._writing.pop(k) for k in keys]
+        return StorePlan(new, _ids(slots), evicted, present, full, positions)
+
+    def complete_store(self, keys: Iterable[BlockKey] | np.ndarray, success: bool = True) -> None:
+        keys = _sequence(keys)
+        try:
+            n = self._ix.complete_store(keys, success)
+        except self._refused as refusal:
+            raise self._refusal("complete_store", keys, refusal) from None
         if success:
-            self._readable.update(zip(keys, slots, strict=True))
-            for key in keys:
-                self.policy.insert(key)
-            self.stats.stores += len(keys)
-            self.stats.bytes_in += len(keys) * self.slot_bytes
+            self.stats.stores += n
+            self.stats.bytes_in += n * self.slot_bytes
         else:
-            self._push_free(slots)
-            self.stats.store_failures += len(keys)
+            self.stats.store_failures += n
 
     # -- loads --------------------------------------------------------------------------------
 
-    def prepare_load(self, keys: Sequence[BlockKey]) -> np.ndarray:
+    def prepare_load(self, keys: Keys) -> np.ndarray:
         """Pin READABLE ``keys`` against eviction and return their slots (int64)."""
-        self._acquire(keys, "prepare_load")
-        for key in keys:
-            self.policy.touch(key)
-        return np.fromiter((self._readable[k] for k in keys), dtype=np.int64, count=len(keys))
+        keys = _sequence(keys)
+        try:
+            return _ids(self._ix.prepare_load(keys))
+        except self._refused as refusal:
+            raise self._refusal("prepare_load", keys, refusal) from None
 
-    def complete_load(self, keys: Iterable[BlockKey], success: bool = True) -> None:
-        keys = list(keys)
-        self._release(keys, "complete_load: expected keys prepared for load")
+    def complete_load(self, keys: Iterable[BlockKey] | np.ndarray, success: bool = True) -> None:
+        n = self._release(keys, "complete_load: expected keys prepared for load")
         if success:
-            self.stats.loads += len(keys)
-            self.stats.bytes_out += len(keys) * self.slot_bytes
+            self.stats.loads += n
+            self.stats.bytes_out += n * self.slot_bytes
         else:
-            self.stats.load_failures += len(keys)
+            self.stats.load_failures += n
 
-    def pin(self, keys: Iterable[BlockKey]) -> None:
-        """Hold READABLE ``keys`` against eviction (a reader that is not a load); see ``unpin``."""
-        self._acquire(list(keys), "pin")
+    def pin(self, keys: Iterable[BlockKey] | np.ndarray) -> np.ndarray:
+        """Hold READABLE ``keys`` against eviction (a reader that is not a load); see ``unpin``.
+        Returns their slots (int64)."""
+        keys = _sequence(keys)
+        try:
+            return _ids(self._ix.pin(keys))
+        except self._refused as refusal:
+            raise self._refusal("pin", keys, refusal) from None
 
-    def _acquire(self, keys: Sequence[BlockKey], where: str) -> None:
-        """Add one reader to each key; ValueError, changing nothing, if one is not READABLE."""
-        absent = [k for k in keys if k not in self._readable]
-        if absent:
-            raise ValueError(
-                f"{where}: expected READABLE keys, got {len(absent)} that are not "
-                f"(first: {_show(absent[0])})"
-            )
-        readers = self._readers
-        for key in keys:
-            readers[key] = readers.get(key, 0) + 1
-
-    def unpin(self, keys: Iterable[BlockKey]) -> None:
+    def unpin(self, keys: Iterable[BlockKey] | np.ndarray) -> None:
         """Release one ``pin`` of each key; counts nothing."""
-        self._release(list(keys), "unpin: expected pinned keys")
+        self._release(keys, "unpin: expected pinned keys")
 
-    def _release(self, keys: list[BlockKey], expected: str) -> None:
+    def _release(self, keys: Iterable[BlockKey] | np.ndarray, expected: str) -> int:
         """Drop one reader of each key (a key may repeat); ValueError, changing nothing, if a key
-        has fewer readers than asked."""
-        short = [k for k, n in Counter(keys).items() if self._readers.get(k, 0) < n]
-        if short:
-            raise ValueError(
-                f"{expected}, got {len(short)} with fewer readers than released "
-                f"(first: {_show(short[0])})"
-            )
-        for key in keys:
-            left = self._readers[key] - 1
-            if left:
-                self._readers[key] = left
-            else:
-                del self._readers[key]
+        has fewer readers than asked. Returns the number of keys."""
+        keys = _sequence(keys)
+        try:
+            return int(self._ix.release(keys))
+        except self._refused as refusal:
+            raise self._refusal(expected, keys, refusal) from None
 
-    def touch(self, keys: Iterable[BlockKey]) -> None:
-        for key in keys:
-            if key in self._readable:
-                self.policy.touch(key)
+    def touch(self, keys: Iterable[BlockKey] | np.ndarray) -> None:
+        self._ix.touch(_sequence(keys))
 
     # -- eviction -----------------------------------------------------------------------------
 
@@ -213,75 +232,77 @@ class BlockIndex:
         """Evict up to ``n`` unpinned READABLE blocks in policy order; returns their keys."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"evict: expected a block count >= 0, got {n!r}")
-        return self._evict(n, protect=())
+        victims: list[BlockKey] = self._ix.evict(min(n, self.num_slots))
+        self.stats.evictions += len(victims)
+        return victims
 
-    def remove(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
+    def remove(self, keys: Iterable[BlockKey] | np.ndarray) -> list[BlockKey]:
         """Drop the given unpinned READABLE keys (not an eviction); returns those dropped."""
-        gone = [k for k in keys if k in self._readable and k not in self._readers]
-        self._drop(gone, evicted=False)
+        gone: list[BlockKey] = self._ix.remove(_sequence(keys))
         return gone
 
     def reset(self) -> int:
         """Drop every unpinned READABLE block; blocks being read or written stay."""
-        return len(self.remove(list(self._readable)))
-
-    def _evict(self, n: int, protect: Collection[BlockKey]) -> list[BlockKey]:
-        readers = self._readers
-        evictable = (k for k in self.policy.candidates() if k not in readers and k not in protect)
-        victims = list(itertools.islice(evictable, n))
-        self._drop(victims, evicted=True)
-        return victims
-
-    def _drop(self, keys: list[BlockKey], evicted: bool) -> None:
-        slots = [self._readable.pop(k) for k in keys]
-        for key in keys:
-            self.policy.remove(key, evicted)
-        self._push_free(slots)
-        if evicted:
-            self.stats.evictions += len(keys)
-
-    # -- free list ----------------------------------------------------------------------------
-
-    def _pop_free(self, n: int) -> np.ndarray:
-        top = self._num_free
-        slots = self._free[top - n : top][::-1].astype(np.int64)
-        self._num_free = top - n
-        return slots
-
-    def _push_free(self, slots: Sequence[int]) -> None:
-        """Slots freed together come back out of ``_pop_free`` in the order they were freed: a
-        run of consecutive slots stays an ascending run, which a load moves as one pitched copy
-        per layer slice instead of a descriptor per block (transfer/cuda/native/pipeline.c)."""
-        top = self._num_free
-        self._free[top : top + len(slots)] = np.asarray(slots)[::-1]
-        self._num_free = top + len(slots)
+        return int(self._ix.reset())
 
     # -- checking -----------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping contradicts itself (for tests; O(num_slots))."""
-        free = self._free[: self._num_free]
-        used = list(self._readable.values()) + list(self._writing.values())
-        every = np.concatenate([free.astype(np.int64), np.asarray(used, dtype=np.int64)])
-        if len(every) != self.num_slots or not np.array_equal(
-            np.sort(every), np.arange(self.num_slots)
-        ):
-            raise AssertionError("slots are not partitioned into free / writing / readable")
-        if self._readable.keys() & self._writing.keys():
-            raise AssertionError("a key is both readable and being written")
-        if not self._readers.keys() <= self._readable.keys():
-            raise AssertionError("a key being read is not readable")
-        if len(self.policy) != len(self._readable) or any(
-            k not in self.policy for k in self._readable
-        ):
-            raise AssertionError("the policy does not track exactly the readable keys")
+        bad = self._ix.check()
+        if bad is not None:
+            raise AssertionError(bad)
+
+    def nbytes(self) -> int:
+        """Bytes the native index holds (its allocator's own count)."""
+        return int(self._ix.nbytes())
+
+    def policy_state(self) -> PolicyState:
+        """(victim order, T1, T2, B1, B2, p): LRU has T1 only; long ARC ghosts read None. Tests."""
+        state: PolicyState = self._ix.policy_state()
+        return state
+
+    def _refusal(self, where: str, keys: Keys, refusal: BaseException) -> ValueError:
+        native = native_index()
+        code, count, first = refusal.args
+        key = _show(_key_at(keys, first)) if first >= 0 else ""
+        if code == native.REPEATS:
+            return ValueError(f"{where}: expected distinct keys, got {count} repeats")
+        if code == native.BAD_KEY:
+            return ValueError(
+                f"{where}: expected keys as non-empty bytes, got {key} at position {first}"
+            )
+        if code == native.NOT_WRITING:
+            return ValueError(
+                f"{where}: expected keys prepared for store, got {count} that are not being "
+                f"written (first: {key})"
+            )
+        if code == native.NOT_READABLE:
+            return ValueError(
+                f"{where}: expected READABLE keys, got {count} that are not (first: {key})"
+            )
+        return ValueError(f"{where}, got {count} with fewer readers than released (first: {key})")
 
 
-def _check_unique(keys: Sequence[BlockKey], where: str) -> None:
-    if len(set(keys)) != len(keys):
-        raise ValueError(
-            f"{where}: expected distinct keys, got {len(keys) - len(set(keys))} repeats"
-        )
+def _sequence(keys: Iterable[BlockKey] | np.ndarray) -> Keys:
+    """``keys`` as the native index takes them without a Python loop: lists, tuples and arrays
+    as they are, any other iterable as a list."""
+    if isinstance(keys, np.ndarray):
+        return np.ascontiguousarray(keys)  # the native index reads rows in place
+    if isinstance(keys, (list, tuple)):
+        return keys
+    return list(keys)
+
+
+def _ids(raw: bytearray) -> np.ndarray:
+    return np.frombuffer(raw, dtype=np.int64)
+
+
+def _key_at(keys: Keys, i: int) -> object:
+    if isinstance(keys, np.ndarray):
+        rows = keys.reshape(-1, 16)
+        return bytes(rows[i])
+    return keys[i]
 
 
 def _show(key: object) -> str:

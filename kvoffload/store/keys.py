@@ -58,8 +58,36 @@ def as_block_keys(hashes: Iterable[bytes | int]) -> list[BlockKey]:
     return [as_block_key(h) for h in hashes]
 
 
-def checked_keys(keys: Iterable[bytes | int], where: str, ordered: bool = True) -> list[BlockKey]:
-    """``keys`` as a list of keys: bytes kept, ints converted as by ``as_block_key``.
+KeyArray = np.ndarray  # uint8 (n, KEY_ROW_BYTES): one 16-byte key per row
+KEY_ROW_BYTES = _INT_KEY_BYTES
+
+
+def key_rows(keys: np.ndarray, where: str) -> KeyArray:
+    """An array of keys checked and copied read-only: uint8 of shape (n, 16), one key per row
+    (row i is the key ``bytes(keys[i])``). O(1) Python work whatever n. ValueError otherwise."""
+    if keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_ROW_BYTES:
+        raise ValueError(
+            f"{where}: expected keys as a uint8 array of shape (n, {KEY_ROW_BYTES}), got "
+            f"{keys.dtype} of shape {keys.shape}"
+        )
+    rows = np.array(keys, dtype=np.uint8, order="C", copy=True)
+    rows.flags.writeable = False
+    return rows
+
+
+def key_list(keys: Sequence[BlockKey] | KeyArray) -> list[BlockKey]:
+    """Keys as a list of ``bytes`` (an array's rows become bytes: per-key work, for the slower
+    paths such as the lower tiers)."""
+    if isinstance(keys, np.ndarray):
+        return [bytes(row) for row in keys]
+    return keys if isinstance(keys, list) else list(keys)
+
+
+def checked_keys(
+    keys: Iterable[bytes | int] | KeyArray, where: str, ordered: bool = True
+) -> list[BlockKey] | KeyArray:
+    """``keys`` as a list of keys: bytes kept, ints converted as by ``as_block_key``; or an
+    array of 16-byte keys as ``key_rows`` checks it.
 
     Raises ValueError, naming ``where`` and saying what was given, for a container that is not a
     list of keys: one key-like object (``bytes``, ``bytearray``, ``memoryview``, ``str``: iterating
@@ -69,6 +97,8 @@ def checked_keys(keys: Iterable[bytes | int], where: str, ordered: bool = True) 
     Keys that are all non-empty ``bytes`` (the usual case) are checked at C speed and returned as
     given when already a list.
     """
+    if isinstance(keys, np.ndarray):
+        return key_rows(keys, where)
     if not isinstance(keys, list):
         check_key_list(keys, where, ordered)
     out: list[Any] = keys if isinstance(keys, list) else list(keys)

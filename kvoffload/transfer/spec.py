@@ -74,15 +74,22 @@ def check_engine_blocks(
 
 
 def _check_distinct(dst: np.ndarray, what: str, direction: str) -> None:
-    distinct = len(np.unique(dst))
-    if distinct != len(dst):
+    if len(dst) < 2 or bool(np.all(dst[1:] > dst[:-1])):  # ascending: distinct, no sort
+        return
+    ordered = np.sort(dst)
+    duplicates = int(np.count_nonzero(ordered[1:] == ordered[:-1]))
+    if duplicates:
         raise ValueError(
-            f"expected distinct destination {what}s in one {direction}, got "
-            f"{len(dst) - distinct} duplicates"
+            f"expected distinct destination {what}s in one {direction}, got {duplicates} duplicates"
         )
 
 
 def _check_range(ids: np.ndarray, upper: int, what: str) -> None:
-    if len(ids) and (ids.min() < 0 or ids.max() >= upper):
+    # one pass: a negative int64 read as uint64 is >= 2**63, so beyond any upper bound
+    if ids.dtype == np.int64:
+        out = len(ids) and ids.view(np.uint64).max() >= upper
+    else:
+        out = len(ids) and (ids.min() < 0 or ids.max() >= upper)
+    if out:
         bad = ids[(ids < 0) | (ids >= upper)][0]
         raise ValueError(f"expected every {what} in [0, {upper}), got {bad}")

@@ -1,23 +1,35 @@
-"""``kvoffload bench store``: what the scheduler pays per step for the store's bookkeeping.
+"""``kvoffload bench store``: what the scheduler pays per step for the store's bookkeeping (CPU).
 
-For each eviction policy and each resident count it fills a ``BlockIndex`` with that many readable
-blocks (16-byte keys, as engines hash them) and times, as medians over ``--reps`` runs:
-- lookup of a 2,048-block prefix that is fully resident (the worst case: every key is checked);
-- prepare_store + complete_store of 512 new blocks with free slots;
-- the same under pressure, where each of the 512 blocks evicts one resident block;
-the Python memory per resident block (tracemalloc over the fill, keys included), and again after
-as many evicting stores as there are resident blocks (ARC then also holds ghost keys).
-Next to each timing, the same access pattern on a plain ``dict`` of the same size: growth from 10^4
-to 10^6 that the dict shows too is the hash table's (cache misses), not the store's.
+Two parts, both timed as medians over ``--reps`` runs after a warm-up:
+
+1. The index (``BlockIndex``, native), for each eviction policy and each resident count
+   (default 10^4, 10^6, 10^7): filled with that many READABLE blocks (random 16-byte keys, as
+   engines hash them), then
+   - lookup of a 2,048-block prefix that is fully resident (every key is checked), with the keys
+     as a list of bytes and as an (n, 16) uint8 array: per call and per block;
+   - prepare_store + complete_store of 512 new blocks with free slots, and under pressure (each
+     block evicts one resident block);
+   - memory per resident block: the native allocator's own count (``BlockIndex.nbytes``) and the
+     growth of the process's resident set over building and filling the index, and again after
+     as many evicting stores as there are resident blocks (ARC then also holds ghost keys);
+   - the garbage collector: collections and their longest pause (``gc.callbacks``) while the
+     timed calls ran, Python objects the collector tracks added by the filled index
+     (``gc.get_objects``), and a full ``gc.collect()`` with the index filled.
+2. The public API (``bench/store/api.py``): ``Offloader.schedule_*`` + ``TransferWorker.submit``
+   + ``Offloader.complete`` per call and per block (``--api-blocks``), over the host backend
+   copying 64-byte blocks in the caller's thread, with a per-call + per-block fit.
+
+``make_index`` lets a caller time another index with the same API (``benchmarks/store_compare.py``
+times the Python model of ``tests/index_model.py`` in the same run, for the ratio).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
-import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,20 +37,28 @@ from typing import Any
 import numpy as np
 
 from kvoffload.bench.common import console, default_out, machine_info, progress, write_json
+from kvoffload.bench.store.api import API_BLOCKS, measure_api
 from kvoffload.cli import int_list
 from kvoffload.store.index import BlockIndex
 from kvoffload.store.policies import POLICIES
 
 LOOKUP_BLOCKS = 2048
 STORE_BLOCKS = 512
+FILL_BATCH = 1 << 16
 SLOT_BYTES = 2 << 20  # Llama-3-8B, block size 16, bf16: only used for byte counters
+
+MakeIndex = Callable[[int, int, str], Any]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(float(x)) for x in s.split(",")]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resident",
         type=int_list,
-        default=[10_000, 1_000_000],
+        default=[10_000, 1_000_000, 10_000_000],
         help="resident block counts (comma separated)",
     )
     p.add_argument(
@@ -47,100 +67,142 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=sorted(POLICIES),
         help="eviction policies (comma separated)",
     )
+    p.add_argument("--api-blocks", type=_ints, default=list(API_BLOCKS), help="blocks per job")
     p.add_argument("--reps", type=int, default=30, help="timed repetitions per operation")
     p.add_argument("--out", type=Path, default=None, help="JSON result path")
 
 
-def _keys(rng: np.random.Generator, n: int) -> list[bytes]:
-    raw = rng.bytes(16 * n)
-    return [raw[i : i + 16] for i in range(0, 16 * n, 16)]
+def key_rows(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, 256, (n, 16), dtype=np.uint8)
 
 
-def _fill(index: BlockIndex, keys: list[bytes]) -> None:
-    for i in range(0, len(keys), 4096):
-        plan = index.prepare_store(keys[i : i + 4096])
-        index.complete_store(plan.keys)
+def key_list(rows: np.ndarray) -> list[bytes]:
+    """The rows as bytes (numpy's void scalars keep trailing zero bytes, unlike its 'S' type)."""
+    out: list[bytes] = np.ascontiguousarray(rows).view("V16").ravel().tolist()
+    return out
 
 
-def _median_us(fn: Callable[[int], object], reps: int) -> float:
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+class GCWatch:
+    """Collections (count, longest and total pause) while ``active``, via ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self.active = False
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._t0)
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "gc_collections": len(self.pauses),
+            "gc_max_pause_us": max(self.pauses, default=0.0) * 1e6,
+            "gc_total_pause_us": sum(self.pauses) * 1e6,
+        }
+
+
+def _median_us(fn: Callable[[int], object], reps: int, cpu: list[float] | None = None) -> float:
+    """Median wall time of ``fn(r)`` over ``reps`` runs (µs); the median CPU time of this
+    thread goes to ``cpu`` (on a shared machine it excludes the time others had the core)."""
     fn(0)  # warm-up
-    times = []
+    times, cpus = [], []
     for r in range(1, reps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn(r)
-        times.append(time.perf_counter() - t0)
+        c1, t1 = time.thread_time(), time.perf_counter()
+        times.append(t1 - t0)
+        cpus.append(c1 - c0)
+    if cpu is not None:
+        cpu.append(statistics.median(cpus) * 1e6)
     return statistics.median(times) * 1e6
 
 
-def measure(policy: str, resident: int, reps: int) -> dict[str, Any]:
+def fill(index: Any, rows: np.ndarray) -> None:
+    """Store ``rows`` (as an array where the index takes one: no bytes object per key)."""
+    native = isinstance(index, BlockIndex)
+    for i in range(0, len(rows), FILL_BATCH):
+        batch = rows[i : i + FILL_BATCH] if native else key_list(rows[i : i + FILL_BATCH])
+        plan = index.prepare_store(batch)
+        index.complete_store(plan.keys)
+
+
+def _store(index: Any, keys: list[bytes]) -> None:
+    index.complete_store(index.prepare_store(keys).keys)
+
+
+def measure(
+    policy: str, resident: int, reps: int, make_index: MakeIndex = BlockIndex
+) -> dict[str, Any]:
     rng = np.random.default_rng(resident)
     spare = STORE_BLOCKS * (reps + 1)
-    index = BlockIndex(resident + spare, SLOT_BYTES, policy)
-    resident_keys = _keys(rng, resident)
-    _fill(index, resident_keys)
-    prefix = resident_keys[-LOOKUP_BLOCKS:]
-    if index.lookup(prefix) != len(prefix):
-        raise RuntimeError("bench store: the resident prefix is not a full hit")
-    row: dict[str, Any] = {"policy": policy, "resident": resident}
-    row["lookup_2048_us"] = _median_us(lambda _: index.lookup(prefix), reps)
-    fresh = [_keys(rng, STORE_BLOCKS) for _ in range(reps + 1)]
-    row["store_512_us"] = _median_us(lambda r: _store(index, fresh[r]), reps)
-    if index.num_free:  # so that every further store must evict
-        _fill(index, _keys(rng, index.num_free))
-    pressure = [_keys(rng, STORE_BLOCKS) for _ in range(reps + 1)]
-    evictions = index.stats.evictions
-    row["store_512_evicting_us"] = _median_us(lambda r: _store(index, pressure[r]), reps)
-    if index.stats.evictions - evictions != STORE_BLOCKS * (reps + 1):
-        raise RuntimeError("bench store: stores under pressure did not evict one block each")
-    row.update(_dict_baseline(rng, resident, prefix, fresh, reps))
-    row.update(_memory(policy, resident, rng))
-    return row
-
-
-def _dict_baseline(
-    rng: np.random.Generator,
-    resident: int,
-    prefix: list[bytes],
-    fresh: list[list[bytes]],
-    reps: int,
-) -> dict[str, float]:
-    """The same accesses on a plain dict of the same size: the hash table's own cost."""
-    table = dict.fromkeys(_keys(rng, resident - len(prefix)), 0)
-    table.update(dict.fromkeys(prefix, 0))
-
-    def lookup(_: int) -> None:
-        for k in prefix:
-            if k not in table:
-                break
-
-    def insert(r: int) -> None:
-        table.update(dict.fromkeys(fresh[r], 0))
-
-    return {
-        "dict_lookup_2048_us": _median_us(lookup, reps),
-        "dict_insert_512_us": _median_us(insert, reps),
-    }
-
-
-def _memory(policy: str, resident: int, rng: np.random.Generator) -> dict[str, float]:
-    """Python bytes per resident block after a fill, and after every block was evicted once."""
+    rows = key_rows(rng, resident)
+    prefix_rows = rows[-LOOKUP_BLOCKS:].copy()
+    scattered_rows = rows[rng.choice(resident, LOOKUP_BLOCKS, replace=False)]
     gc.collect()
-    tracemalloc.start()
+    objects, rss = len(gc.get_objects()), rss_bytes()
+    index = make_index(resident + spare, SLOT_BYTES, policy)
+    fill(index, rows)
+    gc.collect()
+    row: dict[str, Any] = {"policy": policy, "resident": resident}
+    row["rss_bytes_per_block"] = (rss_bytes() - rss) / resident
+    del rows
+    if hasattr(index, "nbytes"):  # the native index's own count (its capacity: + spare slots)
+        row["native_bytes_per_block"] = index.nbytes() / resident
+        row["native_bytes_per_slot"] = index.nbytes() / (resident + spare)
+    row["bytes_per_block"] = row.get("native_bytes_per_block", row["rss_bytes_per_block"])
+    row["gc_tracked_objects_added"] = len(gc.get_objects()) - objects
+    t0 = time.perf_counter()
+    gc.collect()
+    row["gc_full_collect_ms"] = (time.perf_counter() - t0) * 1e3
+    prefix, scattered = key_list(prefix_rows), key_list(scattered_rows)
+    if index.lookup(prefix) != len(prefix) or index.lookup(scattered) != len(scattered):
+        raise RuntimeError("bench store: the resident prefix is not a full hit")
+    watch = GCWatch()
+    gc.callbacks.append(watch)
+    watch.active = True
+    cpu: list[float] = []
     try:
-        before = tracemalloc.get_traced_memory()[0]
-        index = BlockIndex(resident, SLOT_BYTES, policy)
-        _fill(index, _keys(rng, resident))
-        filled = (tracemalloc.get_traced_memory()[0] - before) / resident
-        _fill(index, _keys(rng, resident))
-        churned = (tracemalloc.get_traced_memory()[0] - before) / resident
+        row["lookup_2048_us"] = _median_us(lambda _: index.lookup(prefix), reps, cpu)
+        row["lookup_2048_scattered_us"] = _median_us(lambda _: index.lookup(scattered), reps)
+        if isinstance(index, BlockIndex):
+            row["lookup_2048_array_us"] = _median_us(lambda _: index.lookup(prefix_rows), reps)
+        fresh = [key_list(key_rows(rng, STORE_BLOCKS)) for _ in range(reps + 1)]
+        row["store_512_us"] = _median_us(lambda r: _store(index, fresh[r]), reps, cpu)
+        if index.num_free:  # so that every further store must evict
+            fill(index, key_rows(rng, index.num_free))
+        pressure = [key_list(key_rows(rng, STORE_BLOCKS)) for _ in range(reps + 1)]
+        evictions = index.stats.evictions
+        evicting = _median_us(lambda r: _store(index, pressure[r]), reps, cpu)
+        row["store_512_evicting_us"] = evicting
+        if index.stats.evictions - evictions != STORE_BLOCKS * (reps + 1):
+            raise RuntimeError("bench store: stores under pressure did not evict one block each")
     finally:
-        tracemalloc.stop()
-    return {"bytes_per_block": filled, "bytes_per_block_after_churn": churned}
-
-
-def _store(index: BlockIndex, keys: list[bytes]) -> None:
-    plan = index.prepare_store(keys)
-    index.complete_store(plan.keys)
+        watch.active = False
+        gc.callbacks.remove(watch)
+    row.update(watch.summary())
+    row["cpu_us"] = dict(zip(("lookup_2048", "store_512", "store_512_evicting"), cpu, strict=True))
+    rss = rss_bytes()
+    fill(index, key_rows(rng, resident))  # as many evicting stores as resident blocks
+    gc.collect()
+    row["rss_bytes_per_block_after_churn"] = (
+        row["rss_bytes_per_block"] + (rss_bytes() - rss) / resident
+    )
+    if hasattr(index, "nbytes"):  # ARC now also remembers ~resident evicted keys (ghosts)
+        row["bytes_per_block_after_churn"] = index.nbytes() / resident
+    row["lookup_us_per_block"] = row["lookup_2048_us"] / LOOKUP_BLOCKS
+    row["store_us_per_block"] = row["store_512_us"] / STORE_BLOCKS
+    gc.collect()
+    return row
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,43 +212,41 @@ def run(args: argparse.Namespace) -> int:
     configs = [(p, n) for p in args.policies for n in args.resident]
     rows = []
     with progress() as bar:
-        task = bar.add_task("store", total=len(configs))
+        task = bar.add_task("store", total=len(configs) + 1)
         for policy, resident in configs:
             bar.update(task, description=f"{policy} {resident:,} resident")
             rows.append(measure(policy, resident, args.reps))
             bar.advance(task)
-    _print(rows)
+        bar.update(task, description="public API")
+        api = measure_api(args.api_blocks, args.reps)
+        bar.advance(task)
+    print_rows(rows, api)
     out = args.out or default_out("store", "cpu")
-    console.print(
-        f"wrote {write_json(out, {'benchmark': 'store', **machine_info(), 'rows': rows})}"
-    )
+    data = {"benchmark": "store", **machine_info(), "load_average": os.getloadavg()}
+    data.update({"index": "native", "rows": rows, "api": api})
+    console.print(f"wrote {write_json(out, data)}")
     return 0
 
 
-def _print(rows: list[dict[str, Any]]) -> None:
+def print_rows(rows: list[dict[str, Any]], api: dict[str, Any]) -> None:
     from rich.table import Table
 
-    table = Table(title="store control plane (median µs per call; Python bytes per block)")
-    cols = (
-        "policy",
-        "resident",
-        "lookup 2048 (dict)",
-        "store 512 (dict)",
-        "store 512 evicting",
-        "B/block",
-        "B/block churned",
-    )
-    for c in cols:
+    table = Table(title="store index (median µs per call; bytes per resident block)")
+    cols = ("policy", "resident", "lookup 2048", "µs/block", "store 512", "evicting", "bytes")
+    for c in (*cols, "churned", "RSS", "GC pauses"):
         table.add_column(c, justify="left" if c == "policy" else "right")
     for r in rows:
         table.add_row(
             r["policy"],
             f"{r['resident']:,}",
-            f"{r['lookup_2048_us']:.0f} ({r['dict_lookup_2048_us']:.0f})",
-            f"{r['store_512_us']:.0f} ({r['dict_insert_512_us']:.0f})",
-            f"{r['store_512_evicting_us']:.0f}",
-            f"{r['bytes_per_block']:.0f}",
-            f"{r['bytes_per_block_after_churn']:.0f}",
+            f"{r['lookup_2048_us']:.1f}",
+            f"{r['lookup_us_per_block']:.4f}",
+            f"{r['store_512_us']:.1f}",
+            f"{r['store_512_evicting_us']:.1f}",
+            f"{r['bytes_per_block']:.1f}",
+            f"{r.get('bytes_per_block_after_churn', r['rss_bytes_per_block_after_churn']):.1f}",
+            f"{r['rss_bytes_per_block']:.1f}",
+            f"{r['gc_collections']} (max {r['gc_max_pause_us']:.0f} µs)",
         )
     console.print(table)
     console.print(
@@ -197,3 +257,15 @@ def _print(rows: list[dict[str, Any]]) -> None:
         "B/block: Python bytes per resident block after the fill; churned: after as many evicting "
         "stores as resident blocks (ARC also keeps ghost keys)"
     )
+    api_table = Table(title="public API: schedule + submit + complete (median µs per call)")
+    for c in ("keys", "direction", *(str(n) for n in api["blocks"]), "fit"):
+        api_table.add_column(c, justify="right")
+    for name, fit in api["fits"].items():
+        kind, direction = name.split(":")
+        api_table.add_row(
+            kind,
+            direction,
+            *(f"{api['total_us'][name][str(n)]:.1f}" for n in api["blocks"]),
+            f"{fit['per_call_us']:.1f} + {fit['per_block_us']:.3f}/block",
+        )
+    console.print(api_table)

@@ -49,7 +49,7 @@ def policy_round(
         if demote:
             need = len(batch) - off.index.num_free
             if need > 0:  # write the victims out, holding their slots, then free them
-                free = (k for k in off.index.policy.candidates() if not off.index.readers(k))
+                free = (k for k in off.index.candidates() if not off.index.readers(k))
                 victims = list(itertools.islice(free, need))
                 slots = off.index.prepare_load(victims)  # held until written
                 disk.put(victims, [memoryview(local.arena.slots[s]) for s in slots.tolist()])

@@ -70,8 +70,7 @@ class HostTier:
     def pin(self, keys: Sequence[BlockKey]) -> np.ndarray:
         """Hold readable ``keys`` while a lower tier copies them out; their host chunks, in order
         (``unpin`` releases them). Pins neither count as loads nor touch the policy."""
-        self.index.pin(keys)
-        return np.array([self.index.slot_of(k) for k in keys], dtype=np.int64)
+        return self.index.pin(keys)
 
     def unpin(self, keys: Collection[BlockKey]) -> None:
         self.index.unpin(keys)

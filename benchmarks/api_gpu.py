@@ -1,0 +1,165 @@
+"""The public API end to end on a GPU, host time per phase included (issue 27, "What it must show").
+
+For each shape of the sweep and 1, 37 and 1,000 blocks: ``schedule_store`` + ``submit`` + wait +
+``get_finished`` + ``complete`` (then the same for a load into other engine blocks), keys given as
+a list of bytes with a list of block ids, and as an (n, 16) uint8 array with an int64 array. Per
+phase the median host time; submit to done including schedule and complete against the link
+(a contiguous pinned copy of the same bytes, timed alike), as a fraction. Bytes are checked: the
+loaded blocks equal the stored ones.
+
+    python benchmarks/api_gpu.py OUT.json            # CUDA: backend 'staged' (native)
+    python benchmarks/api_gpu.py OUT.json --cpu      # a smoke run on CPU tensors (host backend)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvoffload import KVLayout, OffloadConfig, build_local
+from kvoffload.transfer.shapes import MODELS, engine_tensors
+
+SWEEP = (  # (model, layout): bf16 pages, K/V split, fp8 2 KiB pieces, a K-only latent
+    ("llama3-8b", "page"),
+    ("llama3-8b", "kv_split"),
+    ("llama3-70b-tp8-fp8", "page"),
+    ("deepseek-v2-lite-mla", "page"),
+)
+COUNTS = (1, 37, 1000)
+REPS = 15
+
+
+def link_us(nbytes: int, device: str) -> dict[str, float]:
+    """Median time of one contiguous pinned copy of ``nbytes`` each way (the wire)."""
+    if device == "cpu":
+        return {"store": float("nan"), "load": float("nan")}
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for d, (dst, src) in {"store": (host, dev), "load": (dev, host)}.items():
+        times = []
+        for _ in range(REPS + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[d] = statistics.median(times[1:]) * 1e6
+    return out
+
+
+def one(off: Any, worker: Any, direction: str, req: str, keys: Any, ids: Any) -> dict[str, float]:
+    t0 = time.perf_counter()
+    sched = off.schedule_store if direction == "store" else off.schedule_load
+    job = sched(req, keys, ids)
+    t1 = time.perf_counter()
+    worker.submit(job)
+    t2 = time.perf_counter()
+    worker.wait([job.job_id], 60)
+    t3 = time.perf_counter()
+    results = worker.get_finished()
+    off.complete(results)
+    t4 = time.perf_counter()
+    if not all(r.ok for r in results) or not off.is_settled(req):
+        raise RuntimeError(f"{direction} {req} failed: {results}")
+    us = 1e6
+    return {
+        "schedule": (t1 - t0) * us,
+        "submit": (t2 - t1) * us,
+        "wait": (t3 - t2) * us,
+        "complete": (t4 - t3) * us,
+        "total": (t4 - t0) * us,
+    }
+
+
+def shape(model: str, layout: str, device: str) -> list[dict[str, Any]]:
+    counts = COUNTS if device != "cpu" else (1, 37, 100)  # a CPU smoke run stays small
+    pool = 2 * max(counts) + 8
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.int8 if MODELS[model].dtype_bytes == 1 else torch.int16  # the model's bytes
+    tensors, block_dim = engine_tensors(
+        MODELS[model],
+        layout,
+        pool,
+        16,
+        lambda s: torch.randint(-100, 100, s, dtype=dtype, generator=gen).to(device),
+    )
+    kv = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
+    backend = "host" if device == "cpu" else "staged"
+    slots = 3 * max(counts)  # stores evict the oldest keys; a load's keys were just stored
+    local = build_local(kv, OffloadConfig(host_capacity_blocks=slots, backend=backend))
+    off, worker = local.offloader, local.worker
+    rng = np.random.default_rng(1)
+    rows = []
+    try:
+        for kind in ("list", "array"):
+            for n in counts:
+                src = np.arange(n, dtype=np.int64)
+                dst = np.arange(pool - n, pool, dtype=np.int64)
+                ids = (src, dst) if kind == "array" else (src.tolist(), dst.tolist())
+                runs: dict[str, list[dict[str, float]]] = {"store": [], "load": []}
+                for r in range(REPS + 1):
+                    arr = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+                    keys = arr if kind == "array" else arr.view("V16").ravel().tolist()
+                    runs["store"].append(one(off, worker, "store", f"s{r}", keys, ids[0]))
+                    runs["load"].append(one(off, worker, "load", f"l{r}", keys, ids[1]))
+                for t in tensors:  # the last load brought back exactly what was stored
+                    a, b = (
+                        (t[:n], t[pool - n :]) if block_dim == 0 else (t[:, :n], t[:, pool - n :])
+                    )
+                    if not torch.equal(a, b):
+                        raise RuntimeError(f"{model} {layout} {n}: loaded bytes differ")
+                wire = link_us(n * kv.slot_bytes, device)
+                for d, rs in runs.items():
+                    med = {p: statistics.median(x[p] for x in rs[1:]) for p in rs[0]}
+                    frac = wire[d] / med["total"] if device != "cpu" else None
+                    rows.append(
+                        {
+                            "model": model,
+                            "layout": layout,
+                            "keys": kind,
+                            "blocks": n,
+                            "direction": d,
+                            "slot_bytes": kv.slot_bytes,
+                            "phases_us": med,
+                            "wire_us": wire[d],
+                            "fraction_of_link": frac,
+                        }
+                    )
+                    print(
+                        f"{model:22} {layout:9} {kind:5} {d:5} {n:5}  "
+                        + "  ".join(f"{p} {v:8.1f}" for p, v in med.items())
+                        + (f"  wire {wire[d]:8.1f}  link {frac:.2f}" if frac else "")
+                    )
+    finally:
+        local.close()
+    return rows
+
+
+def main() -> int:
+    out = sys.argv[1]
+    device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda"
+    rows = [r for m, lay in SWEEP for r in shape(m, lay, device)]
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    with open(out, "w") as f:
+        json.dump(
+            {
+                "benchmark": "api_gpu",
+                "device": name,
+                "date": time.strftime("%Y-%m-%d"),
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
