@@ -29,7 +29,7 @@ import numpy as np
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import CopyBackend, LayerGate, Pending
 from kvoffload.transfer.cuda import extension
-from kvoffload.transfer.cuda.base import _current_stream, check_cuda_pair
+from kvoffload.transfer.cuda.base import check_cuda_pair, order_stream
 from kvoffload.transfer.cuda.chunks import (
     first_slice_layers,
     load_schedules,
@@ -275,18 +275,7 @@ class NativeStagedBackend(CopyBackend):
         self._keep.clear()
 
     def _order(self, order_after: Any) -> int | None:
-        if order_after is None:
-            return None
-        if isinstance(order_after, str) and order_after == "current":
-            return _current_stream(self.device.index)
-        if isinstance(order_after, int) and not isinstance(order_after, bool):
-            return order_after
-        if hasattr(order_after, "cuda_stream"):
-            return int(order_after.cuda_stream)
-        raise ValueError(
-            "expected order_after to be 'current', None, a torch.cuda.Stream or a stream "
-            f"handle, got {order_after!r}"
-        )
+        return order_stream(order_after, self.device.index)
 
 
 class NativePending(Pending):

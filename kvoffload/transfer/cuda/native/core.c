@@ -16,13 +16,6 @@
 
 #include "core_state.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#define CPU_RELAX() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield")
-#else
-#define CPU_RELAX() ((void)0)
-#endif
 
 #define EVENT_POOL_MAX 4096      /* free events kept for reuse */
 #define FINISHED_FIRST 256       /* finished-id buffer's first capacity */

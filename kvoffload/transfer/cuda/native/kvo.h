@@ -36,6 +36,15 @@ typedef enum {
 #define KVO_MAX_GATES 8   /* layer gates per core */
 #define KVO_NOT_READY 600 /* CUDA_ERROR_NOT_READY */
 
+/* A spinning thread's pause between looks (a waiter's spin, the completion thread's short waits). */
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
 double kvo_now(void);
 /* printf into a KVO_MSG buffer (NULL: nothing); returns status, so `return kvo_say(...)` reads. */
 kvo_status kvo_say(char *msg, kvo_status status, const char *fmt, ...)

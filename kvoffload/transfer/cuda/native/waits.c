@@ -16,13 +16,6 @@
  * costs ~20 us (H100 VM), more than a small transfer's remaining time. */
 #define SPIN_S 100e-6
 
-#if defined(__x86_64__) || defined(__i386__)
-#define CPU_RELAX() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield")
-#else
-#define CPU_RELAX() ((void)0)
-#endif
 
 static int state_of(kvo_job *job) { return __atomic_load_n(&job->state, __ATOMIC_ACQUIRE); }
 
