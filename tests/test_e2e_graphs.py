@@ -263,3 +263,28 @@ def test_captured_steps_have_no_data_dependent_op(model, mode):
             else:
                 for i in range(MICRO.layers + 1):
                     runner._piece(i, b)
+
+
+def test_engine_in_full_mode_times_the_gate_open_and_records_it(model):
+    from kvoffload.bench.e2e.runner.bench import record
+    from kvoffload.bench.e2e.runner.workload import Turn
+
+    cache = PagedKVCache(MICRO, 33, 16, torch.device("cpu"), torch.float32)
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=32))
+    gate = host.layer_gate()
+    runner = GraphRunner(model, cache, "full", 64, 256, 32, gate, host.open_layers, capture=False)
+    try:
+        engine = PagedEngine(
+            model, cache, "kvoffload", host, 64, Offload(admission="all"), 32, 0, runner
+        )
+        prompt = np.random.default_rng(12).integers(0, MICRO.vocab, 100)
+        engine.run(prompt[:90])
+        engine.drop_gpu_cache()
+        got = engine.run(prompt)
+        assert got.graph == "full" and got.host_hit_tokens == 80
+        assert got.kvo_calls["gate.open"][1] == 1  # one step: the prefill of the suffix
+        assert "worker.layer_waiter(layer)" not in got.kvo_calls  # no per-layer call at replay
+        row = record(Turn(0, 2, prompt, prompt[:0]), got, 0)
+        assert row["gate_open_ms"] > 0 and row["load_exposed_ms"] >= row["gate_open_ms"]
+    finally:
+        host.close()

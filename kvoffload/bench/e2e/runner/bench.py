@@ -292,9 +292,11 @@ def run_paired(
 
 def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
     """One request's numbers. ``load_exposed_ms``: how long attention waited for the host-tier
-    load (a blocking load: all of it, where timed); ``load_ms`` is None where not timed (CPU)."""
+    load (a blocking load: all of it, where timed; full graphs: the layer waits plus the stream's
+    wait at the gate's open, ``gate_open_ms``); ``load_ms`` is None where not timed (CPU)."""
+    gate_open = r.sections.get("gate_open", 0.0)  # full graphs: the stream's wait at the open
     if r.layer_waits:
-        exposed: float | None = sum(r.layer_waits)
+        exposed: float | None = sum(r.layer_waits) + gate_open
     else:
         exposed = r.load_seconds
     waits = r.kvo_calls.get(LAYER_WAIT, (0.0, 0))
@@ -315,6 +317,7 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
         "prefill_ms": r.sections.get("prefill", 0.0) * 1e3,
         "gather_ms": r.sections.get("gather", 0.0) * 1e3,
         "sdpa_ms": r.sections.get("sdpa", 0.0) * 1e3,
+        "gate_open_ms": gate_open * 1e3,
         "load_bytes": r.load_bytes,
         "launch_ms": r.host.get("launch", 0.0) * 1e3,
         "kvo_ms": {name: s * 1e3 for name, (s, _) in r.kvo_calls.items()},
@@ -508,6 +511,7 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
         "gpu_all_launch_ms_p50": ideal_launch,
         "launch_vs_gpu_all": launch / ideal_launch if launch and ideal_launch else None,
         "gpu_wait_ms_p50": med([r["load_exposed_ms"] for r in restored]),
+        "gate_open_ms_p50": med([r.get("gate_open_ms", 0.0) for r in restored]),
         "gpu_wait_ms_per_layer_p50": [
             float(np.median([r["layer_wait_ms"][i] for r in restored])) for i in range(layers)
         ]

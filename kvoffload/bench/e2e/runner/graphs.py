@@ -180,7 +180,8 @@ class GraphRunner:
         ctx = bucket(start + n, self.contexts)
         self._load(tokens, start, blocks, b, ctx // self.cache.block_size)
         assert self.open_layers is not None
-        self.open_layers(self._stream(), loads)
+        with timer.section("gate_open"):  # the stream's wait at the open, if any (GPU time)
+            self.open_layers(self._stream(), loads)
         if not self.capturing:
             self._full_step(b, ctx)
             return self.logits.clone()
