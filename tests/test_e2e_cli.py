@@ -168,7 +168,7 @@ def test_the_gpu_scripts_e2e_step_builds_its_runs():
     import shlex
     from pathlib import Path
 
-    from kvoffload.bench.e2e import command as e2e
+    from kvoffload.bench.e2e import args as e2e
 
     script = (Path(__file__).parents[1] / "benchmarks" / "gpu_run.sh").read_text()
     found = re.search(r"E2E_TRIM=\((.*?)\)", script, re.S)

@@ -266,7 +266,7 @@ def test_captured_steps_have_no_data_dependent_op(model, mode):
 
 
 def test_engine_in_full_mode_times_the_gate_open_and_records_it(model):
-    from kvoffload.bench.e2e.runner.bench import record
+    from kvoffload.bench.e2e.runner.results import record
     from kvoffload.bench.e2e.runner.workload import Turn
 
     cache = PagedKVCache(MICRO, 33, 16, torch.device("cpu"), torch.float32)

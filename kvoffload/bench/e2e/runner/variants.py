@@ -38,13 +38,14 @@ import numpy as np
 import torch
 
 import kvoffload as kvo
-from kvoffload.bench.e2e.runner.bench import freeze_heap, pool_rounds, record, tier_delta
+from kvoffload.bench.e2e.runner.bench import freeze_heap, tier_delta
 from kvoffload.bench.e2e.runner.bench_config import Advance
 from kvoffload.bench.e2e.runner.config import model_config
 from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine
 from kvoffload.bench.e2e.runner.host_tier import HostTier
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
+from kvoffload.bench.e2e.runner.results import pool_rounds, record
 from kvoffload.bench.e2e.runner.timing import sync
 from kvoffload.bench.e2e.runner.workload import Turn, Workload
 from kvoffload.transfer.registry import BACKENDS, register_backend
@@ -138,7 +139,7 @@ def poller(enabled: bool) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvoffload.bench.e2e import command as e2e
+    from kvoffload.bench.e2e import args as e2e
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

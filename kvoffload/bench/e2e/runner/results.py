@@ -1,0 +1,200 @@
+"""The numbers of ``kvoffload bench e2e``'s runs (``bench.py`` runs the requests): one
+request's ``record``, a mode's rounds pooled (``pool_rounds``) and summarized (``summarize``:
+TTFT percentiles, hit ratios, the host tier's traffic, the load's ``overlap`` with compute), and
+the ``attribution`` of a restored request's time against the same request in ``gpu_all``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import numpy as np
+
+from kvoffload.bench.e2e.runner import calls as kvo_calls
+from kvoffload.bench.e2e.runner.engine import TurnResult
+from kvoffload.bench.e2e.runner.host_tier import LAYER_WAIT
+from kvoffload.bench.e2e.runner.workload import Turn
+
+
+def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
+    """One request's numbers. ``load_exposed_ms``: how long attention waited for the host-tier
+    load (a blocking load: all of it, where timed; full graphs: the layer waits plus the stream's
+    wait at the gate's open, ``gate_open_ms``); ``load_ms`` is None where not timed (CPU)."""
+    gate_open = r.sections.get("gate_open", 0.0)  # full graphs: the stream's wait at the open
+    if r.layer_waits:
+        exposed: float | None = sum(r.layer_waits) + gate_open
+    else:
+        exposed = r.load_seconds
+    waits = r.kvo_calls.get(LAYER_WAIT, (0.0, 0))
+    return {
+        "graph": r.graph,
+        "round": round_,
+        "conversation": turn.conversation,
+        "turn": turn.index,
+        "ttft_ms": r.ttft * 1e3,
+        "prompt_tokens": r.prompt_tokens,
+        "gpu_hit_tokens": r.gpu_hit_tokens,
+        "host_hit_tokens": r.host_hit_tokens,
+        "computed_tokens": r.computed_tokens,
+        "load_ms": None if r.load_seconds is None else r.load_seconds * 1e3,
+        "load_exposed_ms": None if exposed is None else exposed * 1e3,
+        "layer_wait_ms": [w * 1e3 for w in r.layer_waits],
+        "host_ms": {step: seconds * 1e3 for step, seconds in r.host.items()},
+        "prefill_ms": r.sections.get("prefill", 0.0) * 1e3,
+        "gather_ms": r.sections.get("gather", 0.0) * 1e3,
+        "sdpa_ms": r.sections.get("sdpa", 0.0) * 1e3,
+        "gate_open_ms": gate_open * 1e3,
+        "load_bytes": r.load_bytes,
+        "launch_ms": r.host.get("launch", 0.0) * 1e3,
+        "kvo_ms": {name: s * 1e3 for name, (s, _) in r.kvo_calls.items()},
+        "kvo_calls": {name: n for name, (_, n) in r.kvo_calls.items()},
+        "kvo_ms_total": kvo_calls.total(r.kvo_calls) * 1e3,
+        "kvo_ms_in_ttft": r.kvo_ttft_s * 1e3,
+        "wait_call_us": waits[0] / waits[1] * 1e6 if waits[1] else None,
+    }
+
+
+def pool_rounds(rounds: list[dict[str, Any]], layers: int) -> dict[str, Any]:
+    """One mode's rounds: records pooled, turns/s per round and their median."""
+    records = [r for run in rounds for r in run["records"]]
+    tier = {k: sum(run["tier"][k] for run in rounds) for k in rounds[0]["tier"]}
+    out = summarize(records, tier, layers)
+    tps = [run["turns_per_s"] for run in rounds]
+    out["turns_per_s"] = statistics.median(tps)
+    out["turns_per_s_rounds"] = tps
+    out["wall_s"] = sum(run["wall_s"] for run in rounds)
+    out["gpu_evicted_blocks"] = sum(run["gpu_evicted_blocks"] for run in rounds)
+    out["late_stored_blocks"] = sum(run["late_stored_blocks"] for run in rounds)
+    out["records"] = records
+    return out
+
+
+def summarize(records: list[dict[str, Any]], tier: dict[str, Any], layers: int) -> dict[str, Any]:
+    def total(name: str, rows: list[dict[str, Any]] = records) -> float:
+        return float(sum(r[name] for r in rows))
+
+    prompt = total("prompt_tokens")
+    ttft_s = total("ttft_ms") / 1e3
+    returning = [r for r in records if r["turn"] >= 2]
+    restored = [r for r in records if r["host_hit_tokens"] > 0]
+    timed = all(r["load_ms"] is not None for r in restored)  # on a GPU
+    load_s = sum(r["load_ms"] for r in restored) / 1e3 if timed else 0.0
+    return {
+        "turns": len(records),
+        "ttft_ms": percentiles([r["ttft_ms"] for r in records]),
+        "ttft_ms_returning": percentiles([r["ttft_ms"] for r in returning]),
+        "ttft_ms_restored": percentiles([r["ttft_ms"] for r in restored]),
+        "hit_ratio": {
+            "gpu": total("gpu_hit_tokens") / prompt,
+            "host": total("host_hit_tokens") / prompt,
+            "computed": total("computed_tokens") / prompt,
+        },
+        "host": {
+            "loaded_blocks": tier["loads"],
+            "loaded_bytes": tier["load_bytes"],
+            "load_GBps": tier["load_bytes"] / load_s / 1e9 if load_s else None,
+            "stored_blocks": tier["stores"],
+            "stored_bytes": tier["store_bytes"],
+            "failed_blocks": tier["failures"],
+        },
+        "overlap": overlap(restored, layers),
+        "host_ms_p50": {
+            step: float(np.median([r["host_ms"].get(step, 0.0) for r in records]))
+            for step in sorted({s for r in records for s in r["host_ms"]})
+        },
+        "ttft_s_total": ttft_s,
+        "prefill_s": total("prefill_ms") / 1e3,
+        "attention_share_of_ttft": (total("gather_ms") + total("sdpa_ms")) / 1e3 / ttft_s,
+        "gather_share_of_ttft": total("gather_ms") / 1e3 / ttft_s,
+    }
+
+
+def overlap(restored: list[dict[str, Any]], layers: int) -> dict[str, Any] | None:
+    """Where restored requests' load time went: hidden under compute or exposed (attention
+    waiting for it), in total and per layer (medians over the requests). Load time is known
+    only where the device timed it (a GPU); the waits are timed everywhere."""
+    if not restored:
+        return None
+    timed = all(r["load_ms"] is not None for r in restored)
+    load = sum(r["load_ms"] for r in restored) if timed else None
+    exposed = sum(r["load_exposed_ms"] or 0.0 for r in restored)
+    waits = [r["layer_wait_ms"] for r in restored if r["layer_wait_ms"]]
+    load_med = statistics.median(r["load_ms"] for r in restored) if timed else None
+    prefill_med = statistics.median(r["prefill_ms"] for r in restored)
+    return {
+        "requests": len(restored),
+        "load_ms": load,
+        "exposed_ms": exposed,
+        "hidden_share": max(0.0, 1.0 - exposed / load) if load else None,
+        "median_per_request_ms": {
+            "load": load_med,
+            "exposed": statistics.median(r["load_exposed_ms"] or 0.0 for r in restored),
+            "prefill": prefill_med,
+        },
+        "per_layer_ms": {
+            "load": None if load_med is None else load_med / layers,
+            "compute": prefill_med / layers,
+            "wait": [float(np.median(col)) for col in zip(*waits, strict=True)] if waits else [],
+        },
+    }
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(np.mean(values))}
+
+
+def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
+    """Where a restored request's time goes, per request and in medians: host time inside
+    kvoffload's calls (per call), the per-layer wait call, the host launch phase against the same
+    request's in ``gpu_all``, and the GPU's wait for the load per layer (exposed)."""
+    if "kvoffload" not in modes:
+        return None
+    restored = [r for r in modes["kvoffload"]["records"] if r["host_hit_tokens"] > 0]
+    if not restored:
+        return None
+    ideal = {_key(r): r for r in modes.get("gpu_all", {}).get("records", [])}
+
+    def med(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return float(np.median(known)) if known else None
+
+    names = sorted({n for r in restored for n in r["kvo_ms"]})
+    paired = [(r, ideal[_key(r)]) for r in restored if _key(r) in ideal]
+    launch = med([r["launch_ms"] for r in restored])
+    ideal_launch = med([g["launch_ms"] for _, g in paired]) if paired else None
+    layers = len(restored[0]["layer_wait_ms"])
+    return {
+        "requests": len(restored),
+        "kvo_ms_total_p50": med([r["kvo_ms_total"] for r in restored]),
+        "kvo_ms_total_p99": float(np.percentile([r["kvo_ms_total"] for r in restored], 99)),
+        "kvo_ms_in_ttft_p50": med([r["kvo_ms_in_ttft"] for r in restored]),
+        "kvo_ms_p50": {n: med([r["kvo_ms"].get(n, 0.0) for r in restored]) for n in names},
+        "kvo_calls_p50": {n: med([r["kvo_calls"].get(n, 0) for r in restored]) for n in names},
+        "wait_call_us_p50": med([r["wait_call_us"] for r in restored]),
+        "launch_ms_p50": launch,
+        "gpu_all_launch_ms_p50": ideal_launch,
+        "launch_vs_gpu_all": launch / ideal_launch if launch and ideal_launch else None,
+        "gpu_wait_ms_p50": med([r["load_exposed_ms"] for r in restored]),
+        "gate_open_ms_p50": med([r.get("gate_open_ms", 0.0) for r in restored]),
+        "gpu_wait_ms_per_layer_p50": [
+            float(np.median([r["layer_wait_ms"][i] for r in restored])) for i in range(layers)
+        ]
+        if all(len(r["layer_wait_ms"]) == layers for r in restored)
+        else [],
+        "host_ms_p50": {
+            step: med([r["host_ms"].get(step, 0.0) for r in restored])
+            for step in sorted({s for r in restored for s in r["host_ms"]})
+        },
+        "gpu_all_host_ms_p50": {
+            step: med([g["host_ms"].get(step, 0.0) for _, g in paired])
+            for step in sorted({s for _, g in paired for s in g["host_ms"]})
+        },
+    }
+
+
+def _key(r: dict[str, Any]) -> tuple[int, int, int]:
+    return (r["round"], r["conversation"], r["turn"])
