@@ -479,7 +479,7 @@ def _engine_thread(local: LocalOffload, kv: np.ndarray, me: int, errors: list[Ba
                 try:
                     job = off.schedule_load(req, keys[:held], mine[:held])
                 except ValueError as err:  # another thread evicted one since the lookup
-                    assert "expected READABLE keys" in str(err)
+                    assert "expected keys held on host" in str(err)
                     counts["races"] += 1
                     continue
                 worker.submit(job)
