@@ -202,19 +202,18 @@ class Worker:
 
 
 def _backend(method: str, kv: KVLayout, arena: HostArena) -> Any:
-    if method == "host":
-        from kvoffload.transfer.registry import make_backend
+    """A copy backend by its registry name (``staged``, ``dma``, ``sm``, ``auto``, ``host``)."""
+    from kvoffload.transfer.registry import make_backend
 
-        return make_backend(method, kv, arena)
-    from kvoffload.bench.transfer.methods import make
-
-    return make(method, kv, arena)
+    return make_backend(method, kv, arena)
 
 
 def _path(backend: object) -> dict[str, Any]:
-    from kvoffload.bench.transfer.methods import path_of
-
-    return path_of(backend)
+    """Which path the backend ran (``native`` for the core, else its name) and why."""
+    return {
+        "path": getattr(backend, "path", getattr(backend, "name", "")),
+        "path_reason": getattr(backend, "path_reason", None),
+    }
 
 
 def serve(spec: WorkerSpec, conn: Connection) -> None:
