@@ -5,7 +5,8 @@
 # auditwheel can be installed it repairs the wheel for manylinux (dist/wheelhouse/) and the check
 # runs again on the repaired one. That wheel is installed (not editable) in a fresh venv,
 # `kvoffload --version` must print the wheel's version, and the CPU tests run against the installed
-# package from a directory that holds only the tests, the docs and the dashboards they read.
+# package from a directory that holds only the tests and what they read (docs, dashboards, the
+# GPU script).
 # test_structure.py, test_release.py and test_figures.py read the source tree, so they run in the
 # main job only.
 set -euo pipefail
@@ -36,6 +37,7 @@ version=$(basename "$wheel" | cut -d- -f2)
         "'$(.venv-wheel/bin/kvoffload --version)'" >&2; exit 1; }
 work=$(mktemp -d)
 cp -r tests docs dashboards pyproject.toml "$work"/
+mkdir -p "$work/benchmarks" && cp benchmarks/gpu_run.sh "$work/benchmarks/"  # test_e2e_cli reads it
 cd "$work"
 "$repo/.venv-wheel/bin/python" -c "import kvoffload, kvoffload.transfer.cuda.extension as n; \
 print('installed:', kvoffload.__file__); print('native core:', n.module() or n.unavailable()); \
