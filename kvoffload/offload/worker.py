@@ -112,19 +112,12 @@ class TransferWorker:
         with self._lock:
             if self._closed:
                 raise ValueError("submit: expected an open TransferWorker, got a closed one")
-            if not isinstance(job, TransferJob):
-                raise ValueError(f"submit: expected a TransferJob, got {type(job).__name__}")
-            if job.job_id in self._running:
-                raise ValueError(f"submit: expected a new job id, got {job.job_id} already running")
-            self._ledger.take(job)
+            self._take(job, "submit")
             try:
-                pending = self.backend.submit_checked(job.specs)
+                self._start(job)
             except BaseException:
                 self._ledger.untake(job)
                 raise
-            now = time.perf_counter()
-            deadline = now + self.load_timeout_s if job.direction == "load" else None
-            self._running[job.job_id] = _Running(job, pending, now, deadline)
 
     def step(self, jobs: Sequence[TransferJob]) -> list[JobResult]:
         """One call per engine step: submit ``jobs`` in order (as ``submit`` does), then return
@@ -138,13 +131,7 @@ class TransferWorker:
             taken: list[TransferJob] = []
             try:
                 for job in jobs:
-                    if not isinstance(job, TransferJob):
-                        raise ValueError(f"step: expected a TransferJob, got {type(job).__name__}")
-                    if job.job_id in self._running:
-                        raise ValueError(
-                            f"step: expected a new job id, got {job.job_id} already running"
-                        )
-                    self._ledger.take(job)
+                    self._take(job, "step")
                     taken.append(job)
             except BaseException:
                 for job in taken:
@@ -152,14 +139,11 @@ class TransferWorker:
                 raise
             for k, job in enumerate(jobs):
                 try:
-                    pending = self.backend.submit_checked(job.specs)
+                    self._start(job)
                 except BaseException:
                     for left in jobs[k:]:
                         self._ledger.untake(left)
                     raise
-                now = time.perf_counter()
-                deadline = now + self.load_timeout_s if job.direction == "load" else None
-                self._running[job.job_id] = _Running(job, pending, now, deadline)
         return self.get_finished()
 
     def layer_gate(self, layers: int) -> WorkerGate:
@@ -300,6 +284,21 @@ class TransferWorker:
         self.backend.close()
 
     # -- internals (the lock is held) ----------------------------------------------------------
+
+    def _take(self, job: TransferJob, where: str) -> None:
+        """Claim ``job`` in the ledger; ValueError, changing nothing, unless it may run here."""
+        if not isinstance(job, TransferJob):
+            raise ValueError(f"{where}: expected a TransferJob, got {type(job).__name__}")
+        if job.job_id in self._running:
+            raise ValueError(f"{where}: expected a new job id, got {job.job_id} already running")
+        self._ledger.take(job)
+
+    def _start(self, job: TransferJob) -> None:
+        """Hand a claimed job's copy to the backend and track it (its deadline for a load)."""
+        pending = self.backend.submit_checked(job.specs)
+        now = time.perf_counter()
+        deadline = now + self.load_timeout_s if job.direction == "load" else None
+        self._running[job.job_id] = _Running(job, pending, now, deadline)
 
     def _cancel_locked(self, job_ids: list[int]) -> list[int]:
         cancelled = []
