@@ -217,6 +217,10 @@ def test_close_with_waits_enqueued_waits_for_the_copies_then_frees_the_flags(
         assert not any(fake_cuda.held.values())  # close opened the gate, the load landed
         assert pending.done() and pending.error() is None
         pending.wait_on(123, 1)  # after close: nothing to wait for, no flag memory touched
+        with pytest.raises(ValueError, match="closed"):
+            backend.layer_gate(2)  # refused before the core is asked
+        with pytest.raises(RuntimeError, match="closed"):
+            gate.wait(124, 0)  # the words are freed: refused, nothing enqueued
 
 
 @needs_core

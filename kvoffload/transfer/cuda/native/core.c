@@ -443,6 +443,10 @@ void kvo_core_close(kvo_core *e) {
     pthread_mutex_unlock(&e->mu);
     if (e->threads_started & 4) pthread_join(e->completer, NULL);
     e->threads_started = 0;
+    /* every job has ended: later waits enqueue nothing; those reading the words now finish
+     * first (Dekker with kvo_flags_enter: both sides sequentially consistent) */
+    __atomic_store_n(&e->closed, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&e->flag_users, __ATOMIC_SEQ_CST) > 0) CPU_RELAX();
     void *prev = kvo_ctx_enter(e);
     if (e->flags.host != NULL) {
         for (int64_t g = 0; g < e->gates; g++)
@@ -456,7 +460,6 @@ void kvo_core_close(kvo_core *e) {
     kvo_flags_free(&e->flags, &e->d);
     pthread_mutex_lock(&e->mu);
     while (e->pool_n > 0) e->d.event_destroy(e->pool[--e->pool_n]);
-    __atomic_store_n(&e->closed, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&e->mu);
     kvo_ctx_leave(e, prev);
 }

@@ -23,6 +23,7 @@ struct kvo_core {
     kvo_job *inflight;  /* enqueued, not finished */
     int running[2];     /* a thread is enqueueing a job of this direction */
     int closing, closed, threads_started, workers_exited;
+    int flag_users; /* waits and gates reading the flag words now (close frees them after) */
     pthread_t worker[2], completer;
     kvo_event *pool; /* free events */
     int64_t pool_n, pool_cap;

@@ -17,6 +17,17 @@
 #define SPIN_S 100e-6
 
 
+/* A reader of the flag words: 1 and counted while the core is open (close waits for the count
+ * to drain before it frees them), else 0 (every job has ended: nothing to wait for). */
+static int flags_enter(kvo_core *e) {
+    __atomic_add_fetch(&e->flag_users, 1, __ATOMIC_SEQ_CST);
+    if (!__atomic_load_n(&e->closed, __ATOMIC_SEQ_CST)) return 1;
+    __atomic_sub_fetch(&e->flag_users, 1, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+static void flags_leave(kvo_core *e) { __atomic_sub_fetch(&e->flag_users, 1, __ATOMIC_SEQ_CST); }
+
 static int state_of(kvo_job *job) { return __atomic_load_n(&job->state, __ATOMIC_ACQUIRE); }
 
 kvo_status kvo_job_done(kvo_core *e, kvo_job *job, int *done) {
@@ -86,15 +97,18 @@ kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t
         return KVO_OK;
     }
     *ok = !job->failed; /* final for failures found while enqueueing (the job settled) */
-    if (__atomic_load_n(&e->closed, __ATOMIC_ACQUIRE)) return KVO_OK; /* everything ended */
+    if (!flags_enter(e)) return KVO_OK; /* closed: everything ended */
     int64_t word = job->dir == KVO_LOAD && layer >= 0 && layer < job->n_layers
                        ? kvo_word_layer(&e->flags, layer)
                        : kvo_word_done(job->dir);
-    if (kvo_flag_reached(&e->flags, word, job->seq)) return KVO_OK; /* landed: nothing to wait */
-    void *prev = kvo_ctx_enter(e);
-    int err = e->d.wait32(stream, e->flags.dev + (kvo_dptr)word * sizeof(uint32_t), job->seq,
+    int err = 0;
+    if (!kvo_flag_reached(&e->flags, word, job->seq)) { /* else landed: nothing to wait */
+        void *prev = kvo_ctx_enter(e);
+        err = e->d.wait32(stream, e->flags.dev + (kvo_dptr)word * sizeof(uint32_t), job->seq,
                           KVO_WAIT_GEQ);
-    kvo_ctx_leave(e, prev);
+        kvo_ctx_leave(e, prev);
+    }
+    flags_leave(e);
     if (err)
         return kvo_say(msg, KVO_FAILED, "cuStreamWaitValue32 failed: %s",
                        kvo_error_name(&e->d, err));
@@ -177,6 +191,8 @@ static kvo_status check_gate(kvo_core *e, int64_t gate, int64_t layer, char *msg
 kvo_status kvo_gate_wait(kvo_core *e, int64_t gate, kvo_stream stream, int64_t layer, char *msg) {
     kvo_status rc = check_gate(e, gate, layer < 0 ? -2 : layer, msg);
     if (rc != KVO_OK) return rc;
+    if (!flags_enter(e))
+        return kvo_say(msg, KVO_FAILED, "expected an open native core, got a closed one");
     kvo_ops ops;
     kvo_ops_begin(&ops, &e->d, &e->flags, stream);
     int64_t word = kvo_word_gate(&e->flags, gate, layer);
@@ -185,6 +201,7 @@ kvo_status kvo_gate_wait(kvo_core *e, int64_t gate, kvo_stream stream, int64_t l
     void *prev = kvo_ctx_enter(e);
     int err = kvo_ops_end(&ops);
     kvo_ctx_leave(e, prev);
+    flags_leave(e);
     if (err)
         return kvo_say(msg, KVO_FAILED, "cuStreamBatchMemOp failed: %s", kvo_error_name(&e->d, err));
     return KVO_OK;
@@ -201,8 +218,11 @@ kvo_status kvo_gate_open(kvo_core *e, int64_t gate, kvo_stream stream, kvo_job *
     kvo_status rc = check_gate(e, gate, -1, msg);
     if (rc != KVO_OK) return rc;
     uint32_t target[2] = {0, 0}; /* per direction: the newest listed job still to land */
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n; i++)
         if ((rc = until_enqueued(e, jobs[i], timeout, msg)) != KVO_OK) return rc;
+    if (!flags_enter(e))
+        return kvo_say(msg, KVO_FAILED, "expected an open native core, got a closed one");
+    for (int64_t i = 0; i < n; i++) {
         if (jobs[i]->cancelled) continue;
         if (!kvo_flag_reached(&e->flags, kvo_word_done(jobs[i]->dir), jobs[i]->seq))
             target[jobs[i]->dir] = newest(target[jobs[i]->dir], jobs[i]->seq);
@@ -224,6 +244,7 @@ kvo_status kvo_gate_open(kvo_core *e, int64_t gate, kvo_stream stream, kvo_job *
         err = kvo_ops_end(&ops);
     }
     kvo_ctx_leave(e, prev);
+    flags_leave(e);
     if (err)
         return kvo_say(msg, KVO_FAILED, "opening the layer gate failed: %s",
                        kvo_error_name(&e->d, err));
