@@ -93,7 +93,7 @@ class ModelIndex:
             evicted = self._evict(len(new) - self._num_free, protect=set(keys))
         fit = min(len(new), self._num_free)
         new, dropped = new[:fit], len(new) - fit
-        slots = self._pop_free(fit)
+        slots = np.sort(self._pop_free(fit))  # ascending, as the native index hands them
         self._writing.update(zip(new, slots.tolist(), strict=True))
         skipped = len(keys) - len(new) - dropped
         chosen = np.asarray(positions[:fit], dtype=np.int64)

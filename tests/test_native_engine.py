@@ -652,3 +652,44 @@ def test_runs_of_consecutive_slots_load_as_one_pitched_copy_per_slice(
         pair.oracle.copy(store)
         pair.oracle.copy(load)
         pair.check()
+
+
+@needs_core
+def test_a_loads_slice_count_weighs_its_enqueue_against_its_first_slice(fake_cuda: Calls) -> None:
+    """With a copy descriptor made dear, a load from scattered host slots (a descriptor per block
+    and slice) takes one slice, the same load from consecutive slots (a 2D copy per slice) takes
+    the most; a link of 0 keeps the most slices whatever the slots. Either way the bytes are the
+    oracle's, and each slice goes in one chunk when it fits a staging area."""
+    dear = (10**9, 3000, 8000, 3000)
+    for link, scattered_slices in ((50.0, 1), (0.0, 4)):
+        with engine_on("llama3-8b", "kv_split", plan_link_GBps=link, enqueue_ns=dear) as (
+            pair,
+            backend,
+        ):
+            for slots, want in ((np.arange(8), 4), (np.arange(0, 16, 2), scattered_slices)):
+                store = [TransferSpec.of("store", np.arange(8), slots)]
+                assert backend.submit(store).wait(10)
+                pair.oracle.copy(store)
+                start = len(fake_cuda.log)
+                load = [TransferSpec.of("load", np.arange(8, 16), slots)]
+                pending = backend.submit(load)
+                assert pending.wait(10) and pending.error() is None
+                pair.oracle.copy(load)
+                pair.check()
+                assert pending.layer_slice is not None
+                assert int(pending.layer_slice.max()) + 1 == want
+                unit = pair.kv.slot_bytes // want  # equal slices
+                per_chunk = backend.area_bytes // unit
+                launches = [e for e in fake_cuda.log[start:] if e[0] == "launch"]
+                assert len(launches) == want * -(-8 // per_chunk)
+
+
+def test_enqueue_costs_are_checked(fake_cuda: Calls) -> None:
+    from kvoffload.transfer.cuda.staged_config import StagedConfig
+
+    for bad in ((1, 2, 3), (1, 2, 3, -1), [1, 2, 3, 4], (1, 2, 3, True)):
+        with pytest.raises(ValueError, match="enqueue_ns as 4 ints"):
+            StagedConfig(enqueue_ns=bad)  # type: ignore[arg-type]
+    for link in (-1.0, float("nan"), 1e9, True):
+        with pytest.raises(ValueError, match="plan_link_GBps"):
+            StagedConfig(plan_link_GBps=link)

@@ -212,6 +212,23 @@ static ix_status copy_long(ix_index *ix, const ix_key *keys, const int64_t *pos,
     return IX_OK;
 }
 
+static int by_slot(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* ``n`` slots off the free stack, ascending: one call's blocks land in runs of consecutive slots
+ * wherever free slots are adjacent, and a load moves a run as one 2D copy per layer slice where
+ * scattered slots cost a copy descriptor each (kvoffload/transfer/cuda/native/pipeline.c). */
+static void take_ascending(ix_index *ix, int64_t *out, int64_t n) {
+    int sorted = 1;
+    for (int64_t j = 0; j < n; j++) {
+        out[j] = ix->free[--ix->num_free];
+        if (j && out[j] < out[j - 1]) sorted = 0;
+    }
+    if (!sorted) qsort(out, (size_t)n, sizeof *out, by_slot);
+}
+
 ix_status ix_prepare_store(ix_index *ix, const ix_key *keys, int64_t n, ix_plan *plan,
                            ix_refusal *why) {
     memset(plan, 0, sizeof *plan);
@@ -240,10 +257,11 @@ ix_status ix_prepare_store(ix_index *ix, const ix_key *keys, int64_t n, ix_plan 
         for (int64_t j = 0; j < m; j++) ix->e[marked[j]].mark = 0;
         free(marked);
     }
-    int64_t fit = fresh < ix->num_free ? fresh : ix->num_free;
-    for (int64_t j = 0; j < fit && st == IX_OK; j++) {
+    int64_t fit = fresh < ix->num_free ? fresh : ix->num_free, j = 0;
+    if (st == IX_OK) take_ascending(ix, plan->slots, fit);
+    for (; j < fit && st == IX_OK; j++) {
         const ix_key *k = &keys[plan->pos[j]];
-        uint32_t s = ix->free[--ix->num_free];
+        uint32_t s = (uint32_t)plan->slots[j];
         ix_entry *e = &ix->e[s];
         memcpy(e->b, k->b, IX_KEY_BYTES);
         e->tag = k->tag;
@@ -255,8 +273,9 @@ ix_status ix_prepare_store(ix_index *ix, const ix_key *keys, int64_t n, ix_plan 
         }
         st = ix_table_add(&ix->table, k->hash, s);
         ix->num_writing++;
-        plan->slots[j] = s;
     }
+    for (int64_t r = fit - 1; r >= j && st != IX_OK; r--) /* taken, not given: back on the stack */
+        ix->free[ix->num_free++] = (uint32_t)plan->slots[r];
     for (int64_t j = 0; j < fresh && copies; j++) free(copies[j]);
     free(copies);
     plan->n = fit;

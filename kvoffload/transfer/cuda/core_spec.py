@@ -50,6 +50,10 @@ class CoreSpec:
     gather: tuple[int, int]  # (store, load) kernel stream handles
     dmas: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) DMA stream handles
     gate: int  # the stream that opens layer gates (LayerGate.open)
+    # A load's slice count (native/job.c, plan_load): host ns per batch descriptor, per 2D copy,
+    # per chunk and per slice, and the link's bytes per us (0: the byte rule alone).
+    enqueue_ns: tuple[int, int, int, int]
+    link_bytes_per_us: int
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
     groups: tuple[GroupSpec, ...]
 
@@ -76,6 +80,8 @@ class CoreSpec:
             *pad,
             self.inline_bytes,
             self.gate,
+            *self.enqueue_ns,
+            self.link_bytes_per_us,
             *self.bases[0],
             *self.bases[1],
         ]

@@ -164,6 +164,8 @@ class NativeStagedBackend(CopyBackend):
                 gather=(handle["store"][0], handle["load"][0]),
                 dmas=(tuple(handle["store"][1:]), tuple(handle["load"][1:])),
                 gate=int(self._gate_stream.cuda_stream),
+                enqueue_ns=config.enqueue_ns,
+                link_bytes_per_us=int(config.plan_link_GBps * 1000),
                 bases=(bases["store"], bases["load"]),
                 groups=groups,
             )

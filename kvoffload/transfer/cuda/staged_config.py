@@ -44,6 +44,14 @@ class StagedConfig:
     max_layer_slices: int = 16
     # ... and at most one slice per this many bytes of the load (``SLICE_TRANSFER_BYTES``).
     layer_slice_transfer_bytes: int = SLICE_TRANSFER_BYTES
+    # How a load's slice count is chosen among the counts the rules above allow: the fewest
+    # expected microseconds of the caller's enqueue plus the first slice's time on the link
+    # (more slices: a shorter first slice, but a copy descriptor per block and slice where host
+    # slots are scattered). Host ns per batch descriptor, 2D copy, chunk and slice, measured on
+    # an H100 with driver 580 (docs/transfer.md, "Enqueue cost"), and the link in GB/s; a link
+    # of 0 takes the most slices the rules allow.
+    enqueue_ns: tuple[int, int, int, int] = (1350, 3000, 8000, 3000)
+    plan_link_GBps: float = 50.0
     # > 0: ramped slices from this many bytes per block (``FIRST_SLICE_BYTES``); 0: equal slices,
     # which waited less unless the engine computes a layer in ~2x its link time.
     first_slice_bytes: int = 0
@@ -79,6 +87,21 @@ class StagedConfig:
         if isinstance(self.copy_priority, bool) or not isinstance(self.copy_priority, int):
             raise ValueError(
                 f"StagedConfig: expected copy_priority as an int, got {self.copy_priority!r}"
+            )
+        costs = self.enqueue_ns
+        if (
+            not isinstance(costs, tuple)
+            or len(costs) != 4
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in costs)
+        ):
+            raise ValueError(
+                f"StagedConfig: expected enqueue_ns as 4 ints >= 0 (descriptor, 2D copy, chunk, "
+                f"slice), got {costs!r}"
+            )
+        link = self.plan_link_GBps
+        if isinstance(link, bool) or not isinstance(link, (int, float)) or not 0 <= link < 1e4:
+            raise ValueError(
+                f"StagedConfig: expected plan_link_GBps in [0, 10000) GB/s, got {link!r}"
             )
         if not isinstance(self.first_slice_bytes, int) or self.first_slice_bytes < 0:
             raise ValueError(

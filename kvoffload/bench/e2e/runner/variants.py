@@ -69,12 +69,13 @@ class Variant:
 
 
 # the native core's settings per flag (StagedConfig fields)
-SETTINGS: dict[str, dict[str, int]] = {
+SETTINGS: dict[str, dict[str, Any]] = {
     "inline": {"native_inline_bytes": 1 << 62},
     "thread": {"native_inline_bytes": 0},
     "ramp": {"first_slice_bytes": 64 << 10},
     "prio": {"copy_priority": -5},
     "whole": {"max_layer_slices": 1},
+    "most": {"plan_link_GBps": 0.0},  # the most slices the byte rules allow (before 2026-11-25)
 }
 
 
@@ -105,7 +106,7 @@ def _configured(backend: str, flags: list[str]) -> str:
         from kvoffload.transfer.cuda.staged import make_staged
         from kvoffload.transfer.cuda.staged_config import StagedConfig
 
-        fields: dict[str, int] = {}
+        fields: dict[str, Any] = {}
         for flag in flags:
             fields.update(SETTINGS[flag])
         config = StagedConfig(**fields)

@@ -45,19 +45,60 @@ int64_t kvo_job_bytes(const kvo_job *job, const kvo_spec *s) {
     return nbytes;
 }
 
-/* The load schedule of each spec: the one with the most slices that keeps one slice per
- * min_slice_transfer_bytes of the job; a later schedule of a tie has smaller slices. */
+/* Host ns to enqueue spec i's slot runs once (one layer slice): a run of >= 2 consecutive slots
+ * is one 2D copy, a lone slot one batch descriptor (pipeline.c, copies). */
+static int64_t runs_ns(const kvo_spec *s, const int64_t *slots, int64_t n) {
+    int64_t ns = 0;
+    for (int64_t i = 0; i < n;) {
+        int64_t run = 1;
+        while (i + run < n && slots[i + run] == slots[i] + run) run++;
+        ns += run >= 2 ? s->cost_2d_ns : s->cost_desc_ns;
+        i += run;
+    }
+    return ns;
+}
+
+/* Expected ns of plan k for n blocks: the caller's enqueue (per slice: its runs, chunks and flag
+ * writes) plus the first slice's wire time, which the engine's first layer waits for. More
+ * slices shorten the second and lengthen the first; on scattered slots (a descriptor per block
+ * and slice, ~1.35 us each, H100 driver 580) the first grows fastest. */
+static int64_t plan_ns(const kvo_spec *s, const kvo_group *g, int64_t k, int64_t n,
+                       int64_t once_ns, int64_t nbytes) {
+    int64_t count = g->plan_count[k], ns = 0;
+    for (int64_t j = 0; j < count; j++) {
+        int64_t unit = g->parts[g->plan_first[k] + j].unit;
+        int64_t per_chunk = s->area_bytes / unit;
+        int64_t chunks = (n + per_chunk - 1) / per_chunk;
+        ns += once_ns + s->cost_slice_ns + chunks * s->cost_chunk_ns;
+    }
+    return ns + nbytes * 1000 / s->link_bytes_per_us / count;
+}
+
+/* The load schedule of each spec: at most one slice per min_slice_transfer_bytes of the job
+ * (a later schedule of a tie has smaller slices); among those, the most slices, or with a link
+ * rate in the spec, the fewest expected ns (plan_ns). */
 static void plan_load(const kvo_spec *s, kvo_job *job) {
     int64_t room = kvo_job_bytes(job, s) / s->min_slice_transfer_bytes;
     if (room < 1) room = 1;
     job->n_slices = 0;
     for (int64_t i = 0; i < job->n_specs; i++) {
         const kvo_group *g = &s->groups[job->group[i]];
-        int64_t best = 0;
-        for (int64_t k = 0; k < g->n_plans; k++)
-            if ((g->plan_count[k] <= room || g->plan_count[k] == 1) &&
-                g->plan_count[k] >= g->plan_count[best])
+        int64_t n = job->count[i], best = -1, best_ns = 0;
+        int64_t once_ns = s->link_bytes_per_us ? runs_ns(s, job->ids + job->at[i] + n, n) : 0;
+        for (int64_t k = 0; k < g->n_plans; k++) {
+            if (g->plan_count[k] > room && g->plan_count[k] != 1) continue;
+            if (s->link_bytes_per_us) {
+                int64_t ns = plan_ns(s, g, k, n, once_ns, n * g->slot_bytes);
+                if (best < 0 || ns < best_ns ||
+                    (ns == best_ns && g->plan_count[k] >= g->plan_count[best])) {
+                    best = k;
+                    best_ns = ns;
+                }
+            } else if (best < 0 || g->plan_count[k] >= g->plan_count[best]) {
                 best = k;
+            }
+        }
+        if (best < 0) best = 0;
         job->plan_first[i] = g->plan_first[best];
         job->plan_count[i] = g->plan_count[best];
         if (job->plan_count[i] > job->n_slices) job->n_slices = job->plan_count[i];

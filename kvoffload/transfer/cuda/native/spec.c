@@ -6,7 +6,7 @@
 
 #include "spec.h"
 
-#define HEAD 22 /* fields before the staging bases */
+#define HEAD 27 /* fields before the staging bases */
 
 typedef struct {
     const int64_t *p;
@@ -33,7 +33,7 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     cursor c = {packed, n, 0};
     int64_t head[HEAD];
     memset(s, 0, sizeof *s);
-    if (take(&c, head, HEAD) != 0) return "expected a core spec of at least 22 fields";
+    if (take(&c, head, HEAD) != 0) return "expected a core spec of at least 27 fields";
     if (head[0] != KVO_ABI) return "expected a core spec of this build's ABI (a stale build)";
     s->n_groups = head[1];
     s->num_slots = head[2];
@@ -52,6 +52,13 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     }
     s->inline_bytes = head[20];
     s->gate = head[21];
+    s->cost_desc_ns = head[22];
+    s->cost_2d_ns = head[23];
+    s->cost_chunk_ns = head[24];
+    s->cost_slice_ns = head[25];
+    s->link_bytes_per_us = head[26];
+    for (int j = 22; j < 27; j++)
+        if (head[j] < 0) return "expected enqueue costs and a link rate >= 0 in the core spec";
     if (s->n_groups < 1 || s->num_slots < 1 || s->arena_slot_bytes < 1 || s->depth < 1 ||
         s->depth > KVO_MAX_DEPTH || s->area_bytes < 1 || s->first_chunk_bytes < 1 ||
         s->min_slice_transfer_bytes < 1 || s->n_dmas < 1 || s->n_dmas > KVO_MAX_DMAS)

@@ -44,6 +44,11 @@ typedef struct {
     int64_t gather[2];                 /* per direction: the kernels' stream */
     int64_t dmas[2][KVO_MAX_DMAS];     /* per direction: the DMA streams */
     int64_t gate;                      /* the stream that opens layer gates */
+    /* A load's slice count weighs the caller's enqueue time against the first slice's wire
+     * time (job.c, plan_load): host ns per batch descriptor, per 2D copy, per chunk (its events
+     * and kernel launch) and per slice (its flag writes), and the link's bytes per us; a link of
+     * 0 keeps the byte rule alone. */
+    int64_t cost_desc_ns, cost_2d_ns, cost_chunk_ns, cost_slice_ns, link_bytes_per_us;
     int64_t *bases[2];                 /* per direction: staging area addresses (depth) */
     kvo_group *groups;
 } kvo_spec;
