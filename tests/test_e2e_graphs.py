@@ -254,7 +254,7 @@ def test_captured_steps_have_no_data_dependent_op(model, mode):
     with fake, pytest.raises(DynamicOutputShapeException):
         ones = torch.ones(3)
         ones[ones > 0].sum()
-    for b, ctx in runner.shapes()[:3]:
+    for b, ctx in [*runner.shapes()[:3], runner.shapes()[-1]]:  # the last: a decode step's
         runner._dummy(b, ctx)
         gate.open(None, [])
         with fake:
@@ -286,5 +286,102 @@ def test_engine_in_full_mode_times_the_gate_open_and_records_it(model):
         assert "worker.layer_waiter(layer)" not in got.kvo_calls  # no per-layer call at replay
         row = record(Turn(0, 2, prompt, prompt[:0]), got, 0)
         assert row["gate_open_ms"] > 0 and row["load_exposed_ms"] >= row["gate_open_ms"]
+    finally:
+        host.close()
+
+
+def _changed_slots(before, cache):
+    """(layer, block, offset) of every token slot whose K or V differs from ``before``."""
+    out = set()
+    for layer, (old, new) in enumerate(zip(before, cache.tensors, strict=True)):
+        diff = (old != new).any(dim=0).flatten(2).any(-1)  # [blocks, block_size]
+        out |= {(layer, int(b), int(o)) for b, o in diff.nonzero().tolist()}
+    return out
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_step_writes_its_own_slots_and_padded_rows_only_the_scratch_block(model, mode):
+    """Over a cache full of other requests' bytes, a step of 37 tokens (bucket 64) after 21
+    cached ones writes the K/V of positions 21..57 into its blocks' slots, and its 27 padded rows
+    write nothing but the scratch block (full; piecewise writes real rows only)."""
+    cache = PagedKVCache(MICRO, 16, 16, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    for t in cache.tensors:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    before = [t.clone() for t in cache.tensors]
+    gate = FakeGate(None, MICRO.layers) if mode == "full" else None
+    blocks = [3, 9, 1, 12]
+    prompt = np.random.default_rng(1).integers(0, MICRO.vocab, 37)
+    _static_forward(model, mode, prompt, 21, blocks, gate, cache)
+    layers = range(MICRO.layers)
+    own = {(i, blocks[p // 16], p % 16) for i in layers for p in range(21, 58)}
+    scratch = {(i, 15, 0) for i in layers}  # every padded row: the scratch block's first slot
+    changed = _changed_slots(before, cache)
+    assert changed - scratch == own
+    assert changed & scratch == (scratch if mode == "full" else set())
+
+
+def test_a_step_rewrites_every_static_input_it_reads():
+    """After a large step, a small one leaves no stale row in its bucket: tokens and positions 0,
+    slots the scratch block's first, the whole block table rewritten (its blocks, then scratch),
+    the last row its own."""
+    model = Model(MICRO, "cpu", seed=0, dtype="float32")
+    cache = PagedKVCache(MICRO, 40, 16, torch.device("cpu"), torch.float32)
+    gate = FakeGate(None, MICRO.layers)
+    runner = GraphRunner(
+        model, cache, "full", 64, 256, 39, gate, gate.open, capture=False, context_step=64
+    )
+    rng = np.random.default_rng(3)
+    runner._load(rng.integers(1, MICRO.vocab, 60), 100, list(range(20, 31)), 64, 16)
+    runner._load(np.array([7, 8, 9]), 17, [5, 6], 4, 4)
+    inp = runner.inputs
+    assert inp.tokens[:4].tolist() == [7, 8, 9, 0]
+    assert inp.positions[:4].tolist() == [17, 18, 19, 0]
+    assert inp.slots[:4].tolist() == [6 * 16 + 1, 6 * 16 + 2, 6 * 16 + 3, 39 * 16]
+    assert inp.table.tolist() == [5, 6] + [39] * (inp.table.shape[0] - 2)
+    assert inp.last.tolist() == [2]
+
+
+def test_full_decode_attention_ignores_the_bytes_of_masked_keys():
+    """A full graph's decode step (one query over the padded context): what sits past the query
+    (a stale block, the scratch block; here NaN and huge values) changes no bit, and it is the
+    eager decode attention over the real keys."""
+    from kvoffload.bench.e2e.runner.attention import decode_attention
+    from kvoffload.bench.e2e.runner.graphs import static_attention
+
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 8, 16, generator=gen)
+    k = torch.randn(64, 2, 16, generator=gen)
+    v = torch.randn(64, 2, 16, generator=gen)
+    mask = (torch.arange(64) <= 40)[None, :]
+    got = static_attention(q, k, v, mask)
+    k[41:], v[41:45], v[45:] = 1e30, float("nan"), float("inf")
+    assert torch.equal(static_attention(q, k, v, mask), got)
+    torch.testing.assert_close(got, decode_attention(q, k[:41], v[:41]), atol=1e-5, rtol=1e-5)
+
+
+def test_check_turn_refuses_a_conversation_another_graph_mode_stored():
+    """The GPU test's old trap, on a CPU: the same conversation checked in piecewise, then in
+    full on one host tier, restores piecewise's KV under full's reference (restored KV and logits
+    then differ with every copy right); check_turn refuses it, and another seed passes."""
+    chat = ChatShape(1, 3, 40, 24, 20)
+    model = Model(MICRO, "cpu", seed=0, dtype="float32")
+    blocks = 3 * -(-chat.history_tokens // 16) + 1
+    cache = PagedKVCache(MICRO, blocks, 16, torch.device("cpu"), torch.float32)
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=blocks))
+    try:
+        piecewise = GraphRunner(
+            model, cache, "piecewise", 32, 256, blocks - 1, capture=False, context_step=64
+        )
+        assert check_turn(model, cache, host, chat, 3, 7, 32, graphs=piecewise)["ok"]
+        full = GraphRunner(
+            model, cache, "full", 32, 256, blocks - 1, host.layer_gate(), host.open_layers,
+            capture=False, context_step=64,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="holds none of, got seed 7"):
+            check_turn(model, cache, host, chat, 3, 7, 32, graphs=full)
+        check = check_turn(model, cache, host, chat, 3, 8, 32, graphs=full)
+        assert check["ok"] and check["decode_kv_bit_equal"]
+        assert check["gpu_reference_repeats_bit_equal"]
     finally:
         host.close()

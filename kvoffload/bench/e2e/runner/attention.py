@@ -63,16 +63,25 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch
     return out.squeeze(0).transpose(0, 1)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query over every key, in float32 with two batched matmuls: the same bits on every run.
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One query over every key (or, with ``keep``, over the keys it marks), in float32 with two
+    batched matmuls: the same bits on every run.
 
     Decode steps only serve the correctness check, which compares greedy tokens bit for bit: on an
     H100, decode steps through SDPA did not repeat themselves bit for bit (prefill did; see
-    docs/e2e.md), so a step's attention is this plain float32 form instead.
-    q: [1, heads, hd], k/v: [length, kv_heads, hd].
+    docs/e2e.md), so a step's attention is this plain float32 form instead, in every graph mode.
+    q: [1, heads, hd], k/v: [length, kv_heads, hd]; ``keep``: bool [length] (the full graphs' padded
+    context): a key it leaves out weighs exactly 0 and its value is zeroed first, so whatever
+    bytes sit there (a stale block, the scratch block) cannot reach the result, not even a NaN.
     """
     heads, kv_heads, hd = q.shape[1], k.shape[1], q.shape[2]
     qg = q[0].float().reshape(kv_heads, heads // kv_heads, hd)  # query heads grouped by kv head
     scores = torch.bmm(qg, k.float().permute(1, 2, 0)) * hd**-0.5  # [kv_heads, group, length]
-    out = torch.bmm(scores.softmax(-1), v.float().transpose(0, 1))  # [kv_heads, group, hd]
+    v32 = v.float()
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+        v32 = v32.masked_fill(~keep[:, None, None], 0.0)
+    out = torch.bmm(scores.softmax(-1), v32.transpose(0, 1))  # [kv_heads, group, hd]
     return out.reshape(1, heads, hd).to(q.dtype)

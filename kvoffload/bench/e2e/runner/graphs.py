@@ -12,7 +12,9 @@
   (token slots, block table, positions), padded: the table to the context bucket with a scratch
   block, padded tokens write their K/V to the scratch block, and a causal mask from the
   positions hides every key past a query's position (``static_attention``, SDPA with a boolean
-  mask: the memory-efficient kernel, not eager's FlashAttention).
+  mask: the memory-efficient kernel, not eager's FlashAttention; a decode step, one query, takes
+  eager's float32 ``decode_attention`` with that mask instead: SDPA's decode is not
+  bit-repeatable on an H100).
 
 Every graph is captured at start, before any transfer, on a side stream after a warm-up there,
 into one memory pool, largest bucket first (as vLLM does); ``capture_error_mode="thread_local"``
@@ -40,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvoffload.bench.e2e.runner.attention import paged_attend
+from kvoffload.bench.e2e.runner.attention import decode_attention, paged_attend
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
 from kvoffload.bench.e2e.runner.timing import SectionTimer
@@ -436,9 +438,15 @@ def static_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """Attention of ``q`` [b, heads, hd] over ``k``/``v`` [ctx, kv_heads, hd] where ``mask``
-    [b, ctx] allows it: static shapes, so it can sit inside a CUDA graph. K and V are repeated
+    [b, ctx] allows it: static shapes, so it can sit inside a CUDA graph.
+
+    One query (a decode step, bucket 1): ``decode_attention`` with the mask, as the eager mode
+    decodes, because SDPA's decode steps do not repeat their bits on an H100 (docs/e2e.md) and the
+    correctness check compares a decode with itself bit for bit. More: SDPA, with K and V repeated
     per query head, query head h reading KV head h // group (SDPA's grouped-query path is not on
     the memory-efficient kernel; an expand and a copy, where ``repeat_interleave`` may sync)."""
+    if q.shape[0] == 1:
+        return decode_attention(q, k, v, mask[0])
     ctx, kv_heads, hd = k.shape
     group = q.shape[1] // kv_heads
     k, v = (x[:, :, None].expand(ctx, kv_heads, group, hd).reshape(ctx, -1, hd) for x in (k, v))

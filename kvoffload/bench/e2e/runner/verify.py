@@ -8,6 +8,12 @@ prefix comes back from host. Both prefill the same suffix from the same block bo
 difference is a difference in the restored KV bytes. A full recompute of prompt t is reported
 beside them (not bit-equal in general: its chunks differ), as evidence that the logits depend on
 the prefix at all.
+
+*Fresh* matters: if the host tier already held the conversation (the same seed checked before on
+it, in another graph mode say), turns 1..t-1 would restore KV computed there, with other kernels
+and other bits, and keep their own computed copies of the keys it holds on the GPU only (a store
+skips held keys): the reference and the restore would then differ with every copy right.
+``check_turn`` refuses such a conversation.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvoffload import prefix_block_keys
 from kvoffload.bench.e2e.runner.config import ModelConfig
 from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine, TurnResult
 from kvoffload.bench.e2e.runner.graphs import GraphRunner
@@ -47,6 +54,8 @@ def check_turn(
     restoring the way ``offload`` says (layer by layer by default; every block is admitted),
     with the forward of ``graphs`` (None: eager; its scratch block and those after it are left
     out of the pool). Both runs take the same padded shapes, so in a graph mode the same graph.
+    ValueError if ``host`` holds any of the conversation already (fresh means fresh to the host
+    too: give each check on one host tier its own seed).
 
     Besides logits and tokens it compares the KV itself, position by position: the restored
     prefix, the suffix prefilled on top of it and the KV written by the decode steps; and it runs
@@ -56,6 +65,13 @@ def check_turn(
         raise ValueError(f"expected a turn in [2, {chat.turns}], got {turn}")
     one = ChatShape(1, turn, chat.system_tokens, chat.user_tokens, chat.answer_tokens)
     turns = chat_turns(one, model.config.vocab, seed)
+    held = host.lookup(prefix_block_keys(turns[-1].prompt, cache.block_size))
+    if held:
+        raise ValueError(
+            f"expected a conversation the host tier holds none of, got seed {seed}, whose first "
+            f"{held} blocks it holds already (checked before on this host tier, in another graph "
+            "mode?): its restore would bring back KV computed there, not here; use another seed"
+        )
     stores = dataclasses.replace(offload or Offload(), admission="all")
     pool = graphs.scratch if graphs is not None else None
     engine = PagedEngine(model, cache, "kvoffload", host, chunk_tokens, stores, pool, 0, graphs)
