@@ -18,7 +18,8 @@ Llama-3-8B restore. This probe splits it:
 - ``busy``: the same submit when the copy's streams are held behind 40 ms of GPU work (does the
   enqueue block on a full command queue?).
 
-Usage: PYTHONPATH=. python3 benchmarks/enqueue_probe.py OUT_JSON [--sections calls,contention,submit,busy]
+Usage: PYTHONPATH=. python3 benchmarks/enqueue_probe.py OUT_JSON
+       [--sections calls,contention,submit,busy]
 """
 
 from __future__ import annotations
