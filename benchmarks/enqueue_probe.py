@@ -298,6 +298,77 @@ def contention(arena: HostArena) -> list[dict[str, Any]]:
     return rows
 
 
+def interference(arena: HostArena) -> list[dict[str, Any]]:
+    """GPU ms of a GPU-bound forward stand-in (a CUDA graph of 100 bf16 4096^3 GEMMs) alone and
+    while a 256-block Llama-3-8B load runs beside it: a raw copy of the same bytes (DMA alone),
+    and the core's load (DMA + scatter kernels) as configured by default, at the highest stream
+    priority, and with 1 / 16 scatter programs. Interleaved, 9 rounds, medians."""
+    engine = SyntheticKV("llama3-8b", "page", 16, 600)
+    n = 256
+    spec = [TransferSpec.of("load", RNG.permutation(engine.pool)[:n], np.arange(n))]
+    nbytes = n * engine.kv.slot_bytes
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    model, side = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(model):
+        for _ in range(3):
+            a @ b
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=model):
+            for _ in range(100):
+                a @ b
+    configs: dict[str, dict[str, Any]] = {
+        "default": {},
+        "priority -5": {"copy_priority": -5},
+        "1 program": {"load_programs": 1},
+        "16 programs": {"load_programs": 16},
+    }
+    backends = {
+        k: NativeStagedBackend(engine.kv, arena, config=StagedConfig(**v))
+        for k, v in configs.items()
+    }
+
+    def raw() -> None:
+        with torch.cuda.stream(side):
+            dev.copy_(host, non_blocking=True)
+
+    starts: dict[str, Any] = {"alone": None, "raw copy": raw}
+    for k, backend in backends.items():
+        starts[k] = lambda backend=backend: backend.submit(spec, order_after=None)
+    got: dict[str, list[float]] = {k: [] for k in starts}
+    try:
+        for i in range(10):
+            for name, start in starts.items():
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if start is not None:
+                    start()
+                e0.record(model)
+                with torch.cuda.stream(model):
+                    graph.replay()
+                e1.record(model)
+                torch.cuda.synchronize()
+                if i:
+                    got[name].append(e0.elapsed_time(e1))
+        alone = statistics.median(got["alone"])
+        rows = []
+        for name, v in got.items():
+            row = {
+                "beside": name,
+                "gpu_ms": statistics.median(v),
+                "slowdown": statistics.median(v) / alone - 1,
+            }
+            rows.append(row)
+            log("interference", row)
+        return rows
+    finally:
+        torch.cuda.synchronize()
+        for backend in backends.values():
+            backend.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -319,6 +390,8 @@ def main() -> None:
         try:
             if "submit" in sections:
                 out["submit"] = submit(sleeper, arena, False)
+            if "interference" in sections:
+                out["interference"] = interference(arena)
             if "contention" in sections:
                 out["contention"] = contention(arena)
             if "busy" in sections:

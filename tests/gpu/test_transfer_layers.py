@@ -44,6 +44,7 @@ BACKENDS = {
             layer_slice_bytes=8,
             max_layer_slices=1024,
             layer_slice_transfer_bytes=1,
+            plan_link_GBps=0.0,  # the most slices the byte rules allow, not the cheapest
         ),
     ),
     "dma": lambda kv, a: DmaBackend(kv, a),
@@ -53,8 +54,9 @@ BACKENDS = {
 
 def sliced(kv, arena, **fields):
     """The native core, slicing even these small test loads by layer (by default a load is cut
-    into at most one slice per ``SLICE_TRANSFER_BYTES``)."""
-    config = StagedConfig(layer_slice_transfer_bytes=1, **fields)
+    into at most one slice per ``SLICE_TRANSFER_BYTES``, and where few blocks' wire time is below
+    the enqueue cost of more slices, into fewer)."""
+    config = StagedConfig(layer_slice_transfer_bytes=1, plan_link_GBps=0.0, **fields)
     return NativeStagedBackend(kv, arena, config=config)
 
 
