@@ -302,7 +302,7 @@ def interference(arena: HostArena) -> list[dict[str, Any]]:
     """GPU ms of a GPU-bound forward stand-in (a CUDA graph of 100 bf16 4096^3 GEMMs) alone and
     while a 256-block Llama-3-8B load runs beside it: a raw copy of the same bytes (DMA alone),
     and the core's load (DMA + scatter kernels) as configured by default, at the highest stream
-    priority, and with 1 / 16 scatter programs. Interleaved, 9 rounds, medians."""
+    priority, and with 1 / 4 / 16 / 32 scatter programs. Interleaved, 9 rounds, medians."""
     engine = SyntheticKV("llama3-8b", "page", 16, 600)
     n = 256
     spec = [TransferSpec.of("load", RNG.permutation(engine.pool)[:n], np.arange(n))]
@@ -323,7 +323,9 @@ def interference(arena: HostArena) -> list[dict[str, Any]]:
         "default": {},
         "priority -5": {"copy_priority": -5},
         "1 program": {"load_programs": 1},
+        "4 programs": {"load_programs": 4},
         "16 programs": {"load_programs": 16},
+        "32 programs": {"load_programs": 32},
     }
     backends = {
         k: NativeStagedBackend(engine.kv, arena, config=StagedConfig(**v))
