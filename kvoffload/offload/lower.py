@@ -100,7 +100,7 @@ class TierLookup:
 @dataclass
 class FlowStats:
     writes: int = 0  # block writes started (one per block per tier)
-    written: int = 0  # block writes that succeeded
+    written: int = 0  # block writes that succeeded (or, asked first, found the block held)
     write_failures: int = 0  # block writes that failed (the block stays on host only)
     lost: int = 0  # blocks that left host before any write to a tier that lacked them
     promotions: int = 0  # blocks whose read up from a tier started
