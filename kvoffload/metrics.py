@@ -107,7 +107,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "counter",
         ("counter",),
         "The lower tiers' flow: writes, written, write_failures, lost, promotions, promoted, "
-        "promote_failures, probes, loads_taken, loads_declined, loads_unmeasured",
+        "promote_failures, probes, and the load rule's loads_taken, loads_unmeasured (blocks), "
+        "declined_without_lookup (keys a too-slow tier was not asked about), remeasured",
     ),
 }
 

@@ -218,13 +218,13 @@ def build(kv: list[np.ndarray], host_blocks: int, **tiers: object) -> LocalOfflo
     return build_local(layout_of(kv), config)
 
 
-def build_with(kv: list[np.ndarray], host_blocks: int, make_tiers) -> LocalOffload:
+def build_with(kv: list[np.ndarray], host_blocks: int, make_tiers, **options: Any) -> LocalOffload:
     """Like ``build``, with tiers made by ``make_tiers(slot_bytes)`` (test doubles that subclass
-    the real tiers)."""
+    the real tiers, or fakes that move real bytes)."""
     layout = layout_of(kv)
     engine_blocks = [g.num_blocks for g in layout.groups]
-    config = OffloadConfig(host_capacity_blocks=host_blocks)
-    offloader = Offloader(config, layout.slot_bytes, engine_blocks)
+    config = OffloadConfig(host_capacity_blocks=host_blocks, **options)
+    offloader = Offloader(config, layout.slot_bytes, engine_blocks, layout.block_size)
     arena = HostArena(offloader.num_slots, layout.slot_bytes)
     mover = TierMover(arena, make_tiers(layout.slot_bytes))
     offloader.attach_tiers(mover)

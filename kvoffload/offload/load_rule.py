@@ -15,10 +15,10 @@ behind other reads and the round trips are in it; the rate is an exponentially w
 Without both figures (a tier never read yet, an engine that reports no prefill rate) the load is
 taken: that is how a tier gets measured at all.
 
-A declined load is recomputed by the request (which then stores those blocks as any it computed);
-its first ``lower.SAMPLE_BLOCKS`` blocks are still read up in the background, so the tier's rate
-stays measured and a tier that got faster is taken again (two mover ops, run at once by the
-default two threads, as a whole prefix's ops would be).
+Every block costs ``block_bytes`` and saves ``block_tokens``, so for one tier the verdict does not
+depend on the count: ``too_slow(tier)`` says it before any block is looked up. ``lower.py``
+leaves such a tier out of lookups entirely (no tier I/O for a request that recomputes) and
+re-measures it in the background at a bounded pace, so a tier that got faster is taken again.
 """
 
 from __future__ import annotations
@@ -75,6 +75,11 @@ class LoadRule:
         if load is None or recompute is None:
             return None
         return load < recompute
+
+    def too_slow(self, tier: str) -> bool:
+        """Whether no load from ``tier`` can beat recomputing: every block costs the same bytes
+        and saves the same tokens, so this holds for any count (False while unmeasured)."""
+        return self.worth({tier: 1}) is False
 
     def snapshot(self) -> dict[str, float]:
         out = {"prefill_tokens_per_s": self.prefill_tokens_per_s}

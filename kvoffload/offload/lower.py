@@ -37,13 +37,21 @@ Coming up, promotion:
     pending block into a miss, never into wrong KV.
 
 Whether a hit is worth loading (``load_rule.py``):
-    Before promoting, the lookup asks the ``LoadRule`` whether reading those blocks up is expected
-    to beat recomputing their tokens (the tier's measured read rate against the engine's prefill
-    rate). If not, the lookup reports none of them: the request recomputes them (and stores them
-    as any computed block). Its first ``SAMPLE_BLOCKS`` are read up anyway, in the background,
-    so the tier's rate stays measured (a tier that got faster is taken again); later lookups do
-    not report those pending either (``_declined``) until they are READABLE. ``loads_taken``,
-    ``loads_declined`` and ``loads_unmeasured`` count the blocks of each decision.
+    Every block costs the same bytes and saves the same tokens, so the rule is one comparison per
+    tier: its measured read rate against the engine's prefill rate. Before walking the keys, the
+    lookup leaves out every tier whose rate cannot beat recomputing (``LoadRule.too_slow``): it
+    is not asked about any key (no ``contains``, no probe, no read), so a request that recomputes
+    pays no tier I/O, on its thread or behind it; the keys the walk would have asked it about are
+    counted ``declined_without_lookup``. At a bounded pace (``REMEASURE_S``, doubling up to
+    ``REMEASURE_MAX_S`` while the tier stays too slow) one such lookup starts a re-measurement in
+    the background instead: up to ``SAMPLE_BLOCKS`` of the keys it left out are probed on a mover
+    thread and those the tier holds are read up (``remeasured``), so a tier that got faster is
+    taken again. Those reads are never reported pending (``_declined``) until READABLE. Tiers
+    with no figures yet are asked and loaded (``loads_unmeasured``): that is how a tier gets
+    measured; ``loads_taken`` counts blocks loaded because they beat recomputing.
+    Blocks a request recomputed are written down as any other; to a tier that was not asked
+    whether it holds them, the write first asks, on the mover's thread (``TierOp.ask_first``),
+    and writes only the blocks it lacks.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -65,7 +73,14 @@ from kvoffload.store.tiers.valkey import ValkeyTier
 
 OP_BLOCKS = 16  # blocks per tier op: one pipeline / a run of disk I/O, then a result
 LOOKAHEAD = 512  # most keys past the host prefix one lookup walks (at most half the host slots)
-SAMPLE_BLOCKS = 2 * OP_BLOCKS  # of a declined load, read up anyway: the tier's rate stays known
+SAMPLE_BLOCKS = 2 * OP_BLOCKS  # blocks read up to re-measure a tier too slow to be asked
+# A tier too slow to be asked is re-measured at most this often: first REMEASURE_S after it was
+# found too slow, the interval doubling up to REMEASURE_MAX_S while it stays so. Each costs up to
+# SAMPLE_BLOCKS block reads on the mover's threads, under whatever the engine runs then (on an
+# H100, 32 reads of 2 MiB from a loopback Valkey took ~55 ms of two threads); back to
+# REMEASURE_S once the tier is taken again.
+REMEASURE_S = 5.0
+REMEASURE_MAX_S = 80.0
 
 
 @dataclass(frozen=True)
@@ -85,7 +100,7 @@ class TierLookup:
 @dataclass
 class FlowStats:
     writes: int = 0  # block writes started (one per block per tier)
-    written: int = 0  # block writes that succeeded
+    written: int = 0  # block writes that succeeded (or, asked first, found the block held)
     write_failures: int = 0  # block writes that failed (the block stays on host only)
     lost: int = 0  # blocks that left host before any write to a tier that lacked them
     promotions: int = 0  # blocks whose read up from a tier started
@@ -93,8 +108,11 @@ class FlowStats:
     promote_failures: int = 0  # blocks whose read failed: rolled back, a miss
     probes: int = 0  # keys asked about with a probe
     loads_taken: int = 0  # blocks promoted for a request: expected faster than recomputing
-    loads_declined: int = 0  # blocks the request recomputes instead (read up in the background)
     loads_unmeasured: int = 0  # blocks promoted for a request before the rule had its figures
+    # keys a lookup did not ask a tier about, its read rate being unable to beat the prefill
+    # rate: the request recomputes them, with no tier I/O (one count per key per tier left out)
+    declined_without_lookup: int = 0
+    remeasured: int = 0  # blocks read up in the background to re-measure such a tier
 
 
 class LowerTiers:
@@ -104,6 +122,7 @@ class LowerTiers:
         mover: TierMover,
         backlog_blocks: int,
         rule: LoadRule | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if backlog_blocks <= 0:
             raise ValueError(f"expected backlog_blocks > 0, got {backlog_blocks}")
@@ -119,6 +138,9 @@ class LowerTiers:
         self._pinned = 0  # block writes in flight (each pins its slot once)
         self._probing: set[BlockKey] = set()
         self._declined: set[BlockKey] = set()  # being read up, but not for the asking request
+        self.clock = clock  # paces re-measurements
+        self._remeasure: dict[str, tuple[float, float]] = {}  # too slow: (next at, interval)
+        self._measuring: dict[int, str] = {}  # re-measurement probe op -> its tier
         self._op_reads: dict[int, int] = {}  # read op -> its promotion (for the rule's timing)
         self._reads: dict[int, list[Any]] = {}  # promotion -> [tier, ops left, ok blocks, s]
 
@@ -149,6 +171,7 @@ class LowerTiers:
         index = self.index
         ready = index.lookup(keys)
         rest = keys[ready : ready + min(LOOKAHEAD, max(1, index.num_slots // 2))]
+        asked = self._askable()
         chain: list[BlockKey] = []  # keys after the ready prefix that are (or will be) on host
         held: list[BlockKey] = list(keys[:ready])  # READABLE: protected while slots are taken
         promote: dict[BlockKey, str] = {}
@@ -160,27 +183,25 @@ class LowerTiers:
             elif state == WRITING and key in self._declined:
                 break  # coming up in the background; this request recomputes it
             elif state != WRITING:
-                source, maybe = self._source(key)
+                source, maybe = self._source(key, asked)
                 if source is None:
                     if maybe:
                         unknown = [k for k in rest[i:] if index.state(k) == FREE]
+                    elif len(asked) < len(self.names):
+                        self._decline([k for k in rest[i:] if index.state(k) == FREE], asked)
                     break
                 promote[key] = source
             chain.append(key)
         worth = self.rule.worth(Counter(promote.values())) if promote else None
-        if worth is False:  # the request recomputes them; a sample comes up to keep measuring
-            self.stats.loads_declined += len(promote)
-            promote = dict(itertools.islice(promote.items(), SAMPLE_BLOCKS))
         granted = self._promote(promote, held) if promote else set()
-        if worth is False:
-            self._declined.update(granted)
-        elif worth:
+        # Every tier asked can beat recomputing, so the rule's verdict is True or None here.
+        if worth:
             self.stats.loads_taken += len(granted)
         else:
             self.stats.loads_unmeasured += len(granted)
         pending = 0
         for key in chain:
-            if key in promote and (worth is False or key not in granted):
+            if key in promote and key not in granted:
                 break
             pending += 1
         probing = bool(unknown) and pending == len(chain)
@@ -188,10 +209,50 @@ class LowerTiers:
             self._probe(unknown)
         return TierLookup(ready, pending, probing)
 
-    def _source(self, key: BlockKey) -> tuple[str | None, bool]:
-        """The first tier holding ``key``; else None and whether some tier does not know."""
-        maybe = False
+    def _askable(self) -> list[str]:
+        """The tiers a lookup asks: those whose measured rate can beat recomputing, or unmeasured.
+        A tier found too slow is given its re-measurement time; one that got fast again loses it."""
+        now = self.clock()
+        asked = []
         for name in self.names:
+            if self.rule.too_slow(name):
+                self._remeasure.setdefault(name, (now + REMEASURE_S, REMEASURE_S))
+            else:
+                self._remeasure.pop(name, None)
+                asked.append(name)
+        return asked
+
+    def _decline(self, keys: list[BlockKey], asked: list[str]) -> None:
+        """``keys`` are recomputed without asking the tiers left out of ``asked``; one of those
+        whose re-measurement is due probes a sample of them in the background."""
+        now = self.clock()
+        for name in self.names:
+            if name in asked:
+                continue
+            self.stats.declined_without_lookup += len(keys)
+            at, interval = self._remeasure[name]
+            sample = [k for k in keys[:SAMPLE_BLOCKS] if k not in self._probing]
+            if now < at or not sample:
+                continue
+            interval = min(2 * interval, REMEASURE_MAX_S)
+            self._remeasure[name] = (now + interval, interval)
+            self._probing.update(sample)
+            self.stats.probes += len(sample)
+            self._measuring[self._submit("probe", name, sample, [])] = name
+
+    def _remeasured(self, name: str, keys: list[BlockKey]) -> None:
+        """A re-measurement's probe found ``keys`` in tier ``name``: read up those still absent
+        from host, in the background (never reported pending), timing the tier again."""
+        keys = [k for k in keys if self.index.state(k) == FREE]
+        if keys:
+            granted = self._promote(dict.fromkeys(keys, name), [])
+            self._declined.update(granted)
+            self.stats.remeasured += len(granted)
+
+    def _source(self, key: BlockKey, asked: list[str]) -> tuple[str | None, bool]:
+        """The first tier of ``asked`` holding ``key``; else None and whether one does not know."""
+        maybe = False
+        for name in asked:
             known = self.mover.tiers[name].contains([key])[0]
             if known:
                 return name, False
@@ -257,11 +318,19 @@ class LowerTiers:
 
     def _write(self, name: str, keys: list[BlockKey]) -> None:
         slots = self.index.pin(keys)  # raises unless every key is READABLE: each has a slot
-        self._submit("write", name, keys, slots.tolist())
+        # A tier left out of lookups was never asked about these: it may hold them already.
+        self._submit("write", name, keys, slots.tolist(), ask_first=name in self._remeasure)
         self.stats.writes += len(keys)
 
-    def _submit(self, kind: OpKind, tier: str, keys: list[BlockKey], slots: list[int]) -> int:
-        op = TierOp(next(self._ids), kind, tier, tuple(keys), tuple(slots))
+    def _submit(
+        self,
+        kind: OpKind,
+        tier: str,
+        keys: list[BlockKey],
+        slots: list[int],
+        ask_first: bool = False,
+    ) -> int:
+        op = TierOp(next(self._ids), kind, tier, tuple(keys), tuple(slots), ask_first)
         self._ops[op.op_id] = op
         self.mover.submit(op)
         return op.op_id
@@ -302,6 +371,9 @@ class LowerTiers:
                 self._dirty[key] = above
         else:
             self._probing.difference_update(op.keys)
+            name = self._measuring.pop(result.op_id, None)
+            if name is not None:
+                self._remeasured(name, ok)
 
     # -- shutdown and numbers -----------------------------------------------------------------
 
@@ -332,6 +404,7 @@ class LowerTiers:
             "flow": asdict(self.stats),
             "tiers": tiers,
             "read_seconds": reads,
+            "busy": self.mover.busy(),
             "up": up,
             "rule": self.rule.snapshot(),
         }

@@ -44,6 +44,7 @@ class TierOp:
     tier: str
     keys: tuple[BlockKey, ...]
     slots: tuple[int, ...] = ()  # host slot per key (write, read)
+    ask_first: bool = False  # write: probe the keys first and write only those the tier lacks
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class TierMover:
         }
         # per tier: submit-to-completion seconds of each read op (an op: up to 16 blocks)
         self.read_seconds = {t.name: Histogram(TIER_READ_BUCKETS) for t in tiers}
+        # per "<tier>.<kind>": ops, blocks and seconds inside the tier's call (threads' busy time)
+        self._busy: dict[str, dict[str, float]] = {}
         self._finished: deque[TierResult] = deque()
         self._count_lock = threading.Lock()
         self._in_flight = 0
@@ -101,6 +104,12 @@ class TierMover:
     def in_flight(self) -> int:
         return self._in_flight
 
+    def busy(self) -> dict[str, dict[str, float]]:
+        """Per ``"<tier>.<kind>"``: ``ops``, ``blocks`` and ``s`` (seconds inside the tier's
+        calls, summed over the threads): where the tiers' threads spent their time."""
+        with self._count_lock:
+            return {name: dict(totals) for name, totals in self._busy.items()}
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no op is running (their results wait in ``get_finished``)."""
         with self._idle:
@@ -116,12 +125,18 @@ class TierMover:
 
     def _run(self, op: TierOp, submitted: float) -> None:
         tier = self.tiers[op.tier]
+        started = time.perf_counter()
         try:
             if op.kind == "probe":
                 ok = tier.probe(op.keys)
             else:
                 views = [memoryview(self.arena.slots[s]) for s in op.slots]
-                ok = tier.put(op.keys, views) if op.kind == "write" else tier.get(op.keys, views)
+                if op.kind == "read":
+                    ok = tier.get(op.keys, views)
+                elif op.ask_first:
+                    ok = _put_missing(tier, op.keys, views)
+                else:
+                    ok = tier.put(op.keys, views)
         except Exception as e:  # noqa: BLE001 (the thread boundary: a tier bug is a logged miss)
             self._failures.error(
                 f"{op.tier}.{op.kind}.{type(e).__name__}",
@@ -132,13 +147,29 @@ class TierMover:
                 e,
             )
             ok = [False] * len(op.keys)
-        seconds = time.perf_counter() - submitted
+        done = time.perf_counter()
+        seconds = done - submitted
         if op.kind == "read":
             self.read_seconds[op.tier].observe(seconds)
         self._finished.append(TierResult(op.op_id, tuple(ok), seconds))
         with self._idle:
+            busy = self._busy.setdefault(f"{op.tier}.{op.kind}", {"ops": 0, "blocks": 0, "s": 0.0})
+            busy["ops"] += 1
+            busy["blocks"] += len(op.keys)
+            busy["s"] += done - started
             self._in_flight -= 1
             self._idle.notify_all()
+
+
+def _put_missing(tier: Tier, keys: Sequence[BlockKey], views: list[memoryview]) -> list[bool]:
+    """``tier.put`` of the keys a probe does not find (True for those it holds already)."""
+    held = tier.probe(keys)
+    todo = [i for i, h in enumerate(held) if not h]
+    written = tier.put([keys[i] for i in todo], [views[i] for i in todo]) if todo else []
+    ok = list(held)
+    for i, w in zip(todo, written, strict=True):
+        ok[i] = w
+    return ok
 
 
 def build_tiers(config: OffloadConfig, fingerprint: str, block_bytes: int) -> list[Tier]:

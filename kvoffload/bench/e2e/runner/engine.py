@@ -89,6 +89,7 @@ class TurnResult:
     kvo_calls: dict[str, tuple[float, int]] = field(default_factory=dict)
     load_bytes: int = 0  # bytes restored from host
     kvo_ttft_s: float = 0.0  # host seconds inside kvoffload calls before the first token
+    kvo_ttft_calls: dict[str, tuple[float, int]] = field(default_factory=dict)  # those, per call
 
 
 class _HostClock:
@@ -216,7 +217,8 @@ class PagedEngine:
             self.pool.cache(blocks[gpu_hit:loaded], reusable[gpu_hit:loaded])
         ttft = time.perf_counter() - t0
         host_time.mark("first_token")  # syncing on the first token, checking the load
-        kvo_ttft = total_calls(self.host.calls.peek()) if self.host is not None else 0.0
+        ttft_calls = self.host.calls.peek() if self.host is not None else {}
+        kvo_ttft = total_calls(ttft_calls)
         sections = self.timer.collect()
         seq, out = tokens, []
         if len(answer):  # launched before the stores, so their host-side work overlaps it
@@ -257,6 +259,7 @@ class PagedEngine:
             calls,
             (loaded - gpu_hit) * self.cache.block_bytes,
             kvo_ttft,
+            ttft_calls,
         )
 
     def drop_gpu_cache(self) -> int:

@@ -55,6 +55,7 @@ SHAPES = {
 MODEL_ID = "kvoffload-bench-e2e-lower"
 DECODE = 8  # greedy tokens compared in the bit-exact check
 PENDING_TIMEOUT_S = 30.0  # a lookup waits at most this long for pending blocks
+TIER_WAIT = "tiers.wait_idle"  # the engine's thread waiting for tier I/O in a lookup (``calls``)
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,9 @@ class TieredHost(HostTier):
                 return found.ready
             # Woken when the mover's reads are done (a walk of the keys holds the GIL: no busy
             # polling under the reads); the runner lets no other tier op run at the same time.
+            # Timed as the engine's thread waiting for tier I/O (``TIER_WAIT``).
             if self.local.mover is not None:
-                self.local.mover.wait_idle(0.01)
+                self.calls.call(TIER_WAIT, self.local.mover.wait_idle, 0.01)
 
     def settle_tiers(self) -> None:
         """Wait for every read and write of the lower tiers (background ones too), so that none
@@ -174,33 +176,141 @@ def _second_engine(p: Params, tier: dict[str, Any]) -> dict[str, Any]:
     checks: list[dict[str, Any]] = []
     ttft: dict[str, list[float]] = {"recompute": [], "lower": [], "host": []}
     restored: list[int] = []
+    requests: list[dict[str, Any]] = []
+    stats = host.local.offloader.tier_stats
     try:
         for i, (doc, q) in enumerate(zip(docs, questions, strict=True)):
             prompt = np.concatenate([doc, q[1]])
             if i < p.verify:  # before any prefill rate is reported: restored whatever the rates
                 checks.append(_check(engines, np.concatenate([doc, q[0]]), prompt))
                 continue
+            s0 = stats()
             rec = engines["recompute"].run(prompt, cache=False)
             host.offloader.report_prefill(rec.computed_tokens, rec.ttft)
+            s1 = stats()
             low = engines["lower"].run(prompt)
+            s2 = stats()
             engines["lower"].drop_gpu_cache()  # its blocks stored: a recomputed prefix too
             host.settle_tiers()
+            s3 = stats()
             hit = engines["lower"].run(np.concatenate([doc, q[2]]))
+            s4 = stats()
             engines["lower"].idle()
             host.settle_tiers()
             ttft["recompute"].append(rec.ttft)
             ttft["lower"].append(low.ttft)
             ttft["host"].append(hit.ttft)
             restored.append(low.host_hit_tokens)
-        stats = host.offloader.tier_stats()
+            requests.append(
+                {
+                    "recompute": _attribution(rec, s0, s1),
+                    "lower": _attribution(low, s1, s2),
+                    "host": _attribution(hit, s3, s4),
+                }
+            )
+        final = stats()
     finally:
         host.close()
     return {
         "ttft_ms": {mode: _summary(values) for mode, values in ttft.items()},
+        "target": _target(ttft, restored, final.get("rule", {})),
         "restored_tokens": restored,
         "prompt_tokens": p.document_tokens + p.question_tokens,
-        "tier_stats": stats,
+        "tier_stats": final,
+        "requests": requests,
+        "attribution_ms": _attribution_summary(requests),
         "verify": checks,
+    }
+
+
+def _target(
+    ttft: dict[str, list[float]], restored: list[int], rule: dict[str, float]
+) -> dict[str, Any]:
+    """Issue 30's target for one workload: p50 TTFT restored from the lower tier <= recompute's,
+    whichever bound applied (``load``: the rule loaded every timed prefix, the gain is reported;
+    ``recompute``: it declined every one, the tier being slower than prefill; ``mixed``)."""
+    if not restored:
+        return {"met": False, "bound": "none", "why": "no timed request"}
+    bound = "load" if all(restored) else "recompute" if not any(restored) else "mixed"
+    lower = statistics.median(ttft["lower"]) * 1e3
+    recompute = statistics.median(ttft["recompute"]) * 1e3
+    return {
+        "bound": bound,
+        "p50_lower_ms": lower,
+        "p50_recompute_ms": recompute,
+        "gain_ms": recompute - lower,
+        "met": lower <= recompute,
+        "rule": rule,
+    }
+
+
+def _attribution(turn: TurnResult, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Where one request's time went: its TTFT, the engine's host steps before the first token
+    (``host_ms``: match includes hashing the prompt's keys, lookup the lower tiers' lookups),
+    the host time inside each kvoffload call before the first token (``kvo_ttft_calls``; the
+    engine's thread waiting for tier I/O is ``tiers.wait_idle``), the device sections, and what
+    the tiers did during the whole request (``flow`` counters; ``busy``: the tiers' threads' ops,
+    blocks and seconds, which overlap the engine's compute)."""
+    flow = {
+        k: v - before.get("flow", {}).get(k, 0)
+        for k, v in after.get("flow", {}).items()
+        if v != before.get("flow", {}).get(k, 0)
+    }
+    busy = {}
+    for name, totals in after.get("busy", {}).items():
+        was = before.get("busy", {}).get(name, {})
+        delta = {k: v - was.get(k, 0) for k, v in totals.items()}
+        if delta["ops"]:
+            busy[name] = {**delta, "s": delta["s"] * 1e3}
+    return {
+        "ttft_ms": turn.ttft * 1e3,
+        "restored_tokens": turn.host_hit_tokens,
+        "host_ms": {step: s * 1e3 for step, s in turn.host.items()},
+        "kvo_ttft_ms": turn.kvo_ttft_s * 1e3,
+        "kvo_ttft_calls": {
+            name: {"ms": s * 1e3, "calls": n} for name, (s, n) in turn.kvo_ttft_calls.items()
+        },
+        "tier_wait_ms": turn.kvo_ttft_calls.get(TIER_WAIT, (0.0, 0))[0] * 1e3,
+        "device_ms": {name: s * 1e3 for name, s in turn.sections.items()},
+        "flow": flow,
+        "busy_ms": busy,
+    }
+
+
+def _attribution_summary(requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the timed requests: ``lower`` and ``host`` TTFT minus ``recompute``'s (the
+    same request's), and the parts of ``lower``'s that recompute does not pay."""
+    if not requests:
+        return {}
+
+    def median(f: Any) -> float:
+        return float(statistics.median(f(r) for r in requests))
+
+    def call_ms(r: dict[str, Any], prefix: str) -> float:
+        calls = r["lower"]["kvo_ttft_calls"]
+        return float(sum(c["ms"] for n, c in calls.items() if n.startswith(prefix)))
+
+    def busy_ms(r: dict[str, Any]) -> float:
+        return float(sum(b["s"] for b in r["lower"]["busy_ms"].values()))
+
+    def minus_recompute(mode: str) -> float:
+        return median(lambda r: r[mode]["ttft_ms"] - r["recompute"]["ttft_ms"])
+
+    return {
+        "lower_minus_recompute": minus_recompute("lower"),
+        "host_minus_recompute": minus_recompute("host"),
+        "lower_kvo_calls": median(lambda r: r["lower"]["kvo_ttft_ms"]),
+        "lower_lookup_tiers": median(lambda r: call_ms(r, "offloader.lookup_tiers")),
+        "lower_tier_wait": median(lambda r: r["lower"]["tier_wait_ms"]),
+        "lower_host_match": median(lambda r: r["lower"]["host_ms"].get("match", 0.0)),
+        "lower_host_lookup": median(lambda r: r["lower"]["host_ms"].get("lookup", 0.0)),
+        "lower_tier_threads_busy": median(busy_ms),
+        "lower_prefill_minus_recompute": median(
+            lambda r: (
+                r["lower"]["device_ms"].get("prefill", 0.0)
+                - r["recompute"]["device_ms"].get("prefill", 0.0)
+            )
+        ),
     }
 
 
@@ -227,6 +337,10 @@ def _check(
 
 def _same_tokens(a: TurnResult, b: TurnResult) -> bool:
     return a.first_token == b.first_token and a.tokens == b.tokens
+
+
+def _rounded(values: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 2) for k, v in values.items()}
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -325,8 +439,15 @@ def main(args: argparse.Namespace, cuda: bool) -> int:
             f"{workload}: p50 TTFT recompute {t['recompute'].get('p50', 0):.1f} ms, from "
             f"{workload} {t['lower'].get('p50', 0):.1f} ms, from host {t['host'].get('p50', 0):.1f}"
             f" ms; restored tokens {r['restored_tokens']} of {r['prompt_tokens']}; loads taken "
-            f"{flow.get('loads_taken', 0)}, declined {flow.get('loads_declined', 0)}, unmeasured "
-            f"{flow.get('loads_unmeasured', 0)} blocks; rule {r['tier_stats'].get('rule', {})}"
+            f"{flow.get('loads_taken', 0)}, unmeasured {flow.get('loads_unmeasured', 0)} blocks, "
+            f"declined without lookup {flow.get('declined_without_lookup', 0)} keys, remeasured "
+            f"{flow.get('remeasured', 0)} blocks; rule {r['tier_stats'].get('rule', {})}"
+        )
+        target = r["target"]
+        console.print(
+            f"{workload}: bound {target['bound']}, p50 TTFT restored <= recompute: "
+            f"{'met' if target['met'] else 'NOT met'} (gain {target.get('gain_ms', 0):.1f} ms); "
+            f"attribution (ms, medians) {_rounded(r['attribution_ms'])}"
         )
         bad = [c for c in r["verify"] if not c["ok"]]
         failed += len(bad)
