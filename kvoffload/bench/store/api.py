@@ -139,7 +139,8 @@ def measure_layer_waits(reps: int) -> dict[str, Any]:
     (its copy thread, ``WAIT_LAYERS`` layers), every layer landed: the Python of one call (on a
     GPU each call also enqueues one stream wait; ``benchmarks/api_gpu.py`` times that)."""
     kv = [np.zeros((4, BLOCK_BYTES), np.uint8) for _ in range(WAIT_LAYERS)]
-    local = build_local(KVLayout.from_tensors(kv, block_size=16, block_dim=0), OffloadConfig())
+    layout = KVLayout.from_tensors(kv, block_size=16, block_dim=0)
+    local = build_local(layout, OffloadConfig(host_capacity_blocks=2))
     off, worker = local.offloader, local.worker
     try:
         store = off.schedule_store("s", [b"k" * 16], [0])
