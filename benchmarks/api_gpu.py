@@ -1,11 +1,15 @@
 """The public API end to end on a GPU, host time per phase included (issue 27, "What it must show").
 
 For each shape of the sweep and 1, 37 and 1,000 blocks: ``schedule_store`` + ``submit`` + wait +
-``get_finished`` + ``complete`` (then the same for a load into other engine blocks), keys given as
-a list of bytes with a list of block ids, and as an (n, 16) uint8 array with an int64 array. Per
+``get_finished`` + ``complete`` (then ``lookup`` of the stored keys and the same for a load into
+other engine blocks, its per-layer waits through ``TransferWorker.layer_waiter`` timed), keys given
+as a list of bytes with a list of block ids, and as an (n, 16) uint8 array with an int64 array. Per
 phase the median host time; submit to done including schedule and complete against the link
 (a contiguous pinned copy of the same bytes, timed alike), as a fraction. Bytes are checked: the
-loaded blocks equal the stored ones.
+loaded blocks equal the stored ones. ``fits``: per call + per block lines over the job sizes of
+schedule + submit + complete (the host time of our calls on the engine's thread, the wait left
+out), of each phase and of ``lookup``, and the median per-layer wait, against issue 27's and 25's
+targets with ``met`` (``kvoffload.bench.store.api.TARGETS``, as ``kvoffload bench store``).
 
     python benchmarks/api_gpu.py OUT.json            # CUDA: backend 'staged' (native)
     python benchmarks/api_gpu.py OUT.json --cpu      # a smoke run on CPU tensors (host backend)
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 
 from kvoffload import KVLayout, OffloadConfig, build_local
+from kvoffload.bench.store.api import TARGETS, line, met
 from kvoffload.transfer.shapes import MODELS, engine_tensors
 
 SWEEP = (  # (model, layout): bf16 pages, K/V split, fp8 2 KiB pieces, a K-only latent
@@ -54,13 +59,28 @@ def link_us(nbytes: int, device: str) -> dict[str, float]:
     return out
 
 
-def one(off: Any, worker: Any, direction: str, req: str, keys: Any, ids: Any) -> dict[str, float]:
+def one(
+    off: Any, worker: Any, direction: str, req: str, keys: Any, ids: Any, layers: int
+) -> dict[str, float]:
+    """One transfer, each phase timed (µs); a load's ``layers`` waits too (µs per layer, as the
+    engine makes them: bound once, then one call per layer on the current stream)."""
+    out: dict[str, float] = {}
+    if direction == "load":
+        t0 = time.perf_counter()
+        off.lookup(keys)
+        out["lookup"] = (time.perf_counter() - t0) * 1e6
     t0 = time.perf_counter()
     sched = off.schedule_store if direction == "store" else off.schedule_load
     job = sched(req, keys, ids)
     t1 = time.perf_counter()
     worker.submit(job)
     t2 = time.perf_counter()
+    if direction == "load":
+        waiter = worker.layer_waiter(job.job_id)
+        for layer in range(layers):
+            waiter(layer)
+        out["layer_wait"] = (time.perf_counter() - t2) / layers * 1e6
+    t2w = time.perf_counter()
     worker.wait([job.job_id], 60)
     t3 = time.perf_counter()
     results = worker.get_finished()
@@ -69,13 +89,53 @@ def one(off: Any, worker: Any, direction: str, req: str, keys: Any, ids: Any) ->
     if not all(r.ok for r in results) or not off.is_settled(req):
         raise RuntimeError(f"{direction} {req} failed: {results}")
     us = 1e6
-    return {
-        "schedule": (t1 - t0) * us,
-        "submit": (t2 - t1) * us,
-        "wait": (t3 - t2) * us,
-        "complete": (t4 - t3) * us,
-        "total": (t4 - t0) * us,
-    }
+    out.update(
+        {
+            "schedule": (t1 - t0) * us,
+            "submit": (t2 - t1) * us,
+            "wait": (t3 - t2w) * us,
+            "complete": (t4 - t3) * us,
+            "api": (t1 - t0 + t2 - t1 + t4 - t3) * us,
+            "total": (t4 - t0 - (t2w - t2)) * us,
+        }
+    )
+    return out
+
+
+def fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, layout, keys, direction): lines over the job sizes with ``met``."""
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["layout"], r["keys"], r["direction"]), []).append(r)
+    out = []
+    for (model, layout, keys, direction), rs in groups.items():
+        blocks = [r["blocks"] for r in rs]
+        phases = rs[0]["phases_us"]
+        fit: dict[str, Any] = {"model": model, "layout": layout, "keys": keys}
+        fit["direction"] = direction
+        fit["api"] = met(line(blocks, [r["phases_us"]["api"] for r in rs]), TARGETS["per_block_us"])
+        fit["phases"] = {
+            p: line(blocks, [r["phases_us"][p] for r in rs])
+            for p in ("schedule", "submit", "complete")
+        }
+        if "lookup" in phases:
+            lookup = line(blocks, [r["phases_us"]["lookup"] for r in rs])
+            fit["lookup"] = met(lookup, TARGETS["lookup_per_block_us"], per_call=False)
+            wait = statistics.median(r["phases_us"]["layer_wait"] for r in rs)
+            fit["layer_wait_us"] = {"per_call_us": wait, "met": wait <= TARGETS["layer_wait_us"]}
+        out.append(fit)
+        api = fit["api"]
+        print(
+            f"{model:22} {layout:9} {keys:5} {direction:5} fit {api['per_call_us']:8.1f} + "
+            f"{api['per_block_us']:.3f}/block met {api['met']}"
+            + (
+                f"  lookup {fit['lookup']['per_block_us']:.4f}/block"
+                f"  layer wait {fit['layer_wait_us']['per_call_us']:.2f} us"
+                if "lookup" in fit
+                else ""
+            )
+        )
+    return out
 
 
 def shape(model: str, layout: str, device: str) -> list[dict[str, Any]]:
@@ -107,8 +167,9 @@ def shape(model: str, layout: str, device: str) -> list[dict[str, Any]]:
                 for r in range(REPS + 1):
                     arr = rng.integers(0, 256, (n, 16), dtype=np.uint8)
                     keys = arr if kind == "array" else arr.view("V16").ravel().tolist()
-                    runs["store"].append(one(off, worker, "store", f"s{r}", keys, ids[0]))
-                    runs["load"].append(one(off, worker, "load", f"l{r}", keys, ids[1]))
+                    layers = kv.groups[0].num_layers
+                    runs["store"].append(one(off, worker, "store", f"s{r}", keys, ids[0], layers))
+                    runs["load"].append(one(off, worker, "load", f"l{r}", keys, ids[1], layers))
                 for t in tensors:  # the last load brought back exactly what was stored
                     a, b = (
                         (t[:n], t[pool - n :]) if block_dim == 0 else (t[:, :n], t[:, pool - n :])
@@ -153,6 +214,8 @@ def main() -> int:
                 "benchmark": "api_gpu",
                 "device": name,
                 "date": time.strftime("%Y-%m-%d"),
+                "targets": TARGETS,
+                "fits": fits(rows),
                 "rows": rows,
             },
             f,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -38,17 +38,31 @@ class ModelIndex:
 
     # -- queries ------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """Number of leading ``keys`` that are READABLE. Counts hits and misses in ``stats``."""
-        readable = self._readable
-        n = 0
-        for key in keys:
-            if key not in readable:
-                break
-            n += 1
+    def lookup(
+        self,
+        keys: Sequence[BlockKey],
+        check: Callable[[Sequence[BlockKey]], Sequence[BlockKey]] | None = None,
+    ) -> int:
+        """Number of leading ``keys`` that are READABLE. Counts hits and misses in ``stats``.
+        ``check`` runs where a key is missed (as ``BlockIndex.lookup``'s)."""
+        n = self._leading(keys)
+        if check is not None and n < len(keys):
+            checked = check(keys)
+            if checked is not keys:
+                keys = checked
+                n = self._leading(keys)
         self.stats.lookups += 1
         self.stats.hits += n
         self.stats.misses += len(keys) - n
+        return n
+
+    def _leading(self, keys: Sequence[BlockKey]) -> int:
+        readable = self._readable
+        n = 0
+        for key in keys:
+            if not _is_key(key) or key not in readable:
+                break
+            n += 1
         return n
 
     def state(self, key: BlockKey) -> int:
@@ -84,6 +98,12 @@ class ModelIndex:
 
     def prepare_store(self, keys: Sequence[BlockKey]) -> StorePlan:
         """Reserve slots for the keys not yet present (see the module docstring)."""
+        bad = [i for i, k in enumerate(keys) if not _is_key(k)]
+        if bad:
+            raise ValueError(
+                "prepare_store: expected keys as non-empty bytes, got "
+                f"{_show(keys[bad[0]])} at position {bad[0]}"
+            )
         _check_unique(keys, "prepare_store")
         readable, writing = self._readable, self._writing
         positions = [i for i, k in enumerate(keys) if k not in readable and k not in writing]
@@ -143,7 +163,7 @@ class ModelIndex:
 
     def _acquire(self, keys: Sequence[BlockKey], where: str) -> None:
         """Add one reader to each key; ValueError, changing nothing, if one is not READABLE."""
-        absent = [k for k in keys if k not in self._readable]
+        absent = [k for k in keys if not _is_key(k) or k not in self._readable]
         if absent:
             raise ValueError(
                 f"{where}: expected READABLE keys, got {len(absent)} that are not "
@@ -245,6 +265,11 @@ class ModelIndex:
             k not in self.policy for k in self._readable
         ):
             raise AssertionError("the policy does not track exactly the readable keys")
+
+
+def _is_key(key: object) -> bool:
+    """A key the index can hold: non-empty ``bytes`` exactly (anything else is never found)."""
+    return type(key) is bytes and len(key) > 0
 
 
 def _check_unique(keys: Sequence[BlockKey], where: str) -> None:

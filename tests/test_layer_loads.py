@@ -86,6 +86,11 @@ def test_wait_on_a_layer_returns_once_that_layer_has_arrived():
         worker.submit(load)
         assert held.reached.wait(30)  # layer 0 copied, layer 1 held back
         worker.wait_on(load.job_id, layer=0)  # returns: layer 0 is there
+        layer_waiter = worker.layer_waiter(load.job_id)
+        layer_waiter(0)  # so does the bound waiter
+        for bad in (LAYERS, -1, True, np.int64(0)):
+            with pytest.raises(ValueError, match=r"expected a layer in \[0, 4\)"):
+                layer_waiter(bad)
         assert np.array_equal(tensors[0][:, dst], before[0][:, [0, 1, 2]])
         for later in range(1, LAYERS):  # not written yet: still the old bytes
             assert np.array_equal(tensors[later][:, dst], before[later][:, dst])
@@ -94,6 +99,7 @@ def test_wait_on_a_layer_returns_once_that_layer_has_arrived():
         waited = threading.Event()
 
         def wait_last() -> None:
+            layer_waiter(LAYERS - 1)
             worker.wait_on(load.job_id, layer=LAYERS - 1)
             waited.set()
 
@@ -134,5 +140,12 @@ def test_a_failed_copy_fails_the_layers_it_did_not_copy():
             pending.wait_on(layer=3)
         with pytest.raises(OSError, match="injected copy failure"):
             pending.wait_on()
+        wait = pending.layer_waiter(None, LAYERS)  # bound: the same answers
+        wait(1)
+        for failed in (2, 3):
+            with pytest.raises(OSError, match="injected copy failure"):
+                wait(failed)
+        with pytest.raises(ValueError, match=r"expected a layer in \[0, 4\), got 4"):
+            wait(LAYERS)
     finally:
         backend.close()

@@ -50,9 +50,15 @@ class JobLedger:
     # -- the Offloader's side ------------------------------------------------------------------
 
     def add(self, job: TransferJob) -> None:
-        self.last_id = max(self.last_id, job.job_id)
-        self._entries[job.job_id] = _Entry(job)
-        self._by_req.setdefault(job.req_id, set()).add(job.job_id)
+        job_id = job.job_id
+        if job_id > self.last_id:
+            self.last_id = job_id
+        self._entries[job_id] = _Entry(job)
+        jobs = self._by_req.get(job.req_id)
+        if jobs is None:
+            self._by_req[job.req_id] = {job_id}
+        else:
+            jobs.add(job_id)
 
     def accept(self, result: JobResult) -> tuple[TransferJob | None, str]:
         """The job ``result`` belongs to, if the worker reported exactly this result; else None

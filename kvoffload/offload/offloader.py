@@ -17,9 +17,12 @@ early (``JobResult.final=False``: recompute) but stays in flight until its copy 
 This is the boundary: every call validates all of its input before it changes anything, and a
 refused call (ValueError, "expected X, got Y") leaves the index, the pins and the request's
 bookkeeping as they were. Inside (the index, the ledger, the worker's backend) the checked input
-is an invariant and is not checked again. Every call takes this object's lock, so several
-threads may share one Offloader. After ``close`` the calls that act raise ValueError ("expected an
-open Offloader, got a closed one"); ``is_settled``, ``in_flight`` and the statistics still answer.
+is an invariant and is not checked again. One check is the index's own: it finds only non-empty
+``bytes`` keys, so a list of keys goes to it as given and is scanned in Python (and its int block
+hashes made keys) only where the index refuses or misses a key; the refusals are the same.
+Every call takes this object's lock, so several threads may share one Offloader. After ``close``
+the calls that act raise ValueError ("expected an open Offloader, got a closed one");
+``is_settled``, ``in_flight`` and the statistics still answer.
 
 A job runs at most once and only real results count: the Offloader's ``JobLedger``
 (``kvoffload.offload.ledger``), shared with the ``TransferWorker`` built with it, admits each job
@@ -34,6 +37,7 @@ reported ``pending`` until their bytes are verified, then ``ready``, and load li
 
 from __future__ import annotations
 
+import functools
 import itertools
 import secrets
 import threading
@@ -50,7 +54,7 @@ from kvoffload.offload.load_rule import LoadRule
 from kvoffload.offload.lower import LowerTiers, TierLookup
 from kvoffload.offload.tiers import TierMover
 from kvoffload.store.index import BlockIndex
-from kvoffload.store.keys import BlockKey, KeyArray, checked_keys, key_list
+from kvoffload.store.keys import BlockKey, KeyArray, checked_keys, key_list, key_rows
 from kvoffload.transfer.spec import Direction, TransferSpec, check_engine_blocks
 
 _REFUSED = {
@@ -59,6 +63,9 @@ _REFUSED = {
     "unreported": "result(s) for id(s) {} that its worker did not report (made up, or completed "
     "already)",
 }
+
+# ``lookup``'s check of a list of keys, run by the index only when one is missed
+_check_lookup = functools.partial(checked_keys, where="lookup")
 
 
 class Offloader:
@@ -119,6 +126,10 @@ class Offloader:
         """How many leading ``keys`` are held on host, ready to load."""
         with self._lock:
             self._check_open("lookup")
+            if isinstance(keys, list):  # scanned only if a key is missed (``BlockIndex.lookup``)
+                return self.index.lookup(keys, _check_lookup)
+            if isinstance(keys, np.ndarray):  # read in place: the index keeps nothing of them
+                return self.index.lookup(key_rows(keys, "lookup", copy=False))
             return self.index.lookup(checked_keys(keys, "lookup"))
 
     def schedule_load(
@@ -135,12 +146,8 @@ class Offloader:
         """
         with self._lock:
             self._check_open("schedule_load")
-            keys = checked_keys(keys, "schedule_load")
-            blocks_arr = self._engine_blocks(req_id, keys, blocks, group, "load")
-            try:
-                slots = self.index.prepare_load(keys)
-            except ValueError as err:
-                raise not_held(self.index, keys, "schedule_load", err) from None
+            keys, blocks_arr = self._checked(req_id, keys, blocks, group, "load")
+            keys, slots = self._prepare_load(keys)
             return self._job(req_id, "load", keys, TransferSpec("load", blocks_arr, slots, group))
 
     def schedule_store(
@@ -158,14 +165,20 @@ class Offloader:
         """
         with self._lock:
             self._check_open("schedule_store")
-            keys = checked_keys(keys, "schedule_store")
-            blocks_arr = self._engine_blocks(req_id, keys, blocks, group, "store")
-            plan = self.index.prepare_store(keys)
+            keys, blocks_arr = self._checked(req_id, keys, blocks, group, "store")
+            try:
+                plan = self.index.prepare_store(keys)
+            except ValueError:
+                scanned = self._scanned(keys, "schedule_store")
+                if scanned is None:
+                    raise
+                plan = self.index.prepare_store(scanned)
             if self.lower is not None:
                 self.lower.evicted(plan.evicted)
-            if not len(plan.keys):
+            n = len(plan.positions)
+            if not n:
                 return None
-            chosen = blocks_arr[plan.positions]
+            chosen = blocks_arr if n == len(blocks_arr) else blocks_arr[plan.positions]
             spec = TransferSpec("store", chosen, plan.slots, group)
             return self._job(req_id, "store", plan.keys, spec)
 
@@ -190,17 +203,19 @@ class Offloader:
         with self._lock:
             self._check_open("complete")
             done: list[TransferJob] = []
-            refused: dict[str, list[object]] = {why: [] for why in _REFUSED}
+            refused: dict[str, list[object]] = {}  # why -> ids, filled on the first refusal
             # a late load's timeout first, when its end comes in the same call
             items: list[object] = list(results)
             if len(items) > 1:
                 items.sort(key=lambda r: not isinstance(r, JobResult) or r.final)
             for result in items:
                 if not isinstance(result, JobResult):
+                    refused = refused or {why: [] for why in _REFUSED}
                     refused["unknown"].append(result)
                     continue
                 job, why = self._ledger.accept(result)
                 if job is None:
+                    refused = refused or {why: [] for why in _REFUSED}
                     refused[why].append(result.job_id)
                     continue
                 if result.final:  # a late load was reported failed: the engine recomputed
@@ -212,7 +227,7 @@ class Offloader:
                 done.append(job)
             if self.lower is not None:
                 self.lower.poll()
-            if any(refused.values()):
+            if refused:
                 got = "; ".join(_REFUSED[w].format(ids) for w, ids in refused.items() if ids)
                 raise ValueError(
                     "complete: expected results its worker reported for job ids this Offloader "
@@ -336,14 +351,65 @@ class Offloader:
         if self._closed:
             raise ValueError(f"{where}: expected an open Offloader, got a closed one")
 
-    def _engine_blocks(
+    def _checked(
         self,
         req_id: str,
         keys: Sequence[BlockKey] | KeyArray,
         blocks: Sequence[int] | np.ndarray,
         group: int,
         direction: Direction,
+    ) -> tuple[list[BlockKey] | KeyArray, np.ndarray]:
+        """``schedule_*``'s checks of its input, in its order: the keys, then the engine blocks.
+
+        A list of keys is left to the index to check (``_scanned``): it finds only non-empty
+        ``bytes``, so a call whose keys it accepts needs no scan of them in Python."""
+        where = f"schedule_{direction}"
+        if not isinstance(keys, list):
+            checked = checked_keys(keys, where)
+            return checked, self._engine_blocks(req_id, len(checked), blocks, group, direction)
+        try:
+            return keys, self._engine_blocks(req_id, len(keys), blocks, group, direction)
+        except ValueError:
+            checked_keys(keys, where)  # a bad key is refused before bad blocks
+            raise
+
+    def _scanned(
+        self, keys: list[BlockKey] | KeyArray, where: str
+    ) -> list[BlockKey] | KeyArray | None:
+        """Keys the index refused, as ``checked_keys`` makes them (ValueError in the API's words
+        for a bad one; int block hashes become keys); None where that changes nothing: the index
+        refused the keys themselves."""
+        if not isinstance(keys, list):
+            return None
+        checked = checked_keys(keys, where)
+        return None if checked is keys else checked
+
+    def _prepare_load(
+        self, keys: list[BlockKey] | KeyArray
+    ) -> tuple[list[BlockKey] | KeyArray, np.ndarray]:
+        """The keys (scanned if the index refused them as given) and their pinned slots."""
+        try:
+            return keys, self.index.prepare_load(keys)
+        except ValueError as err:
+            refusal = err
+        scanned = self._scanned(keys, "schedule_load")
+        if scanned is not None:
+            try:
+                return scanned, self.index.prepare_load(scanned)
+            except ValueError as err:
+                keys, refusal = scanned, err
+        raise not_held(self.index, keys, "schedule_load", refusal)
+
+    def _engine_blocks(
+        self,
+        req_id: str,
+        n: int,
+        blocks: Sequence[int] | np.ndarray,
+        group: int,
+        direction: Direction,
     ) -> np.ndarray:
+        """``blocks`` checked as ``n`` engine block ids of ``group``, as an int64 array of this
+        Offloader's own (a caller's array is copied: the job's ids cannot change with it)."""
         if not isinstance(req_id, str):
             raise ValueError(f"schedule_{direction}: expected a str req_id, got {req_id!r}")
         raw = np.asarray(blocks)
@@ -352,17 +418,20 @@ class Offloader:
                 f"schedule_{direction}: expected a 1-D array of engine block ids, got shape "
                 f"{raw.shape}"
             )
-        check_block_ids(raw, f"schedule_{direction}")
-        if raw.size and raw.dtype.kind not in "iu":
+        if raw.dtype != np.int64:
+            check_block_ids(raw, f"schedule_{direction}")
+            if raw.size and raw.dtype.kind not in "iu":
+                raise ValueError(
+                    f"schedule_{direction}: expected int engine block ids, got dtype {raw.dtype}"
+                )
+        if len(raw) != n:
             raise ValueError(
-                f"schedule_{direction}: expected int engine block ids, got dtype {raw.dtype}"
+                f"schedule_{direction}: expected one engine block per key ({n}), got {len(raw)}"
             )
-        if len(raw) != len(keys):
-            raise ValueError(
-                f"schedule_{direction}: expected one engine block per key ({len(keys)}), got "
-                f"{len(raw)}"
-            )
-        arr = np.ascontiguousarray(raw, dtype=np.int64)
+        if isinstance(blocks, (list, tuple)):  # ``raw`` is new
+            arr = np.ascontiguousarray(raw, dtype=np.int64)
+        else:
+            arr = np.array(raw, dtype=np.int64)
         try:
             check_engine_blocks(direction, arr, group, self.engine_blocks)
         except ValueError as err:
@@ -376,10 +445,10 @@ class Offloader:
         keys: Sequence[BlockKey] | KeyArray,
         spec: TransferSpec,
     ) -> TransferJob:
-        spec.blocks.flags.writeable = False  # a job is data that cannot change once checked
-        spec.slots.flags.writeable = False
+        spec.blocks.setflags(write=False)  # a job is data that cannot change once checked
+        spec.slots.setflags(write=False)
         if isinstance(keys, np.ndarray):
-            keys.flags.writeable = False
+            keys.setflags(write=False)
         job = TransferJob(
             next(self._ids),
             req_id,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from kvoffload.config import DEFAULT_LOAD_TIMEOUT_S
 from kvoffload.offload.jobs import JobResult, TransferJob
 from kvoffload.offload.latency import LAYER_WAIT_BUCKETS, TRANSFER_BUCKETS, Histogram
 from kvoffload.offload.offloader import Offloader
-from kvoffload.transfer.backend import CopyBackend, LayerGate, Pending
+from kvoffload.transfer.backend import CopyBackend, LayerGate, LayerWaiter, Pending, check_layer
 
 log = logging.getLogger(__name__)
 
@@ -177,11 +177,12 @@ class TransferWorker:
             now = time.perf_counter()
             for job_id, run in list(self._running.items()):
                 if run.pending.done():
-                    self._finish(job_id)
+                    self._finish(job_id, now)
                 elif not run.late and run.deadline is not None and now >= run.deadline:
                     self._expire(run, now)
             out, self._finished = self._finished, []
-            self._ledger.report(out)  # what Offloader.complete will accept
+            if out:
+                self._ledger.report(out)  # what Offloader.complete will accept
             return out
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> set[int]:
@@ -229,13 +230,14 @@ class TransferWorker:
         if layer is not None:
             self.latency["layer_wait"].observe(time.perf_counter() - start)
 
-    def layer_waiter(self, job_id: int, stream: object = None) -> Callable[[int], None]:
+    def layer_waiter(self, job_id: int, stream: object = None) -> LayerWaiter:
         """``wait_on(job_id, stream, layer)`` bound once, for an engine that waits before each
         layer's attention: ``waiter = worker.layer_waiter(job_id, stream)``, then ``waiter(i)``
         per layer (ValueError for a layer the job's groups do not have; the copy's error raised
-        as ``wait_on`` raises it). The job, the stream and the layer count are resolved here, so
-        a call costs one native wait (about a microsecond of Python on top). A job already
-        finished gives a waiter that only checks ``layer``."""
+        as ``wait_on`` raises it). The job, the stream and the layer count are resolved here and
+        the waiter is the backend's own (``Pending.layer_waiter``), so a call is one Python call
+        that checks ``layer`` and makes one native wait. A job already finished gives a waiter
+        that only checks ``layer``."""
         with self._lock:
             run = self._running.get(job_id)
         if run is None and not self._ledger.handed_out(job_id):
@@ -245,15 +247,14 @@ class TransferWorker:
         groups = self.backend.layout.groups
         specs = run.job.specs if run is not None else ()
         layers = min((groups[s.group].num_layers for s in specs), default=groups[0].num_layers)
-        wait = run.pending.layer_waiter(stream) if run is not None else None
+        if run is not None:
+            return run.pending.layer_waiter(stream, layers)
 
-        def waiter(layer: int) -> None:
-            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
-                raise ValueError(f"expected a layer in [0, {layers}), got {layer!r}")
-            if wait is not None:
-                wait(layer)
+        def landed(layer: int) -> None:
+            if type(layer) is not int or not 0 <= layer < layers:
+                check_layer(layer, layers)
 
-        return waiter
+        return landed
 
     def pending_count(self) -> int:
         with self._lock:
@@ -321,11 +322,11 @@ class TransferWorker:
         del self._running[job_id]
         return run.job
 
-    def _finish(self, job_id: int) -> None:
+    def _finish(self, job_id: int, now: float) -> None:
         run = self._running.pop(job_id)
         error = run.pending.error()
-        seconds = time.perf_counter() - run.started
-        stats = getattr(self.stats, run.job.direction)
+        seconds = now - run.started  # ``now``: when get_finished looked, just before done()
+        stats = self.stats.load if run.job.direction == "load" else self.stats.store
         if run.late:
             stats.failed += 1
             self._finished.append(

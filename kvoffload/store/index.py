@@ -45,7 +45,7 @@ before it changes anything.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,16 +70,33 @@ def _no_positions() -> np.ndarray:
     return np.zeros(0, dtype=np.int64)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class StorePlan:
     """What ``prepare_store`` decided: write ``keys`` into ``slots`` (same order)."""
 
-    keys: list[BlockKey] | np.ndarray  # an array's rows where the keys came as an array
+    # an array's rows where the keys came as an array (that array itself where all were new)
+    keys: list[BlockKey] | np.ndarray
     slots: np.ndarray  # int64, one per key
     evicted: list[BlockKey] = field(default_factory=list)
     skipped_present: int = 0  # keys already WRITING or READABLE
     skipped_full: int = 0  # keys that found no slot
     positions: np.ndarray = field(default_factory=_no_positions)  # of ``keys`` in the call's keys
+
+    def __init__(
+        self,
+        keys: list[BlockKey] | np.ndarray,
+        slots: np.ndarray,
+        evicted: list[BlockKey] | None = None,
+        skipped_present: int = 0,
+        skipped_full: int = 0,
+        positions: np.ndarray | None = None,
+    ) -> None:
+        # written out: one is made per store on the engine's thread (see kvoffload.offload.jobs)
+        d = self.__dict__
+        d["keys"], d["slots"] = keys, slots
+        d["evicted"] = [] if evicted is None else evicted
+        d["skipped_present"], d["skipped_full"] = skipped_present, skipped_full
+        d["positions"] = _no_positions() if positions is None else positions
 
 
 def native_index() -> Any:
@@ -110,9 +127,18 @@ class BlockIndex:
 
     # -- queries ------------------------------------------------------------------------------
 
-    def lookup(self, keys: Keys) -> int:
-        """Number of leading ``keys`` that are READABLE. Counts hits and misses in ``stats``."""
-        n, total = self._ix.lookup(_sequence(keys))
+    def lookup(self, keys: Keys, check: Callable[[Keys], Keys] | None = None) -> int:
+        """Number of leading ``keys`` that are READABLE. Counts hits and misses in ``stats``.
+
+        ``check``: the caller's check of ``keys`` it has not run yet (ValueError for a bad key;
+        keys it converts come back as a new list), run only where a key is missed: a key found
+        was non-empty ``bytes`` (the index finds no other), so a full hit needs no check."""
+        keys = _sequence(keys)
+        n, total = self._ix.lookup(keys)
+        if check is not None and n < total:
+            checked = check(keys)
+            if checked is not keys:
+                n, total = self._ix.lookup(_sequence(checked))
         self.stats.lookups += 1
         self.stats.hits += n
         self.stats.misses += total - n
@@ -160,9 +186,10 @@ class BlockIndex:
             raise self._refusal("prepare_store", keys, refusal) from None
         self.stats.evictions += len(evicted)
         positions = _ids(pos)
-        if new is None:  # the keys came as an array: the plan's keys are its rows
+        if new is None:  # the keys came as an array: the plan's keys are its rows (all: itself)
+            rows = np.asarray(keys).reshape(-1, 16)
             return StorePlan(
-                np.asarray(keys).reshape(-1, 16)[positions],
+                rows if len(positions) == len(rows) else rows[positions],
                 _ids(slots),
                 evicted,
                 present,

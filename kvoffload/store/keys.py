@@ -62,16 +62,19 @@ KeyArray = np.ndarray  # uint8 (n, KEY_ROW_BYTES): one 16-byte key per row
 KEY_ROW_BYTES = _INT_KEY_BYTES
 
 
-def key_rows(keys: np.ndarray, where: str) -> KeyArray:
+def key_rows(keys: np.ndarray, where: str, copy: bool = True) -> KeyArray:
     """An array of keys checked and copied read-only: uint8 of shape (n, 16), one key per row
-    (row i is the key ``bytes(keys[i])``). O(1) Python work whatever n. ValueError otherwise."""
+    (row i is the key ``bytes(keys[i])``). O(1) Python work whatever n. ValueError otherwise.
+    ``copy=False`` only checks, for a call that reads the keys and keeps nothing of them."""
     if keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_ROW_BYTES:
         raise ValueError(
             f"{where}: expected keys as a uint8 array of shape (n, {KEY_ROW_BYTES}), got "
             f"{keys.dtype} of shape {keys.shape}"
         )
+    if not copy:
+        return keys
     rows = np.array(keys, dtype=np.uint8, order="C", copy=True)
-    rows.flags.writeable = False
+    rows.setflags(write=False)
     return rows
 
 

@@ -19,6 +19,8 @@ from kvoffload.transfer.spec import TransferSpec
 # transfer takes ~0.3 s on a 2-core CI machine), so reaching it means something is stuck.
 HOST_WAIT_ON_TIMEOUT = 60.0
 
+LayerWaiter = Callable[[int], None]  # ``waiter(layer)``: ``Pending.layer_waiter``
+
 
 class Pending(ABC):
     """One submitted transfer."""
@@ -57,11 +59,26 @@ class Pending(ABC):
         if error is not None:
             raise error
 
-    def layer_waiter(self, stream: object = None) -> Callable[[int], None]:
+    def layer_waiter(self, stream: object = None, layers: int | None = None) -> LayerWaiter:
         """``wait_on`` bound to ``stream``, for an engine that waits once per layer: the stream is
-        resolved once, each call then costs what the backend's wait costs (``layer`` checked by
-        the caller, as for ``wait_on``)."""
-        return lambda layer: self.wait_on(stream, layer)
+        resolved once, each call then costs what the backend's wait costs. With ``layers``, a
+        layer outside ``[0, layers)`` is refused (ValueError, as ``check_layer``) by the waiter
+        itself; without, the caller checks it, as for ``wait_on``."""
+
+        def wait(layer: int) -> None:
+            if layers is not None and (type(layer) is not int or not 0 <= layer < layers):
+                check_layer(layer, layers)
+            self.wait_on(stream, layer)
+
+        return wait
+
+
+def check_layer(layer: object, layers: int) -> None:
+    """ValueError unless ``layer`` is an int (not a bool) in ``[0, layers)``. A waiter called
+    once per layer tests ``type(layer) is int and 0 <= layer < layers`` inline first and calls
+    this only when that fails (an int subclass may still pass here)."""
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+        raise ValueError(f"expected a layer in [0, {layers}), got {layer!r}")
 
 
 class LayerGate:
@@ -84,8 +101,7 @@ class LayerGate:
         self.layers = layers
 
     def check(self, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.layers:
-            raise ValueError(f"expected a layer in [0, {self.layers}), got {layer!r}")
+        check_layer(layer, self.layers)
 
     def wait(self, stream: object, layer: int) -> None:
         """Enqueue on ``stream`` (capturable): wait until ``layer`` is open, then close it."""

@@ -19,7 +19,13 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.backend import HOST_WAIT_ON_TIMEOUT, CopyBackend, Pending
+from kvoffload.transfer.backend import (
+    HOST_WAIT_ON_TIMEOUT,
+    CopyBackend,
+    LayerWaiter,
+    Pending,
+    check_layer,
+)
 from kvoffload.transfer.layout import KVLayout, Region
 from kvoffload.transfer.spec import TransferSpec
 
@@ -58,19 +64,33 @@ class FuturePending(Pending):
 
 
 class LayerSignals:
-    """The end of each layer of one copy; ``fail`` wakes every waiter of the layers not done."""
+    """How far one copy got, layer by layer (one condition, not an event per layer: a submit on
+    the engine's thread builds one of these). ``fail`` wakes every waiter of the layers not
+    done."""
 
     def __init__(self, layers: int) -> None:
-        self.events = [threading.Event() for _ in range(layers)]
+        self.layers = layers
+        self.arrived = 0  # layers [0, arrived) have arrived (or the copy failed: failed_from)
         self.failed_from: int | None = None  # first layer not copied, when the copy failed
+        self._cond = threading.Condition(threading.Lock())
 
     def done(self, layer: int) -> None:
-        self.events[layer].set()
+        with self._cond:
+            self.arrived = max(self.arrived, layer + 1)
+            self._cond.notify_all()
 
     def fail(self, layer: int) -> None:
-        self.failed_from = layer
-        for event in self.events[layer:]:
-            event.set()
+        with self._cond:
+            self.failed_from = layer
+            self.arrived = self.layers
+            self._cond.notify_all()
+
+    def wait(self, layer: int, timeout: float) -> bool:
+        """Block until ``layer`` has arrived (or the copy failed), up to ``timeout`` s."""
+        if self.arrived > layer:  # no lock: a layer that arrived stays arrived
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self.arrived > layer, timeout)
 
 
 class HostPending(FuturePending):
@@ -85,16 +105,30 @@ class HostPending(FuturePending):
         return cancelled
 
     def wait_on(self, stream: object = None, layer: int | None = None) -> None:
-        if layer is None or not 0 <= layer < len(self._layers.events):
+        signals = self._layers
+        if layer is None or not 0 <= layer < signals.layers:
             super().wait_on(stream)
             return
-        if not self._layers.events[layer].wait(HOST_WAIT_ON_TIMEOUT):
+        if not signals.wait(layer, HOST_WAIT_ON_TIMEOUT):
             raise TimeoutError(
                 f"layer {layer} of the copy did not arrive within {HOST_WAIT_ON_TIMEOUT} s"
             )
-        failed = self._layers.failed_from
+        failed = signals.failed_from
         if failed is not None and layer >= failed:
             super().wait_on(stream)  # raises the copy's error (or returns if it was cancelled)
+
+    def layer_waiter(self, stream: object = None, layers: int | None = None) -> LayerWaiter:
+        """``wait_on(stream, layer)`` per call; a layer that has arrived (the copy not failed)
+        returns at once, without a lock."""
+        signals = self._layers
+
+        def wait(layer: int) -> None:
+            if layers is not None and (type(layer) is not int or not 0 <= layer < layers):
+                check_layer(layer, layers)
+            if not (0 <= layer < signals.arrived and signals.failed_from is None):
+                self.wait_on(stream, layer)
+
+        return wait
 
 
 class HostBackend(CopyBackend):
@@ -143,6 +177,11 @@ class HostBackend(CopyBackend):
 
     def submit(self, specs: Sequence[TransferSpec]) -> Pending:
         self.validate(specs)
+        return self.submit_checked(specs)
+
+    def submit_checked(self, specs: Sequence[TransferSpec]) -> Pending:
+        """``submit`` without the checks: numpy bounds-checks every index of the copy anyway, so
+        specs a ``TransferWorker``'s Offloader checked are not checked twice."""
         specs = list(specs)
         layers = LayerSignals(self._num_layers(specs))
         return HostPending(self._pool.submit(self._run, specs, layers), layers)
@@ -158,8 +197,7 @@ class HostBackend(CopyBackend):
             raise
         finally:
             self._job.signals = None
-        for layer in range(len(signals.events)):  # a subclass copying without signalling
-            signals.done(layer)
+        signals.done(signals.layers - 1)  # every layer (a subclass may copy without signalling)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

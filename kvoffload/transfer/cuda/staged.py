@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.backend import CopyBackend, LayerGate, Pending
+from kvoffload.transfer.backend import CopyBackend, LayerGate, LayerWaiter, Pending, check_layer
 from kvoffload.transfer.cuda import extension
 from kvoffload.transfer.cuda.base import check_cuda_pair, order_stream
 from kvoffload.transfer.cuda.chunks import (
@@ -331,18 +331,33 @@ class NativePending(Pending):
             if not j.wait_on(handle, at, ENQUEUE_TIMEOUT):
                 raise _exception(j.error())
 
-    def layer_waiter(self, stream: object = None) -> Callable[[int], None]:
-        handle = _handle(stream)
+    def layer_waiter(self, stream: object = None, layers: int | None = None) -> LayerWaiter:
+        """One native wait per call (per load job: one for a submit of loads), everything else
+        resolved here: the stream's handle, the job's bound ``wait_on``, the timeout."""
+        handle, timeout = _handle(stream), ENQUEUE_TIMEOUT
         loads = [j for j in self.jobs if j.direction == "load"]
         whole = [j for j in self.jobs if j.direction != "load"]
         for j in whole:  # a store has no layers: its wait is enqueued once, here
-            if not j.wait_on(handle, -1, ENQUEUE_TIMEOUT):
+            if not j.wait_on(handle, -1, timeout):
                 raise _exception(j.error())
+        if len(loads) != 1:
+
+            def wait_each(layer: int) -> None:
+                if layers is not None and (type(layer) is not int or not 0 <= layer < layers):
+                    check_layer(layer, layers)
+                for j in loads:
+                    if not j.wait_on(handle, layer, timeout):
+                        raise _exception(j.error())
+
+            return wait_each
+        job = loads[0]
+        wait_on = job.wait_on
 
         def wait(layer: int) -> None:
-            for j in loads:
-                if not j.wait_on(handle, layer, ENQUEUE_TIMEOUT):
-                    raise _exception(j.error())
+            if layers is not None and (type(layer) is not int or not 0 <= layer < layers):
+                check_layer(layer, layers)
+            if not wait_on(handle, layer, timeout):
+                raise _exception(job.error())
 
         return wait
 
