@@ -157,7 +157,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="kvoffload host capacity (default: 1.25x all histories; fits: 1.25x its blocks)",
     )
     k = p.add_argument_group("kvoffload")
-    k.add_argument("--backend", default="auto", help="copy backend (auto: the planner's choice)")
+    k.add_argument(
+        "--backend",
+        default="auto",
+        help="copy backend (auto: the planner's choice); staged-FLAG-...: the native engine with "
+        "variants.py's settings, e.g. staged-lp64 (64 scatter programs per load)",
+    )
     k.add_argument(
         "--admission",
         default="reuse",
@@ -211,6 +216,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="requests per round (default: the first workload's conversations, docs: 16)",
     )
     r.add_argument("--verify", type=int, default=2, help="sampled turns checked bit for bit")
+    r.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="trace the last N requests of each workload in gpu_all and kvoffload (CUDA): "
+        "device time per kernel, kvoffload's copies beside the model's (for attribution: "
+        "tracing slows those requests)",
+    )
     r.add_argument("--seed", type=int, default=0, help="seed of the workloads and the weights")
     r.add_argument(
         "--out",
@@ -249,6 +262,10 @@ def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
 
     model = args.model if args.model != "auto" else ("llama3-8b" if cuda else "tiny")
     try:
+        if args.backend.startswith("staged-"):  # the native engine with variant flags
+            from kvoffload.bench.e2e.runner.variants import configured
+
+            configured("staged", args.backend.split("-")[1:])
         if args.block_size <= 0:
             raise ValueError(f"expected --block-size > 0, got {args.block_size}")
         runs = tuple(
@@ -269,6 +286,7 @@ def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
             verify=args.verify,
             seed=args.seed,
             graphs=_list(args.graph, GRAPHS, "--graph"),
+            profile=args.profile,
         )
     except ValueError as err:
         raise SystemExit(f"kvoffload bench e2e: {err}") from None

@@ -18,6 +18,7 @@ then the link's rate is measured (``measure_link``: a blocking load, for the tar
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -38,6 +39,7 @@ from kvoffload.bench.e2e.runner.graphs import GraphRunner
 from kvoffload.bench.e2e.runner.host_tier import HostTier, TierStats
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
+from kvoffload.bench.e2e.runner.profile import compare, traced
 from kvoffload.bench.e2e.runner.results import attribution, pool_rounds, record, summarize
 from kvoffload.bench.e2e.runner.targets import targets
 from kvoffload.bench.e2e.runner.timing import sync
@@ -232,9 +234,17 @@ def run_workload(
         for mode in names:
             engines[mode] = _engine(model, cache, host, cfg, run, mode, None, first, graphs)
             first += run.pool_blocks(mode, cfg.block_size)
-        for mode, one in run_paired(engines, host, turns, label, advance, i).items():
+        profile = cfg.profile if i == 0 else 0
+        for mode, one in run_paired(engines, host, turns, label, advance, i, profile).items():
             rounds[mode].append(one)
     modes = {m: pool_rounds(rs, model.config.layers) for m, rs in rounds.items()}
+    profiled = None
+    if cfg.profile and "kvoffload" in modes and "gpu_all" in modes:
+        restored = [
+            r for r in modes["kvoffload"]["records"] if r["host_hit_tokens"] > 0 and "profile" in r
+        ]
+        ideal = {(r["round"], r["conversation"], r["turn"]): r for r in modes["gpu_all"]["records"]}
+        profiled = compare(restored, ideal)
     return {
         "graph": graphs.mode if graphs is not None else "eager",
         "workload": run.workload.as_dict(),
@@ -245,6 +255,7 @@ def run_workload(
         "distinct_blocks": run.workload.distinct_blocks(cfg.block_size),
         "modes": modes,
         "attribution": attribution(modes),
+        "profile": profiled,
     }
 
 
@@ -255,10 +266,12 @@ def run_paired(
     label: str,
     advance: Advance,
     round_: int = 0,
+    profile: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Every request on every engine in turn (who goes first rotates), each engine settled
     (``idle``: its copies finished) before the next starts; a mode's time is the sum of its
-    requests' (run + settle). The engines must use disjoint blocks of the cache."""
+    requests' (run + settle). The engines must use disjoint blocks of the cache. The last
+    ``profile`` requests of ``gpu_all`` and ``kvoffload`` run traced (``profile.py``; CUDA only)."""
     names = list(engines)
     spent = dict.fromkeys(names, 0.0)
     tiers = {n: TierStats() for n in names}
@@ -268,14 +281,23 @@ def run_paired(
         k = i % len(names)
         for name in names[k:] + names[:k]:
             engine, before = engines[name], copy.copy(host.stats)
+            trace: dict[str, Any] = {}
+            traced_now = (
+                i >= len(turns) - profile
+                and name in ("gpu_all", "kvoffload")
+                and device.type == "cuda"
+            )
             sync(device)
             t0 = time.perf_counter()
-            r = engine.run(turn.prompt, turn.answer)
-            engine.idle()
-            sync(device)
+            with traced(trace) if traced_now else contextlib.nullcontext():
+                r = engine.run(turn.prompt, turn.answer)
+                engine.idle()
+                sync(device)
             spent[name] += time.perf_counter() - t0
             tiers[name] = _sum(tiers[name], tier_delta(host.stats, before))
             records[name].append(record(turn, r, round_))
+            if traced_now:
+                records[name][-1]["profile"] = trace
             advance(f"{label} {name}")
     return {
         n: {

@@ -58,6 +58,7 @@ class BenchConfig:
     verify: int = 2  # sampled turns checked bit for bit; 0 skips
     seed: int = 0
     graphs: tuple[str, ...] = ("eager",)  # engine graph modes, each a whole run (graphs.py)
+    profile: int = 0  # the last this many requests of each workload traced (profile.py; CUDA)
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -67,6 +68,8 @@ class BenchConfig:
             raise ValueError(
                 f"expected distinct graph modes from {GRAPHS}, got {list(self.graphs)}"
             )
+        if self.profile < 0:
+            raise ValueError(f"expected profile >= 0 requests, got {self.profile}")
         if self.graphs != ("eager",) and not self.device.startswith("cuda"):
             raise ValueError(
                 f"expected graph modes other than eager only on a CUDA device (they capture CUDA "

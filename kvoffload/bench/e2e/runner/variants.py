@@ -77,25 +77,44 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "whole": {"max_layer_slices": 1},
     "most": {"plan_link_GBps": 0.0},  # the most slices the byte rules allow (before 2026-11-25)
 }
+# parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest
+NUMBERED = {"lp": "load_programs", "p": "programs"}
+
+
+def settings_of(flag: str) -> dict[str, Any] | None:
+    """The StagedConfig fields a variant flag sets; None for a flag that is not one."""
+    if flag in SETTINGS:
+        return SETTINGS[flag]
+    for prefix, field in NUMBERED.items():
+        rest = flag[len(prefix) :]
+        if flag.startswith(prefix) and rest.isdigit() and int(rest) > 0:
+            return {field: int(rest)}
+    return None
 
 
 def parse_variant(name: str, backend: str) -> Variant:
     base, *flags = name.split("-")
     if base in ("recompute", "gpu", "gpu_all") and flags in ([], ["poller"]):
         return Variant(name, base, Offload(), backend, bool(flags))
-    if base not in OFFLOADS or any(f not in (*SETTINGS, "poller") for f in flags):
+    if base not in OFFLOADS or any(f != "poller" and settings_of(f) is None for f in flags):
         raise ValueError(
             f"expected a mode or one of {sorted(OFFLOADS)} with flags from "
-            f"{sorted([*SETTINGS, 'poller'])}, got {name!r}"
+            f"{sorted([*SETTINGS, 'poller'])} or lpN / pN (scatter programs), got {name!r}"
         )
-    engine_flags = [f for f in flags if f in SETTINGS]
+    engine_flags = [f for f in flags if f != "poller"]
     if engine_flags:
-        backend = _configured(backend, engine_flags)
+        backend = configured(backend, engine_flags)
     return Variant(name, "kvoffload", OFFLOADS[base], backend, "poller" in flags)
 
 
-def _configured(backend: str, flags: list[str]) -> str:
+def configured(backend: str, flags: list[str]) -> str:
     """Register ``staged-<flags>``: the native core built with those flags' settings."""
+    bad = [f for f in flags if settings_of(f) is None]
+    if bad:
+        raise ValueError(
+            f"expected engine flags from {sorted(SETTINGS)} or lpN / pN, got {bad} in "
+            f"{'-'.join([backend, *flags])!r}"
+        )
     if backend != "staged":
         raise ValueError(
             f"expected backend 'staged' for -{'-'.join(flags)} (its engine's settings), got "
@@ -108,7 +127,7 @@ def _configured(backend: str, flags: list[str]) -> str:
 
         fields: dict[str, Any] = {}
         for flag in flags:
-            fields.update(SETTINGS[flag])
+            fields.update(settings_of(flag) or {})
         config = StagedConfig(**fields)
         register_backend(name, lambda layout, arena: make_staged(layout, arena, config))
     return name

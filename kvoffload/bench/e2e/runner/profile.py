@@ -1,0 +1,155 @@
+"""Per-kernel device time of a few requests (``bench e2e --profile K``): where a restored
+request's device time goes against the same request in ``gpu_all``.
+
+The last ``K`` requests of each workload's first round run under ``torch.profiler`` (CUDA
+activity: every kernel and copy of the context, kvoffload's own included) in the modes
+``gpu_all`` and ``kvoffload``. ``summarize_trace`` reads the trace's device events and splits
+them into the model's kernels, kvoffload's copy kernels (``copy_blocks``) and DMA copies, with
+how long the model's kernels ran while a copy kernel or a DMA ran beside them. Tracing slows the
+host, so a profiled request's TTFT is not comparable: a run with ``--profile`` is for this
+attribution, not for the targets' table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+OURS = "copy_blocks"  # kvoffload's gather/scatter kernel (kernels.py)
+TOP = 12  # the model's kernels listed by name, largest total first
+
+
+@contextmanager
+def traced(sink: dict[str, Any]) -> Iterator[None]:
+    """Trace the block's device work; its summary (``summarize_trace``) lands in ``sink``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    finally:
+        os.unlink(path)
+    sink.update(summarize_trace(events))
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _covered(span: tuple[float, float], union: list[tuple[float, float]]) -> float:
+    s, e = span
+    return sum(max(0.0, min(e, b) - max(s, a)) for a, b in union if a < e and b > s)
+
+
+def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Device time (ms) of a trace's kernels and copies: ``model`` (every kernel but ours), ours
+    (``copy_blocks``), DMA copies by direction; ``model_busy_ms`` is the sum of the model's
+    kernel durations, ``model_span_ms`` first start to last end, ``model_beside_copy_ms`` the
+    part of the model's kernel time during which one of our kernels or a DMA ran (kernels of
+    one stream never overlap, so the sum is device time), and ``top`` its largest kernels."""
+    model: list[tuple[float, float]] = []
+    ours: list[tuple[float, float]] = []
+    dma: dict[str, float] = defaultdict(float)
+    dma_spans: list[tuple[float, float]] = []
+    by_name: dict[str, list[float]] = defaultdict(list)
+    streams: set[Any] = set()
+    for ev in events:
+        cat, dur = ev.get("cat"), ev.get("dur")
+        if dur is None or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        span = (float(ev["ts"]), float(ev["ts"]) + float(dur))
+        name = str(ev.get("name", ""))
+        if cat == "gpu_memcpy":
+            kind = "HtoD" if "HtoD" in name else ("DtoH" if "DtoH" in name else "other")
+            dma[kind] += float(dur)
+            dma_spans.append(span)
+        elif cat == "kernel" and OURS in name:
+            ours.append(span)
+        elif cat == "kernel":
+            model.append(span)
+            by_name[name].append(float(dur))
+            streams.add(ev.get("args", {}).get("stream"))
+    copies = _union(ours + dma_spans)
+    busy = sum(e - s for s, e in model)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP]
+    return {
+        "model_kernels": len(model),
+        "model_streams": len(streams),
+        "model_busy_ms": busy / 1e3,
+        "model_span_ms": (max(e for _, e in model) - min(s for s, _ in model)) / 1e3
+        if model
+        else 0.0,
+        "model_beside_copy_ms": sum(_covered(sp, copies) for sp in model) / 1e3,
+        "ours_kernels": len(ours),
+        "ours_ms": sum(e - s for s, e in ours) / 1e3,
+        "ours_span_ms": (max(e for _, e in ours) - min(s for s, _ in ours)) / 1e3 if ours else 0.0,
+        "dma_ms": {k: v / 1e3 for k, v in dma.items()},
+        "top": [
+            {
+                "name": n[:120],
+                "count": len(d),
+                "ms": sum(d) / 1e3,
+                "median_us": statistics.median(d),
+            }
+            for n, d in top
+        ],
+    }
+
+
+def compare(restored: list[dict[str, Any]], ideal: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    """Medians over profiled restored requests paired with their ``gpu_all`` runs: the model's
+    busy time in both, the growth, and per top kernel name the growth of its total."""
+    pairs = [(r["profile"], ideal[k]["profile"]) for k, r in _keyed(restored) if k in ideal]
+    pairs = [(a, b) for a, b in pairs if a and b]
+    if not pairs:
+        return {"requests": 0}
+
+    def med(values: list[float]) -> float:
+        return float(statistics.median(values))
+
+    growth: dict[str, list[float]] = defaultdict(list)
+    for a, b in pairs:
+        mine = {t["name"]: t["ms"] for t in a["top"]}
+        for t in b["top"]:
+            if t["name"] in mine:
+                growth[t["name"]].append(mine[t["name"]] - t["ms"])
+    return {
+        "requests": len(pairs),
+        "model_busy_ms": med([a["model_busy_ms"] for a, _ in pairs]),
+        "gpu_all_model_busy_ms": med([b["model_busy_ms"] for _, b in pairs]),
+        "model_busy_growth_ms": med([a["model_busy_ms"] - b["model_busy_ms"] for a, b in pairs]),
+        "model_span_growth_ms": med([a["model_span_ms"] - b["model_span_ms"] for a, b in pairs]),
+        "model_beside_copy_ms": med([a["model_beside_copy_ms"] for a, _ in pairs]),
+        "ours_ms": med([a["ours_ms"] for a, _ in pairs]),
+        "ours_kernels": med([a["ours_kernels"] for a, _ in pairs]),
+        "dma_HtoD_ms": med([a["dma_ms"].get("HtoD", 0.0) for a, _ in pairs]),
+        "dma_DtoH_ms": med([a["dma_ms"].get("DtoH", 0.0) for a, _ in pairs]),
+        "kernel_growth_ms": {
+            n: med(v) for n, v in sorted(growth.items(), key=lambda kv: -med(kv[1]))[:TOP]
+        },
+    }
+
+
+def _keyed(records: list[dict[str, Any]]) -> Iterator[tuple[Any, dict[str, Any]]]:
+    for r in records:
+        yield (r["round"], r["conversation"], r["turn"]), r

@@ -1,0 +1,61 @@
+"""The trace summary behind ``bench e2e --profile`` (synthetic chrome-trace events)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload.bench.e2e.runner.profile import compare, summarize_trace
+from kvoffload.bench.e2e.runner.variants import configured, parse_variant, settings_of
+
+
+def _k(name: str, ts: float, dur: float, stream: int = 7) -> dict:
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def _m(name: str, ts: float, dur: float) -> dict:
+    return {"cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur, "args": {"stream": 20}}
+
+
+def test_summary_splits_model_ours_and_dma_and_the_overlap():
+    events = [
+        _k("gemm", 0, 100),
+        _k("gemm", 100, 100),
+        _k("attn", 250, 50),
+        _k("copy_blocks_0d1d", 50, 100, stream=21),  # beside gemm 50..150
+        _m("Memcpy HtoD (Pinned -> Device)", 120, 60),  # beside 120..180: union 50..180
+        _m("Memcpy DtoH (Device -> Pinned)", 400, 10),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
+        {"ph": "M", "name": "process_name"},
+    ]
+    s = summarize_trace(events)
+    assert s["model_kernels"] == 3 and s["ours_kernels"] == 1
+    assert s["model_busy_ms"] == pytest.approx(0.25)
+    assert s["model_span_ms"] == pytest.approx(0.30)
+    assert s["model_beside_copy_ms"] == pytest.approx(0.13)  # 50..180 of gemm time
+    assert s["ours_ms"] == pytest.approx(0.1)
+    assert s["dma_ms"] == {"HtoD": pytest.approx(0.06), "DtoH": pytest.approx(0.01)}
+    assert [t["name"] for t in s["top"]] == ["gemm", "attn"]
+    assert s["top"][0]["count"] == 2 and s["top"][0]["median_us"] == 100
+
+
+def test_compare_pairs_restored_requests_with_their_gpu_all_runs():
+    slow = summarize_trace([_k("gemm", 0, 300), _k("copy_blocks", 0, 50, 3)])
+    fast = summarize_trace([_k("gemm", 0, 200)])
+    rec = {"round": 0, "conversation": 1, "turn": 2, "profile": slow}
+    ideal = {(0, 1, 2): {"profile": fast}}
+    out = compare([rec], ideal)
+    assert out["requests"] == 1
+    assert out["model_busy_growth_ms"] == pytest.approx(0.1)
+    assert out["kernel_growth_ms"] == {"gemm": pytest.approx(0.1)}
+    assert compare([{**rec, "turn": 3}], ideal) == {"requests": 0}
+
+
+def test_numbered_engine_flags_and_refusals():
+    assert settings_of("lp64") == {"load_programs": 64}
+    assert settings_of("p32") == {"programs": 32}
+    assert settings_of("lp0") is None and settings_of("lpx") is None
+    assert parse_variant("evict-lp48", "staged").backend == "staged-lp48"
+    with pytest.raises(ValueError, match="lpN"):
+        configured("staged", ["fast"])
+    with pytest.raises(ValueError, match="expected backend 'staged'"):
+        configured("dma", ["lp8"])
