@@ -59,3 +59,21 @@ def test_numbered_engine_flags_and_refusals():
         configured("staged", ["fast"])
     with pytest.raises(ValueError, match="expected backend 'staged'"):
         configured("dma", ["lp8"])
+
+
+def test_timeline_offsets_from_the_first_device_event():
+    events = [
+        _m("Memcpy HtoD (Pinned -> Device)", 10, 40),
+        _k("copy_blocks", 30, 30, 3),
+        _k("gemm", 70, 20),
+        _m("Memcpy DtoH (Device -> Pinned)", 200, 10),
+    ]
+    t = summarize_trace(events)["timeline_ms"]
+    assert t == {
+        "model_start": pytest.approx(0.06),
+        "model_end": pytest.approx(0.08),
+        "ours_start": pytest.approx(0.02),
+        "ours_end": pytest.approx(0.05),
+        "htod_start": 0.0,
+        "htod_end": pytest.approx(0.04),
+    }

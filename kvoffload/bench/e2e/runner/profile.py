@@ -90,6 +90,7 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             by_name[name].append(float(dur))
             streams.add(ev.get("args", {}).get("stream"))
     copies = _union(ours + dma_spans)
+    htod = [sp for sp, ev in zip(dma_spans, _dma_names(events), strict=True) if "HtoD" in ev]
     busy = sum(e - s for s, e in model)
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP]
     return {
@@ -104,6 +105,7 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         "ours_ms": sum(e - s for s, e in ours) / 1e3,
         "ours_span_ms": (max(e for _, e in ours) - min(s for s, _ in ours)) / 1e3 if ours else 0.0,
         "dma_ms": {k: v / 1e3 for k, v in dma.items()},
+        "timeline_ms": _timeline(model, ours, htod),
         "top": [
             {
                 "name": n[:120],
@@ -114,6 +116,30 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             for n, d in top
         ],
     }
+
+
+def _dma_names(events: list[dict[str, Any]]) -> list[str]:
+    return [
+        str(ev.get("name", ""))
+        for ev in events
+        if ev.get("cat") == "gpu_memcpy" and ev.get("dur") is not None
+    ]
+
+
+def _timeline(
+    model: list[tuple[float, float]],
+    ours: list[tuple[float, float]],
+    htod: list[tuple[float, float]],
+) -> dict[str, float]:
+    """First start and last end of each kind, in ms from the earliest of them."""
+    kinds = {"model": model, "ours": ours, "htod": htod}
+    t0 = min((s for spans in kinds.values() for s, _ in spans), default=0.0)
+    out = {}
+    for name, spans in kinds.items():
+        if spans:
+            out[f"{name}_start"] = (min(s for s, _ in spans) - t0) / 1e3
+            out[f"{name}_end"] = (max(e for _, e in spans) - t0) / 1e3
+    return out
 
 
 def compare(restored: list[dict[str, Any]], ideal: dict[Any, dict[str, Any]]) -> dict[str, Any]:
@@ -144,6 +170,10 @@ def compare(restored: list[dict[str, Any]], ideal: dict[Any, dict[str, Any]]) ->
         "ours_kernels": med([a["ours_kernels"] for a, _ in pairs]),
         "dma_HtoD_ms": med([a["dma_ms"].get("HtoD", 0.0) for a, _ in pairs]),
         "dma_DtoH_ms": med([a["dma_ms"].get("DtoH", 0.0) for a, _ in pairs]),
+        "timeline_ms": {
+            k: med([a["timeline_ms"][k] for a, _ in pairs if k in a["timeline_ms"]])
+            for k in sorted({k for a, _ in pairs for k in a["timeline_ms"]})
+        },
         "kernel_growth_ms": {
             n: med(v) for n, v in sorted(growth.items(), key=lambda kv: -med(kv[1]))[:TOP]
         },
