@@ -38,6 +38,8 @@ from kvoffload.bench.e2e.runner.model import Model
 from kvoffload.bench.e2e.runner.timing import SectionTimer
 
 MODES = ("recompute", "gpu", "gpu_all", "kvoffload")
+# a prefill chunk's inputs uploaded ahead (tokens, positions, block table); all None in graphs
+Staged = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 ADMISSIONS = ("all", "reuse", "none")
 STORES = ("behind", "evict")
 LOADS = ("layered", "blocking")
@@ -182,25 +184,34 @@ class PagedEngine:
         gpu_hit = loaded = len(blocks)  # blocks [gpu_hit, loaded) come from host
         host_time.mark("match")
         load = None
+        restore: tuple[Sequence[BlockKey], list[int]] | None = None
         if self.host is not None and len(reusable) > gpu_hit:
             held = self.host.lookup(reusable[gpu_hit:])
             host_time.mark("lookup")
             if held:
                 new = self._allocate(held)
                 host_time.mark("allocate")
-                load = self.host.start_load(req, reusable[gpu_hit : gpu_hit + held], new)
-                host_time.mark("load_submit")
+                restore = (reusable[gpu_hit : gpu_hit + held], new)
                 blocks += new
                 loaded += held
         blocks += self._allocate(-(-len(tokens) // bs) - len(blocks))
         host_time.mark("allocate")
+        staged = None
+        if restore is not None and self.host is not None:
+            # the inputs first, then the load (as vLLM: prepare inputs, start_load_kv, forward):
+            # an input copy enqueued after the load's copies would wait behind them
+            staged = self._stage(tokens, loaded * bs, blocks)
+            host_time.mark("launch")
+            load = self.host.start_load(req, *restore)
+            host_time.mark("load_submit")
         layered = load is not None and self.offload.load == "layered"
         if load is not None and not layered:
             ok = self._finish_load(load)
             host_time.mark("load_wait")
             if not ok:
                 blocks, loaded = self._recompute_instead(req, blocks, gpu_hit, loaded)
-        logits = self._prefill(tokens, loaded * bs, blocks, load if layered else None)
+                staged = None
+        logits = self._prefill(tokens, loaded * bs, blocks, load if layered else None, staged)
         host_time.mark("launch")  # prefill enqueued (on a CPU: computed)
         if self.host is not None:
             if layered and load is not None:
@@ -420,15 +431,35 @@ class PagedEngine:
     # -- compute -------------------------------------------------------------------------------
 
     def _prefill(
-        self, tokens: np.ndarray, start: int, blocks: list[int], load: Load | None = None
+        self,
+        tokens: np.ndarray,
+        start: int,
+        blocks: list[int],
+        load: Load | None = None,
+        staged: Staged | None = None,
     ) -> torch.Tensor:
+        """``staged``: the first chunk's inputs, uploaded already (``_stage``)."""
         logits = torch.empty(0)
         before_read = self._layer_wait(load) if load is not None else None
         for s in range(start, len(tokens), self.chunk_tokens):
             e = min(s + self.chunk_tokens, len(tokens))
             with self.timer.section("prefill"):
-                logits = self._forward(tokens[s:e], s, blocks, before_read, load)
+                first = staged if s == start else None
+                logits = self._forward(tokens[s:e], s, blocks, before_read, load, first)
         return logits
+
+    def _stage(self, tokens: np.ndarray, start: int, blocks: list[int]) -> Staged:
+        """Upload the inputs of the prefill's first chunk (tokens from ``start``)."""
+        e = min(start + self.chunk_tokens, len(tokens))
+        if self.graphs is not None:
+            self.graphs.stage(tokens[start:e], start, blocks)
+            return None, None, None
+        device = self.model.device
+        return (
+            torch.as_tensor(tokens[start:e], device=device),
+            torch.arange(start, e, device=device),
+            torch.tensor(blocks, dtype=torch.int64, device=device),
+        )
 
     def _layer_wait(self, load: Load) -> Callable[[int], None]:
         host = self.host
@@ -447,12 +478,20 @@ class PagedEngine:
         blocks: list[int],
         before_read: Callable[[int], None] | None = None,
         load: Load | None = None,
+        staged: Staged | None = None,
     ) -> torch.Tensor:
         if self.graphs is not None:
             loads = [load] if load is not None else []
-            return self.graphs.forward(tokens, start, blocks, self.timer, before_read, loads)
+            return self.graphs.forward(
+                tokens, start, blocks, self.timer, before_read, loads, staged is not None
+            )
         device = self.model.device
-        table = torch.tensor(blocks, dtype=torch.int64, device=device)
-        positions = torch.arange(start, start + len(tokens), device=device)
+        if staged is not None and staged[0] is not None:
+            inputs, positions, table = staged
+            assert positions is not None and table is not None
+        else:
+            table = torch.tensor(blocks, dtype=torch.int64, device=device)
+            positions = torch.arange(start, start + len(tokens), device=device)
+            inputs = torch.as_tensor(tokens, device=device)
         attend = paged_attend(self.cache, table, start, positions, self.timer, before_read)
-        return self.model.forward(torch.as_tensor(tokens, device=device), positions, attend)
+        return self.model.forward(inputs, positions, attend)

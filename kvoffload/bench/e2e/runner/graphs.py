@@ -170,17 +170,19 @@ class GraphRunner:
         timer: SectionTimer,
         before_read: BeforeRead | None = None,
         loads: Sequence[Any] = (),
+        staged: bool = False,
     ) -> torch.Tensor:
         """Logits (float32 [vocab], a copy) of the last of ``tokens`` at positions ``start..``
         of a request whose blocks are ``blocks``. piecewise: ``before_read(layer)`` runs before
-        each layer's attention; full: ``open_layers(stream, loads)`` before the replay."""
+        each layer's attention; full: ``open_layers(stream, loads)`` before the replay.
+        ``staged``: ``stage`` already uploaded these inputs."""
         n = len(tokens)
         b = bucket(n, self.buckets)
+        if not staged:
+            self.stage(tokens, start, blocks)
         if self.mode == "piecewise":
-            self._load(tokens, start, blocks, b, len(blocks))
             return self._run_pieces(b, n, start, timer, before_read)
         ctx = bucket(start + n, self.contexts)
-        self._load(tokens, start, blocks, b, ctx // self.cache.block_size)
         assert self.open_layers is not None
         with timer.section("gate_open"):  # the stream's wait at the open, if any (GPU time)
             self.open_layers(self._stream(), loads)
@@ -194,6 +196,18 @@ class GraphRunner:
         for layer, (s, e) in enumerate(self._wait_events.get((b, ctx), ())):
             timer.add(f"wait{layer}", s, e)  # a second replay before collect: counted once
         return self.logits.clone()
+
+    def stage(self, tokens: np.ndarray, start: int, blocks: Sequence[int]) -> None:
+        """Upload a step's inputs (``forward`` does it unless told ``staged``). An engine does
+        this before it starts the step's loads, as vLLM's runner prepares its inputs before
+        ``start_load_kv``: a host-to-device copy enqueued after a load's copies waits behind them
+        on the copy engine, and the forward's first kernel with it (``copy_queue_probe.py``)."""
+        b = bucket(len(tokens), self.buckets)
+        if self.mode == "piecewise":
+            self._load(tokens, start, blocks, b, len(blocks))
+        else:
+            ctx = bucket(start + len(tokens), self.contexts)
+            self._load(tokens, start, blocks, b, ctx // self.cache.block_size)
 
     def _stream(self) -> Any:
         return torch.cuda.current_stream() if self.model.device.type == "cuda" else None

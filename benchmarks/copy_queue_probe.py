@@ -1,0 +1,135 @@
+"""Does an engine's small host-to-device copy wait behind a large load's copies? (issue 25)
+
+A restored forward in ``bench e2e --graph full`` started its first kernel only when the load's
+last host-to-device copy ended (``--profile``: model_start 10.6 ms after the load's first copy,
+for a 10.5 ms load), though its layers wait for the load one by one. The forward's first kernel
+needs its inputs, uploaded by one small host-to-device copy on the engine's stream. This probe
+enqueues a large load on a stream of ours, then on the engine's stream a tiny kernel and a small
+pinned copy (the engine's inputs), and times from the load's start when each of them is done:
+
+- ``raw``: 16 copies of 32 MiB (``copy_(non_blocking=True)``) on one torch stream;
+- ``api``: kvoffload's own load of the same bytes (``build_local``, the native engine);
+- each also with the small copy enqueued *before* the load (as vLLM's runner does: inputs
+  prepared, then ``start_load_kv``, then the forward).
+
+    python benchmarks/copy_queue_probe.py OUT.json     # CUDA only
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+CHUNK = 32 << 20
+CHUNKS = 16
+REPS = 5
+
+
+def timed(load: Callable[[], Any], small_first: bool, engine: Any, src: Any, dst: Any) -> dict:
+    torch.cuda.synchronize()
+    t0 = torch.cuda.Event(enable_timing=True)
+    kernel_done = torch.cuda.Event(enable_timing=True)
+    copy_done = torch.cuda.Event(enable_timing=True)
+    load_done = torch.cuda.Event(enable_timing=True)
+    t0.record()
+    engine.wait_stream(torch.cuda.current_stream())
+    if small_first:
+        with torch.cuda.stream(engine):
+            dst.copy_(src, non_blocking=True)
+    side = load()
+    with torch.cuda.stream(engine):
+        x = torch.ones(16, device="cuda") * 2
+        kernel_done.record()
+        if not small_first:
+            dst.copy_(src, non_blocking=True)
+        copy_done.record()
+    torch.cuda.current_stream().wait_stream(side)
+    load_done.record()
+    torch.cuda.synchronize()
+    del x
+    return {
+        "kernel_ms": t0.elapsed_time(kernel_done),
+        "small_copy_ms": t0.elapsed_time(copy_done),
+        "load_ms": t0.elapsed_time(load_done),
+    }
+
+
+def main() -> int:
+    out = sys.argv[1]
+    from kvoffload import KVLayout, OffloadConfig, build_local
+    from kvoffload.transfer.shapes import MODELS, engine_tensors
+
+    host = torch.empty(CHUNKS * CHUNK, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(CHUNKS * CHUNK, dtype=torch.uint8, device="cuda")
+    small_src = torch.arange(4096, dtype=torch.int64).pin_memory()
+    small_dst = torch.empty(4096, dtype=torch.int64, device="cuda")
+    ours = torch.cuda.Stream()
+    engine = torch.cuda.Stream()
+
+    def raw() -> Any:
+        ours.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(ours):
+            for i in range(CHUNKS):
+                dev[i * CHUNK : (i + 1) * CHUNK].copy_(host[i * CHUNK : (i + 1) * CHUNK], True)
+        return ours
+
+    blocks = 256  # 512 MiB of Llama-3-8B pages
+    tensors, block_dim = engine_tensors(
+        MODELS["llama3-8b"],
+        "page",
+        2 * blocks,
+        16,
+        lambda s: torch.ones(s, dtype=torch.bfloat16, device="cuda"),
+    )
+    layout = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
+    local = build_local(layout, OffloadConfig(host_capacity_blocks=blocks + 8, backend="staged"))
+    off, worker = local.offloader, local.worker
+    keys = [i.to_bytes(16, "little") for i in range(1, blocks + 1)]
+    job = off.schedule_store("probe-store", keys, list(range(blocks)))
+    worker.submit(job)
+    worker.wait([job.job_id], timeout=60)
+    off.complete(worker.get_finished())
+    loads = [0]
+    probe = torch.cuda.Stream()
+
+    def api() -> Any:
+        loads[0] += 1
+        job = off.schedule_load(f"probe-load{loads[0]}", keys, list(range(blocks, 2 * blocks)))
+        worker.submit(job)
+        probe.wait_stream(torch.cuda.current_stream())
+        worker.wait_on(job.job_id, probe.cuda_stream)
+        api.job = job  # type: ignore[attr-defined]
+        return probe
+
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "load_bytes": CHUNKS * CHUNK,
+        "rows": {},
+    }
+    for name, load in (("raw", raw), ("api", api)):
+        for small_first in (False, True):
+            reps = []
+            for _ in range(REPS + 1):
+                reps.append(timed(load, small_first, engine, small_src, small_dst))
+                if name == "api":
+                    worker.wait([api.job.job_id], timeout=60)  # type: ignore[attr-defined]
+                    off.complete(worker.get_finished())
+            key = f"{name}, small copy {'before' if small_first else 'after'} the load"
+            result["rows"][key] = {k: statistics.median(r[k] for r in reps[1:]) for k in reps[0]}
+            print(key, {k: round(v, 3) for k, v in result["rows"][key].items()})
+    worker.close()
+    off.close()
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
