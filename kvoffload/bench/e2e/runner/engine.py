@@ -488,7 +488,7 @@ class PagedEngine:
         device = self.model.device
         if staged is not None and staged[0] is not None:
             inputs, positions, table = staged
-            assert positions is not None and table is not None
+            assert inputs is not None and positions is not None and table is not None
         else:
             table = torch.tensor(blocks, dtype=torch.int64, device=device)
             positions = torch.arange(start, start + len(tokens), device=device)
