@@ -10,7 +10,9 @@ pinned copy (the engine's inputs), and times from the load's start when each of 
 - ``raw``: 16 copies of 32 MiB (``copy_(non_blocking=True)``) on one torch stream;
 - ``api``: kvoffload's own load of the same bytes (``build_local``, the native engine);
 - each also with the small copy enqueued *before* the load (as vLLM's runner does: inputs
-  prepared, then ``start_load_kv``, then the forward).
+  prepared, then ``start_load_kv``, then the forward), and with a device-to-device small copy;
+- ``paced raw``: the same chunks, each held back (a cross-stream event wait) until the one
+  before it is done, so one chunk at a time sits in the copy engine's queue.
 
     python benchmarks/copy_queue_probe.py OUT.json     # CUDA only
 """
@@ -79,6 +81,25 @@ def main() -> int:
                 dev[i * CHUNK : (i + 1) * CHUNK].copy_(host[i * CHUNK : (i + 1) * CHUNK], True)
         return ours
 
+    pair = (ours, torch.cuda.Stream())
+
+    def paced() -> Any:
+        """Each chunk on the other stream of a pair, after an event of the one before: a wait
+        that holds the next copy back until the previous one is done (one chunk queued)."""
+        for s in pair:
+            s.wait_stream(torch.cuda.current_stream())
+        prev = None
+        for i in range(CHUNKS):
+            s = pair[i % 2]
+            if prev is not None:
+                s.wait_event(prev)
+            with torch.cuda.stream(s):
+                dev[i * CHUNK : (i + 1) * CHUNK].copy_(host[i * CHUNK : (i + 1) * CHUNK], True)
+            prev = torch.cuda.Event()
+            prev.record(s)
+        pair[0].wait_stream(pair[1])
+        return pair[0]
+
     blocks = 256  # 512 MiB of Llama-3-8B pages
     tensors, block_dim = engine_tensors(
         MODELS["llama3-8b"],
@@ -113,11 +134,22 @@ def main() -> int:
         "load_bytes": CHUNKS * CHUNK,
         "rows": {},
     }
-    for name, load in (("raw", raw), ("api", api)):
-        for small_first in (False, True):
+    d2d_src = torch.ones(4096, dtype=torch.int64, device="cuda")
+    cases = [
+        ("raw", raw, False, small_src),
+        ("raw", raw, True, small_src),
+        ("raw, device-to-device small copy", raw, False, d2d_src),
+        ("paced raw", paced, False, small_src),
+        ("paced raw, device-to-device small copy", paced, False, d2d_src),
+        ("api", api, False, small_src),
+        ("api", api, True, small_src),
+        ("api, device-to-device small copy", api, False, d2d_src),
+    ]
+    for name, load, small_first, src in cases:
+        if True:
             reps = []
             for _ in range(REPS + 1):
-                reps.append(timed(load, small_first, engine, small_src, small_dst))
+                reps.append(timed(load, small_first, engine, src, small_dst))
                 if name == "api":
                     worker.wait([api.job.job_id], timeout=60)  # type: ignore[attr-defined]
                     off.complete(worker.get_finished())
