@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvoffload.bench.e2e.runner.core_flags import configured, settings_of
 from kvoffload.bench.e2e.runner.profile import compare, summarize_trace
-from kvoffload.bench.e2e.runner.variants import configured, parse_variant, settings_of
+from kvoffload.bench.e2e.runner.variants import parse_variant
 
 
 def _k(name: str, ts: float, dur: float, stream: int = 7) -> dict:
@@ -50,7 +51,7 @@ def test_compare_pairs_restored_requests_with_their_gpu_all_runs():
     assert compare([{**rec, "turn": 3}], ideal) == {"requests": 0}
 
 
-def test_numbered_engine_flags_and_refusals():
+def test_numbered_core_flags_and_refusals():
     assert settings_of("lp64") == {"load_programs": 64}
     assert settings_of("p32") == {"programs": 32}
     assert settings_of("lp0") is None and settings_of("lpx") is None

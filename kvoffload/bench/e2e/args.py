@@ -263,7 +263,7 @@ def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
     model = args.model if args.model != "auto" else ("llama3-8b" if cuda else "tiny")
     try:
         if args.backend.startswith("staged-"):  # the native engine with variant flags
-            from kvoffload.bench.e2e.runner.variants import configured
+            from kvoffload.bench.e2e.runner.core_flags import configured
 
             configured("staged", args.backend.split("-")[1:])
         if args.block_size <= 0:

@@ -41,6 +41,7 @@ import kvoffload as kvo
 from kvoffload.bench.e2e.runner.bench import freeze_heap, tier_delta
 from kvoffload.bench.e2e.runner.bench_config import Advance
 from kvoffload.bench.e2e.runner.config import model_config
+from kvoffload.bench.e2e.runner.core_flags import SETTINGS, configured, settings_of
 from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine
 from kvoffload.bench.e2e.runner.host_tier import HostTier
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
@@ -48,7 +49,6 @@ from kvoffload.bench.e2e.runner.model import Model
 from kvoffload.bench.e2e.runner.results import pool_rounds, record
 from kvoffload.bench.e2e.runner.timing import sync
 from kvoffload.bench.e2e.runner.workload import Turn, Workload
-from kvoffload.transfer.registry import BACKENDS, register_backend
 
 OFFLOADS = {
     "evict": Offload(store="evict"),
@@ -68,30 +68,6 @@ class Variant:
     poller: bool  # a GIL-taking polling thread runs beside the engine
 
 
-# the native core's settings per flag (StagedConfig fields)
-SETTINGS: dict[str, dict[str, Any]] = {
-    "inline": {"native_inline_bytes": 1 << 62},
-    "thread": {"native_inline_bytes": 0},
-    "ramp": {"first_slice_bytes": 64 << 10},
-    "prio": {"copy_priority": -5},
-    "whole": {"max_layer_slices": 1},
-    "most": {"plan_link_GBps": 0.0},  # the most slices the byte rules allow (before 2026-11-25)
-}
-# parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest
-NUMBERED = {"lp": "load_programs", "p": "programs"}
-
-
-def settings_of(flag: str) -> dict[str, Any] | None:
-    """The StagedConfig fields a variant flag sets; None for a flag that is not one."""
-    if flag in SETTINGS:
-        return SETTINGS[flag]
-    for prefix, field in NUMBERED.items():
-        rest = flag[len(prefix) :]
-        if flag.startswith(prefix) and rest.isdigit() and int(rest) > 0:
-            return {field: int(rest)}
-    return None
-
-
 def parse_variant(name: str, backend: str) -> Variant:
     base, *flags = name.split("-")
     if base in ("recompute", "gpu", "gpu_all") and flags in ([], ["poller"]):
@@ -101,36 +77,10 @@ def parse_variant(name: str, backend: str) -> Variant:
             f"expected a mode or one of {sorted(OFFLOADS)} with flags from "
             f"{sorted([*SETTINGS, 'poller'])} or lpN / pN (scatter programs), got {name!r}"
         )
-    engine_flags = [f for f in flags if f != "poller"]
-    if engine_flags:
-        backend = configured(backend, engine_flags)
+    core_flags = [f for f in flags if f != "poller"]
+    if core_flags:
+        backend = configured(backend, core_flags)
     return Variant(name, "kvoffload", OFFLOADS[base], backend, "poller" in flags)
-
-
-def configured(backend: str, flags: list[str]) -> str:
-    """Register ``staged-<flags>``: the native core built with those flags' settings."""
-    bad = [f for f in flags if settings_of(f) is None]
-    if bad:
-        raise ValueError(
-            f"expected engine flags from {sorted(SETTINGS)} or lpN / pN, got {bad} in "
-            f"{'-'.join([backend, *flags])!r}"
-        )
-    if backend != "staged":
-        raise ValueError(
-            f"expected backend 'staged' for -{'-'.join(flags)} (its engine's settings), got "
-            f"{backend!r}"
-        )
-    name = "-".join([backend, *flags])
-    if name not in BACKENDS:
-        from kvoffload.transfer.cuda.staged import make_staged
-        from kvoffload.transfer.cuda.staged_config import StagedConfig
-
-        fields: dict[str, Any] = {}
-        for flag in flags:
-            fields.update(settings_of(flag) or {})
-        config = StagedConfig(**fields)
-        register_backend(name, lambda layout, arena: make_staged(layout, arena, config))
-    return name
 
 
 @contextmanager

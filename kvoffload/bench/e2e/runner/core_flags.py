@@ -1,0 +1,57 @@
+"""The native core's variant flags (``staged-FLAG-...``): what each sets in ``StagedConfig``,
+shared by ``kvoffload bench e2e --backend`` and ``variants.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvoffload.transfer.registry import BACKENDS, register_backend
+
+# the native core's settings per flag (StagedConfig fields)
+SETTINGS: dict[str, dict[str, Any]] = {
+    "inline": {"native_inline_bytes": 1 << 62},
+    "thread": {"native_inline_bytes": 0},
+    "ramp": {"first_slice_bytes": 64 << 10},
+    "prio": {"copy_priority": -5},
+    "whole": {"max_layer_slices": 1},
+    "most": {"plan_link_GBps": 0.0},  # the most slices the byte rules allow (before 2026-11-25)
+}
+# parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest
+NUMBERED = {"lp": "load_programs", "p": "programs"}
+
+
+def settings_of(flag: str) -> dict[str, Any] | None:
+    """The StagedConfig fields a variant flag sets; None for a flag that is not one."""
+    if flag in SETTINGS:
+        return SETTINGS[flag]
+    for prefix, field in NUMBERED.items():
+        rest = flag[len(prefix) :]
+        if flag.startswith(prefix) and rest.isdigit() and int(rest) > 0:
+            return {field: int(rest)}
+    return None
+
+
+def configured(backend: str, flags: list[str]) -> str:
+    """Register ``staged-<flags>``: the native core built with those flags' settings."""
+    bad = [f for f in flags if settings_of(f) is None]
+    if bad:
+        raise ValueError(
+            f"expected engine flags from {sorted(SETTINGS)} or lpN / pN, got {bad} in "
+            f"{'-'.join([backend, *flags])!r}"
+        )
+    if backend != "staged":
+        raise ValueError(
+            f"expected backend 'staged' for -{'-'.join(flags)} (its engine's settings), got "
+            f"{backend!r}"
+        )
+    name = "-".join([backend, *flags])
+    if name not in BACKENDS:
+        from kvoffload.transfer.cuda.staged import make_staged
+        from kvoffload.transfer.cuda.staged_config import StagedConfig
+
+        fields: dict[str, Any] = {}
+        for flag in flags:
+            fields.update(settings_of(flag) or {})
+        config = StagedConfig(**fields)
+        register_backend(name, lambda layout, arena: make_staged(layout, arena, config))
+    return name
