@@ -38,10 +38,10 @@ class StagedConfig:
     # Bytes each program moves per loop step (a tile of several small pieces; kernels.tile).
     chunk_bytes: int = 32768
     num_warps: int = 8
-    # DMA streams per direction. Two let a chunk's copies wait for the chunk before them (one
-    # chunk in the copy engine's queue at a time), so a copy the engine enqueues behind a load or
-    # a store waits for at most one chunk instead of the whole transfer (pipeline.c, ``pace``;
-    # benchmarks/copy_queue_probe.py). One: chunks queued back to back, nothing paced.
+    # DMA streams per direction. Two let a store's chunk wait for the chunk before it (one chunk
+    # in the copy engine's queue at a time), so a device-to-host copy the engine enqueues behind
+    # a store (its sampled tokens) waits for at most one chunk, not the whole store (pipeline.c,
+    # ``pace``). One: a store's chunks queued back to back.
     dma_streams: int = 2
     # A load's layer slices keep >= this many bytes per block (one descriptor per block and
     # slice), at most ``max_layer_slices`` of them (docs/transfer.md, "Layer slices").

@@ -189,18 +189,22 @@ static int gather(part_run *r, int64_t c) {
     return 0;
 }
 
-/* One chunk in the copy engine's queue at a time: with two or more DMA streams, a chunk's
- * copies wait (a cross-stream event wait) for the copies of the chunk before it, which the
- * lane's ring recorded as that area's `filled` (load) or `freed` (store) event. A copy engine
- * serves its queue in order, so a copy the engine enqueues after ours (a forward's inputs, a
- * step's sampled tokens) waits behind every chunk queued ahead of it: measured on an H100, a
- * 64 KiB input copy after a 512 MiB load waited 10.6 ms unpaced, 1.5 ms paced, at the same load
- * time (benchmarks/copy_queue_probe.py). With one DMA stream the chunks are in stream order and
- * such a wait would be a no-op: StagedConfig.dma_streams defaults to 2. */
+/* A store's chunks go to the copy engine one at a time: with two or more DMA streams, a chunk's
+ * copies wait (a cross-stream event wait) for the copies of the chunk before it (that area's
+ * `freed` event). A copy engine serves its queue in order, so a copy the engine enqueues after
+ * ours in the same direction (a step's sampled token, the first token's logits) waits behind
+ * every chunk queued ahead of it. Measured on an H100 (bench e2e, Llama-3-8B, full graphs, docs):
+ * the host's read of the first token took 30.5 ms unpaced (13 ms after the forward's 17.8) and
+ * 26.4 ms paced (right after its forward); raw 32 MiB copies paced this way kept a 512 MiB
+ * copy's time (10.6 ms) while a small copy behind them waited 1.5 ms instead of 10.6
+ * (benchmarks/copy_queue_probe.py). Loads are not paced: paced, the layers of a full-graph
+ * forward waited 7.7-8.3 ms for their slices (0.15 ms unpaced), and a small host-to-device copy
+ * behind a paced load still waited for all of it (11.4 ms); an engine uploads its inputs before
+ * it starts a load (as vLLM's runner does). With one DMA stream nothing is paced. */
 static int pace(part_run *r, int64_t c, kvo_stream dma) {
     const kvo_pipe *p = r->p;
     kvo_job *job = r->job;
-    if (p->spec->n_dmas < 2) return 0;
+    if (p->spec->n_dmas < 2 || job->dir == KVO_LOAD) return 0; /* loads: see above */
     int64_t before = area_of(r, c + r->depth - 1);
     kvo_event *ring = job->dir == KVO_LOAD ? r->lane->filled : r->lane->freed;
     TRY(p->d->wait(dma, ring[before], 0), STEP_WAIT, c);
