@@ -46,7 +46,10 @@ def _load() -> tuple[ModuleType | None, str | None]:
             "compiler present (gcc or clang) to build it"
         )
     if _core.ABI != ABI or len(DRIVER_FIELDS) != _core.DRIVER_FIELDS:
-        return None, f"expected native core ABI {ABI}, got {_core.ABI} (a stale build)"
+        return None, (
+            f"expected native core ABI {ABI} with {len(DRIVER_FIELDS)} driver entry points, got "
+            f"ABI {_core.ABI} with {_core.DRIVER_FIELDS} (a stale build)"
+        )
     return _core, None
 
 
