@@ -41,7 +41,7 @@ class StagedConfig:
     # DMA streams per direction. Two let a store's chunk wait for the chunk before it (one chunk
     # in the copy engine's queue at a time), so a device-to-host copy the engine enqueues behind
     # a store (its sampled tokens) waits for at most one chunk, not the whole store (pipeline.c,
-    # ``pace``). One: a store's chunks queued back to back.
+    # ``pace_store``). One: a store's chunks queued back to back.
     dma_streams: int = 2
     # A load's layer slices keep >= this many bytes per block (one descriptor per block and
     # slice), at most ``max_layer_slices`` of them (docs/transfer.md, "Layer slices").

@@ -197,17 +197,16 @@ static int gather(part_run *r, int64_t c) {
  * the host's read of the first token took 30.5 ms unpaced (13 ms after the forward's 17.8) and
  * 26.4 ms paced (right after its forward); raw 32 MiB copies paced this way kept a 512 MiB
  * copy's time (10.6 ms) while a small copy behind them waited 1.5 ms instead of 10.6
- * (benchmarks/copy_queue_probe.py). Loads are not paced: paced, the layers of a full-graph
- * forward waited 7.7-8.3 ms for their slices (0.15 ms unpaced), and a small host-to-device copy
- * behind a paced load still waited for all of it (11.4 ms); an engine uploads its inputs before
- * it starts a load (as vLLM's runner does). With one DMA stream nothing is paced. */
-static int pace(part_run *r, int64_t c, kvo_stream dma) {
+ * (benchmarks/copy_queue_probe.py). Loads are not paced: paced the same way (a wait on the
+ * chunk before's `filled`), the layers of a full-graph forward waited 7.7-8.3 ms for their
+ * slices (0.15 ms unpaced), and a small host-to-device copy behind the paced load still waited
+ * for all of it (11.4 ms); an engine uploads its inputs before it starts a load (as vLLM's
+ * runner does). With one DMA stream nothing is paced. */
+static int pace_store(part_run *r, int64_t c, kvo_stream dma) {
     const kvo_pipe *p = r->p;
     kvo_job *job = r->job;
-    if (p->spec->n_dmas < 2 || job->dir == KVO_LOAD) return 0; /* loads: see above */
-    int64_t before = area_of(r, c + r->depth - 1);
-    kvo_event *ring = job->dir == KVO_LOAD ? r->lane->filled : r->lane->freed;
-    TRY(p->d->wait(dma, ring[before], 0), STEP_WAIT, c);
+    if (p->spec->n_dmas < 2) return 0;
+    TRY(p->d->wait(dma, r->lane->freed[area_of(r, c + r->depth - 1)], 0), STEP_WAIT, c);
     return 0;
 }
 
@@ -217,10 +216,9 @@ static int send(part_run *r, int64_t c) {
     kvo_job *job = r->job;
     kvo_stream dma = (kvo_stream)p->spec->dmas[job->dir][c % p->spec->n_dmas];
     int64_t area = area_of(r, c);
-    int err = pace(r, c, dma);
-    if (err) return err;
     TRY(p->d->wait(dma, r->lane->freed[area], 0), STEP_WAIT, c);
-    if ((err = copies(r, c, dma))) return err;
+    int err = copies(r, c, dma);
+    if (err) return err;
     TRY(p->d->record(r->lane->filled[area], dma), STEP_RECORD, c);
     return 0;
 }
@@ -289,7 +287,7 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
         for (int64_t c = 0; c < m; c++) {
             int64_t area = area_of(&r, c);
             kvo_stream dma = (kvo_stream)p->spec->dmas[KVO_STORE][c % p->spec->n_dmas];
-            if ((err = pace(&r, c, dma))) return err;
+            if ((err = pace_store(&r, c, dma))) return err;
             TRY(p->d->wait(dma, lane->filled[area], 0), STEP_WAIT, c);
             if ((err = copies(&r, c, dma))) return err;
             TRY(p->d->record(lane->freed[area], dma), STEP_RECORD, c);
