@@ -695,3 +695,42 @@ def test_enqueue_costs_are_checked(fake_cuda: Calls) -> None:
     for link in (-1.0, float("nan"), 1e9, True):
         with pytest.raises(ValueError, match="plan_link_GBps"):
             StagedConfig(plan_link_GBps=link)
+
+
+@needs_core
+@pytest.mark.parametrize("dma_streams", [1, 2])
+def test_a_stores_chunks_are_paced_one_at_a_time_with_two_dma_streams(
+    fake_cuda: Calls, dma_streams: int
+) -> None:
+    """With two DMA streams, every chunk of a store after the first waits, on its own DMA
+    stream and before its copies, for the event the chunk before recorded after its copies on
+    the other stream (one chunk in the copy engine's queue at a time); with one, no DMA stream
+    waits on another's event. Loads are not paced. Bytes match the oracle either way."""
+    with engine_on("llama3-8b", "page", dma_streams=dma_streams) as (pair, backend):
+        dmas = set(backend.spec.dmas[0][:dma_streams])
+        start = len(fake_cuda.log)
+        store = [TransferSpec.of("store", list(range(9)), list(range(9)))]
+        assert backend.submit(store).wait(10)
+        log = [e for e in fake_cuda.log[start:] if e[1] in dmas]
+        copies = [i for i, e in enumerate(log) if e[0] in ("copy", "batch", "copy2d")]
+        assert len(copies) > 2  # several chunks (staging holds four blocks, depth 2)
+        recorded_by = {e[2]: e[1] for e in log if e[0] == "record"}
+        cross = [e for e in log if e[0] == "wait" and recorded_by.get(e[2], e[1]) != e[1]]
+        if dma_streams == 1:
+            assert cross == []
+        else:
+            for c in copies[1:]:  # the chunk before recorded its event; this chunk waits on it
+                before = max(i for i in range(c) if log[i][0] == "record")
+                event, recorder = log[before][2], log[before][1]
+                assert recorder != log[c][1]
+                assert ("wait", log[c][1], event) in log[before:c]
+        load_start = len(fake_cuda.log)
+        load = [TransferSpec.of("load", list(range(10, 19)), list(range(9)))]
+        assert backend.submit(load).wait(10)
+        load_dmas = set(backend.spec.dmas[1][:dma_streams])
+        load_log = [e for e in fake_cuda.log[load_start:] if e[1] in load_dmas]
+        recorded = {e[2]: e[1] for e in load_log if e[0] == "record"}
+        assert not [e for e in load_log if e[0] == "wait" and e[2] in recorded]
+        pair.oracle.copy(store)
+        pair.oracle.copy(load)
+        pair.check()
