@@ -42,13 +42,14 @@ def test_summary_splits_model_ours_and_dma_and_the_overlap():
 def test_compare_pairs_restored_requests_with_their_gpu_all_runs():
     slow = summarize_trace([_k("gemm", 0, 300), _k("copy_blocks", 0, 50, 3)])
     fast = summarize_trace([_k("gemm", 0, 200)])
-    rec = {"round": 0, "conversation": 1, "turn": 2, "profile": slow}
-    ideal = {(0, 1, 2): {"profile": fast}}
+    rec = {"round": 0, "conversation": 1, "turn": 2, "host_hit_tokens": 16, "profile": slow}
+    ideal = [{"round": 0, "conversation": 1, "turn": 2, "profile": fast}]
     out = compare([rec], ideal)
     assert out["requests"] == 1
     assert out["model_busy_growth_ms"] == pytest.approx(0.1)
     assert out["kernel_growth_ms"] == {"gemm": pytest.approx(0.1)}
-    assert compare([{**rec, "turn": 3}], ideal) == {"requests": 0}
+    assert compare([{**rec, "turn": 3}], ideal) == {"requests": 0}  # no gpu_all twin
+    assert compare([{**rec, "host_hit_tokens": 0}], ideal) == {"requests": 0}  # not restored
 
 
 def test_numbered_core_flags_and_refusals():

@@ -240,11 +240,7 @@ def run_workload(
     modes = {m: pool_rounds(rs, model.config.layers) for m, rs in rounds.items()}
     profiled = None
     if cfg.profile and "kvoffload" in modes and "gpu_all" in modes:
-        restored = [
-            r for r in modes["kvoffload"]["records"] if r["host_hit_tokens"] > 0 and "profile" in r
-        ]
-        ideal = {(r["round"], r["conversation"], r["turn"]): r for r in modes["gpu_all"]["records"]}
-        profiled = compare(restored, ideal)
+        profiled = compare(modes["kvoffload"]["records"], modes["gpu_all"]["records"])
     return {
         "graph": graphs.mode if graphs is not None else "eager",
         "workload": run.workload.as_dict(),

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from kvoffload.bench.e2e.runner.results import request_key
+
 OURS = "copy_blocks"  # kvoffload's gather/scatter kernel (kernels.py)
 TOP = 12  # the model's kernels listed by name, largest total first
 
@@ -71,6 +73,7 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     ours: list[tuple[float, float]] = []
     dma: dict[str, float] = defaultdict(float)
     dma_spans: list[tuple[float, float]] = []
+    htod: list[tuple[float, float]] = []
     by_name: dict[str, list[float]] = defaultdict(list)
     streams: set[Any] = set()
     for ev in events:
@@ -83,6 +86,8 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             kind = "HtoD" if "HtoD" in name else ("DtoH" if "DtoH" in name else "other")
             dma[kind] += float(dur)
             dma_spans.append(span)
+            if kind == "HtoD":
+                htod.append(span)
         elif cat == "kernel" and OURS in name:
             ours.append(span)
         elif cat == "kernel":
@@ -90,7 +95,6 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             by_name[name].append(float(dur))
             streams.add(ev.get("args", {}).get("stream"))
     copies = _union(ours + dma_spans)
-    htod = [sp for sp, ev in zip(dma_spans, _dma_names(events), strict=True) if "HtoD" in ev]
     busy = sum(e - s for s, e in model)
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP]
     return {
@@ -118,14 +122,6 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _dma_names(events: list[dict[str, Any]]) -> list[str]:
-    return [
-        str(ev.get("name", ""))
-        for ev in events
-        if ev.get("cat") == "gpu_memcpy" and ev.get("dur") is not None
-    ]
-
-
 def _timeline(
     model: list[tuple[float, float]],
     ours: list[tuple[float, float]],
@@ -142,11 +138,16 @@ def _timeline(
     return out
 
 
-def compare(restored: list[dict[str, Any]], ideal: dict[Any, dict[str, Any]]) -> dict[str, Any]:
-    """Medians over profiled restored requests paired with their ``gpu_all`` runs: the model's
-    busy time in both, the growth, and per top kernel name the growth of its total."""
-    pairs = [(r["profile"], ideal[k]["profile"]) for k, r in _keyed(restored) if k in ideal]
-    pairs = [(a, b) for a, b in pairs if a and b]
+def compare(kvo: list[dict[str, Any]], gpu_all: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the profiled restored requests of ``kvo`` (records) paired with the same
+    requests' profiled runs in ``gpu_all``: the model's busy time in both, the growth, and per
+    top kernel name the growth of its total."""
+    ideal = {request_key(r): r["profile"] for r in gpu_all if r.get("profile")}
+    pairs = [
+        (r["profile"], ideal[request_key(r)])
+        for r in kvo
+        if r["host_hit_tokens"] > 0 and r.get("profile") and request_key(r) in ideal
+    ]
     if not pairs:
         return {"requests": 0}
 
@@ -178,8 +179,3 @@ def compare(restored: list[dict[str, Any]], ideal: dict[Any, dict[str, Any]]) ->
             n: med(v) for n, v in sorted(growth.items(), key=lambda kv: -med(kv[1]))[:TOP]
         },
     }
-
-
-def _keyed(records: list[dict[str, Any]]) -> Iterator[tuple[Any, dict[str, Any]]]:
-    for r in records:
-        yield (r["round"], r["conversation"], r["turn"]), r

@@ -156,14 +156,14 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
     restored = [r for r in modes["kvoffload"]["records"] if r["host_hit_tokens"] > 0]
     if not restored:
         return None
-    ideal = {_key(r): r for r in modes.get("gpu_all", {}).get("records", [])}
+    ideal = {request_key(r): r for r in modes.get("gpu_all", {}).get("records", [])}
 
     def med(values: list[float | None]) -> float | None:
         known = [v for v in values if v is not None]
         return float(np.median(known)) if known else None
 
     names = sorted({n for r in restored for n in r["kvo_ms"]})
-    paired = [(r, ideal[_key(r)]) for r in restored if _key(r) in ideal]
+    paired = [(r, ideal[request_key(r)]) for r in restored if request_key(r) in ideal]
     launch = med([r["launch_ms"] for r in restored])
     ideal_launch = med([g["launch_ms"] for _, g in paired]) if paired else None
     layers = len(restored[0]["layer_wait_ms"])
@@ -196,5 +196,5 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _key(r: dict[str, Any]) -> tuple[int, int, int]:
+def request_key(r: dict[str, Any]) -> tuple[int, int, int]:
     return (r["round"], r["conversation"], r["turn"])

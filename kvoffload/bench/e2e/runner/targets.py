@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from kvoffload.bench.e2e.runner.results import request_key
+
 HOST_VS_GPU_ALL = {"p50": 1.10, "p99": 1.30}  # at most, x gpu_all
 WIRE_BOUND = 1.10  # at most, x the restore's wire time (plus one layer's compute)
 LAUNCH_VS_GPU_ALL = 1.03  # at most, x gpu_all's host launch phase
@@ -158,8 +160,10 @@ def restored_vs_gpu_all(
     or higher where restores are wire-bound) and which bound it is."""
     if "kvoffload" not in modes or "gpu_all" not in modes:
         return None, limit, None
-    restored = {_key(r): r for r in modes["kvoffload"]["records"] if r["host_hit_tokens"] > 0}
-    ideal = {_key(r): r for r in modes["gpu_all"]["records"] if _key(r) in restored}
+    restored = {
+        request_key(r): r for r in modes["kvoffload"]["records"] if r["host_hit_tokens"] > 0
+    }
+    ideal = {request_key(r): r for r in modes["gpu_all"]["records"] if request_key(r) in restored}
     if not restored or len(ideal) != len(restored):
         return None, limit, None
     keys = list(restored)
@@ -180,10 +184,6 @@ def restored_vs_gpu_all(
         return value, limit, "gpu_all"
     bound_limit = float(np.percentile(allowed, pct) / np.percentile(base, pct))
     return value, bound_limit, f"wire for {wired} of {len(keys)} restores"
-
-
-def _key(r: dict[str, Any]) -> tuple[int, int, int]:
-    return (r["round"], r["conversation"], r["turn"])
 
 
 def _ratio(
