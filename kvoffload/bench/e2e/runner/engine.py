@@ -38,8 +38,9 @@ from kvoffload.bench.e2e.runner.model import Model
 from kvoffload.bench.e2e.runner.timing import SectionTimer
 
 MODES = ("recompute", "gpu", "gpu_all", "kvoffload")
-# a prefill chunk's inputs uploaded ahead (tokens, positions, block table); all None in graphs
-Staged = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+# a prefill chunk's inputs uploaded ahead: (tokens, positions, block table) in eager mode, ()
+# with graphs (they live in the graph runner's static buffers)
+Staged = tuple[torch.Tensor, ...]
 ADMISSIONS = ("all", "reuse", "none")
 STORES = ("behind", "evict")
 LOADS = ("layered", "blocking")
@@ -453,7 +454,7 @@ class PagedEngine:
         e = min(start + self.chunk_tokens, len(tokens))
         if self.graphs is not None:
             self.graphs.stage(tokens[start:e], start, blocks)
-            return None, None, None
+            return ()
         device = self.model.device
         return (
             torch.as_tensor(tokens[start:e], device=device),
@@ -486,9 +487,8 @@ class PagedEngine:
                 tokens, start, blocks, self.timer, before_read, loads, staged is not None
             )
         device = self.model.device
-        if staged is not None and staged[0] is not None:
+        if staged:
             inputs, positions, table = staged
-            assert inputs is not None and positions is not None and table is not None
         else:
             table = torch.tensor(blocks, dtype=torch.int64, device=device)
             positions = torch.arange(start, start + len(tokens), device=device)
