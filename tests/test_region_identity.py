@@ -296,3 +296,31 @@ def test_region_files_are_0600_whatever_the_umask(tmp_path: Path, mask: int) -> 
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
     assert modes == {"kvoffload_e.id": 0o600, "kvoffload_e.kv": 0o600}
     one.close()
+
+
+@pytest.mark.parametrize("step", ["locked", "create:sized", "create:header"])
+def test_an_interrupt_while_opening_leaves_no_descriptor_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """A KeyboardInterrupt (not an OSError) raised while the region file or its lock file is
+    open closes them before it propagates; the same call then succeeds."""
+
+    def interrupt(at: str) -> None:
+        if at == step:
+            raise KeyboardInterrupt
+
+    def open_fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    path = tmp_path / f"kvoffload-{uuid.uuid4().hex}.region"
+    before = open_fds()
+    monkeypatch.setattr(shm, "_kill_point", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        shm.open_shared(path, 4096, 1, 0)
+    assert open_fds() == before
+    monkeypatch.undo()
+    opened = shm.open_shared(path, 4096, 1, 0)
+    try:
+        assert opened.created
+    finally:
+        shm.close_shared(opened)

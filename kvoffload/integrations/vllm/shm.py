@@ -228,9 +228,9 @@ def _create(path: Path, nbytes: int, expected: int, role: int) -> tuple[int, byt
         if expected > 1:  # the others find it by name; alone, it needs none
             _link(fd, tmp, path)
             _kill_point("create:linked")
-    except OSError as e:
+    except BaseException as e:  # the file closed whatever stopped us, then raised
         os.close(fd)
-        if e.errno == errno.ENOSPC:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise ValueError(
                 f"expected room for {nbytes} bytes of host KV (cpu_bytes_to_use) in "
                 f"{path.parent}, got ENOSPC: lower cpu_bytes_to_use or enlarge it "
@@ -343,17 +343,22 @@ def _lock_id(lock_path: Path) -> int:
     deadline = time.monotonic() + LOCK_TIMEOUT_S
     while True:
         fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
-        if os.fstat(fd).st_uid == os.geteuid():
-            os.fchmod(fd, 0o600)  # whatever the umask: every process of the engine opens it
-        while not _try_lock(fd):
-            if time.monotonic() > deadline:
-                os.close(fd)
-                raise ValueError(
-                    f"expected to take {lock_path} within {LOCK_TIMEOUT_S} s, got it held by "
-                    "another process opening the same engine_id that neither finishes nor dies"
-                )
-            time.sleep(0.005)
-        if _same_file(lock_path, fd):
+        try:
+            if os.fstat(fd).st_uid == os.geteuid():
+                os.fchmod(fd, 0o600)  # whatever the umask: every process of the engine opens it
+            while not _try_lock(fd):
+                if time.monotonic() > deadline:
+                    raise ValueError(
+                        f"expected to take {lock_path} within {LOCK_TIMEOUT_S} s, got it held by "
+                        "another process opening the same engine_id that neither finishes nor "
+                        "dies"
+                    )
+                time.sleep(0.005)
+            same = _same_file(lock_path, fd)
+        except BaseException:  # closed whatever stopped us (an interrupt included), then raised
+            os.close(fd)
+            raise
+        if same:
             return fd
         os.close(fd)
 
