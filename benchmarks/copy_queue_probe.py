@@ -33,12 +33,14 @@ CHUNKS = 16
 REPS = 5
 
 
-def timed(load: Callable[[], Any], small_first: bool, engine: Any, src: Any, dst: Any) -> dict:
+def timed(
+    load: Callable[[], Any], small_first: bool, engine: Any, src: Any, dst: Any
+) -> dict[str, float]:
     torch.cuda.synchronize()
-    t0 = torch.cuda.Event(enable_timing=True)
-    kernel_done = torch.cuda.Event(enable_timing=True)
-    copy_done = torch.cuda.Event(enable_timing=True)
-    load_done = torch.cuda.Event(enable_timing=True)
+    t0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    kernel_done = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    copy_done = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    load_done = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     t0.record()
     engine.wait_stream(torch.cuda.current_stream())
     if small_first:
@@ -71,8 +73,8 @@ def main() -> int:
     dev = torch.empty(CHUNKS * CHUNK, dtype=torch.uint8, device="cuda")
     small_src = torch.arange(4096, dtype=torch.int64).pin_memory()
     small_dst = torch.empty(4096, dtype=torch.int64, device="cuda")
-    ours = torch.cuda.Stream()
-    engine = torch.cuda.Stream()
+    ours = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    engine = torch.cuda.Stream()  # type: ignore[no-untyped-call]
 
     def raw() -> Any:
         ours.wait_stream(torch.cuda.current_stream())
@@ -81,7 +83,7 @@ def main() -> int:
                 dev[i * CHUNK : (i + 1) * CHUNK].copy_(host[i * CHUNK : (i + 1) * CHUNK], True)
         return ours
 
-    pair = (ours, torch.cuda.Stream())
+    pair = (ours, torch.cuda.Stream())  # type: ignore[no-untyped-call]
 
     def paced() -> Any:
         """Each chunk on the other stream of a pair, after an event of the one before: a wait
@@ -95,7 +97,7 @@ def main() -> int:
                 s.wait_event(prev)
             with torch.cuda.stream(s):
                 dev[i * CHUNK : (i + 1) * CHUNK].copy_(host[i * CHUNK : (i + 1) * CHUNK], True)
-            prev = torch.cuda.Event()
+            prev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             prev.record(s)
         pair[0].wait_stream(pair[1])
         return pair[0]
@@ -113,15 +115,19 @@ def main() -> int:
     off, worker = local.offloader, local.worker
     keys = [i.to_bytes(16, "little") for i in range(1, blocks + 1)]
     job = off.schedule_store("probe-store", keys, list(range(blocks)))
+    if job is None:
+        raise RuntimeError("expected a store job for the probe's blocks, got none")
     worker.submit(job)
     worker.wait([job.job_id], timeout=60)
     off.complete(worker.get_finished())
     loads = [0]
-    probe = torch.cuda.Stream()
+    probe = torch.cuda.Stream()  # type: ignore[no-untyped-call]
 
     def api() -> Any:
         loads[0] += 1
         job = off.schedule_load(f"probe-load{loads[0]}", keys, list(range(blocks, 2 * blocks)))
+        if job is None:
+            raise RuntimeError("expected the probe's blocks held on host, got a miss")
         worker.submit(job)
         probe.wait_stream(torch.cuda.current_stream())
         worker.wait_on(job.job_id, probe.cuda_stream)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvoffload.bench.e2e.runner.core_flags import configured, settings_of
@@ -9,11 +11,11 @@ from kvoffload.bench.e2e.runner.profile import compare, summarize_trace
 from kvoffload.bench.e2e.runner.variants import parse_variant
 
 
-def _k(name: str, ts: float, dur: float, stream: int = 7) -> dict:
+def _k(name: str, ts: float, dur: float, stream: int = 7) -> dict[str, Any]:
     return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
 
 
-def _m(name: str, ts: float, dur: float) -> dict:
+def _m(name: str, ts: float, dur: float) -> dict[str, Any]:
     return {"cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur, "args": {"stream": 20}}
 
 
