@@ -657,6 +657,34 @@ def test_runs_of_consecutive_slots_load_as_one_pitched_copy_per_slice(
 
 
 @needs_core
+@pytest.mark.parametrize("layout", ["kv_split", "page"])
+def test_a_specs_pairs_move_in_slot_order_so_a_reversed_run_is_one_copy_per_slice(
+    fake_cuda: Calls, layout: str
+) -> None:
+    """A prefix stored tail first (an engine evicting a request's last blocks first) lands on
+    ascending slots in reverse block order, so its load names descending slots: 7, 6, .., 0. The
+    core moves a spec's pairs in slot order: every layer slice is one 2D copy of 8 rows (no batch
+    descriptor; a staging area holds a slice of 8 blocks), a shuffled spec the same, and the
+    bytes are the oracle's."""
+    with engine_on("llama3-8b", layout) as (pair, backend):
+        store = [TransferSpec.of("store", list(range(7, -1, -1)), list(range(8)))]
+        assert backend.submit(store).wait(10)
+        pair.oracle.copy(store)
+        rng = np.random.default_rng(3)
+        for slots in (list(range(7, -1, -1)), rng.permutation(8).tolist()):
+            load = [TransferSpec.of("load", rng.permutation(np.arange(8, 16)), slots)]
+            start = len(fake_cuda.log)
+            pending = backend.submit(load)
+            assert pending.wait(10) and pending.error() is None
+            assert pending.layer_slice is not None
+            copies = [e for e in fake_cuda.log[start:] if e[0] in ("copy", "batch", "copy2d")]
+            assert copies == [("copy2d", e[1], 8) for e in copies]
+            assert len(copies) == int(pending.layer_slice.max()) + 1
+            pair.oracle.copy(load)
+            pair.check()
+
+
+@needs_core
 def test_a_loads_slice_count_weighs_its_enqueue_against_its_first_slice(fake_cuda: Calls) -> None:
     """With a copy descriptor made dear, a load from scattered host slots (a descriptor per block
     and slice) takes one slice, the same load from consecutive slots (a 2D copy per slice) takes

@@ -117,6 +117,36 @@ void kvo_job_free(kvo_job *job) {
     free(job);
 }
 
+typedef struct { int64_t slot, block; } pair;
+
+static int by_slot(const void *a, const void *b) {
+    int64_t x = ((const pair *)a)->slot, y = ((const pair *)b)->slot;
+    return (x > y) - (x < y);
+}
+
+/* A spec's (block, slot) pairs in ascending slot order (a spec's order carries no meaning: every
+ * block of a load's layer slice is ready together). Slots that are consecutive once sorted are a
+ * run that moves as one copy per layer slice (pipeline.c, copies), where in the caller's order
+ * each could be a descriptor of its own: an engine that evicts a request's blocks tail first
+ * stores them in reverse, and the index gives one store call ascending slots, so that prefix's
+ * load came back with descending slots, one descriptor per block and slice. Returns -1 out of
+ * memory (the pairs stay as given). */
+static int sort_by_slot(int64_t *blocks, int64_t *slots, int64_t n) {
+    int64_t i = 1;
+    while (i < n && slots[i] > slots[i - 1]) i++;
+    if (i >= n) return 0;
+    pair *t = malloc((size_t)n * sizeof *t);
+    if (t == NULL) return -1;
+    for (int64_t j = 0; j < n; j++) t[j] = (pair){slots[j], blocks[j]};
+    qsort(t, (size_t)n, sizeof *t, by_slot);
+    for (int64_t j = 0; j < n; j++) {
+        slots[j] = t[j].slot;
+        blocks[j] = t[j].block;
+    }
+    free(t);
+    return 0;
+}
+
 kvo_job *kvo_job_build(const kvo_spec *s, const kvo_input *in, int64_t n_in, int dir, int *oom) {
     int64_t n_specs = 0, total = 0;
     for (int64_t i = 0; i < n_in; i++)
@@ -152,6 +182,11 @@ kvo_job *kvo_job_build(const kvo_spec *s, const kvo_input *in, int64_t n_in, int
         job->at[k] = at;
         memcpy(job->ids + at, in[i].blocks, (size_t)in[i].n * 8);
         memcpy(job->ids + at + in[i].n, in[i].slots, (size_t)in[i].n * 8);
+        if (sort_by_slot(job->ids + at, job->ids + at + in[i].n, in[i].n) != 0) {
+            kvo_job_free(job);
+            *oom = 1;
+            return NULL;
+        }
         at += 2 * in[i].n;
         k++;
     }
