@@ -79,8 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--time-budget-s",
         type=float,
         default=TIME_BUDGET_S,
-        help="GPU: the whole run's seconds; a fifth goes to the host section, and a case whose "
-        "estimate no longer fits is skipped (and listed)",
+        help="GPU: the whole run's seconds; a fifth goes to the host section (all of it with "
+        "--sections host), and a case whose estimate no longer fits is skipped (and listed)",
     )
     g.add_argument(
         "--methods", type=_csv(str), default=list(METHODS), help=f"GPU methods, of {METHODS}"
