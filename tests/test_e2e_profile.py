@@ -15,8 +15,9 @@ def _k(name: str, ts: float, dur: float, stream: int = 7) -> dict[str, Any]:
     return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
 
 
-def _m(name: str, ts: float, dur: float) -> dict[str, Any]:
-    return {"cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur, "args": {"stream": 20}}
+def _m(name: str, ts: float, dur: float, nbytes: int = 1 << 30) -> dict[str, Any]:
+    args = {"stream": 20, "bytes": nbytes}
+    return {"cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur, "args": args}
 
 
 def test_summary_splits_model_ours_and_dma_and_the_overlap():
@@ -80,4 +81,22 @@ def test_timeline_offsets_from_the_first_device_event():
         "ours_end": pytest.approx(0.05),
         "htod_start": 0.0,
         "htod_end": pytest.approx(0.04),
+        "dtoh_start": pytest.approx(0.19),
+        "dtoh_end": pytest.approx(0.2),
     }
+
+
+def test_small_copies_are_listed_by_start_first_and_last_few():
+    """Copies under a MiB (the engine's inputs and tokens) are listed with their direction and
+    times from the timeline's start; past 2 x SMALL_LISTED only the first and last few."""
+    from kvoffload.bench.e2e.runner.profile import SMALL_LISTED
+
+    big = _m("Memcpy HtoD (Pinned -> Device)", 100, 50)
+    smalls = [_m("Memcpy DtoH (Device -> Pinned)", 300 - 10 * i, 2, 64) for i in range(12)]
+    listed = summarize_trace([big, *smalls])["small_copies_ms"]
+    starts = sorted(300 - 10 * i for i in range(12))
+    want = starts[:SMALL_LISTED] + starts[-SMALL_LISTED:]
+    assert [c["start"] for c in listed] == [pytest.approx((t - 100) / 1e3) for t in want]
+    assert {c["kind"] for c in listed} == {"DtoH"}
+    assert listed[0]["end"] == pytest.approx((want[0] + 2 - 100) / 1e3)
+    assert summarize_trace([big])["small_copies_ms"] == []

@@ -27,6 +27,8 @@ from kvoffload.bench.e2e.runner.results import request_key
 
 OURS = "copy_blocks"  # kvoffload's gather/scatter kernel (kernels.py)
 TOP = 12  # the model's kernels listed by name, largest total first
+SMALL_COPY = 1 << 20  # bytes: a copy below this is the engine's own or an id upload, not KV
+SMALL_LISTED = 4  # the first and the last this many small copies are listed per request
 
 
 @contextmanager
@@ -74,6 +76,8 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     dma: dict[str, float] = defaultdict(float)
     dma_spans: list[tuple[float, float]] = []
     htod: list[tuple[float, float]] = []
+    dtoh: list[tuple[float, float]] = []
+    small: list[tuple[str, float, float]] = []  # the engine's own copies (inputs, tokens)
     by_name: dict[str, list[float]] = defaultdict(list)
     streams: set[Any] = set()
     for ev in events:
@@ -88,6 +92,10 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             dma_spans.append(span)
             if kind == "HtoD":
                 htod.append(span)
+            elif kind == "DtoH":
+                dtoh.append(span)
+            if int(ev.get("args", {}).get("bytes", SMALL_COPY)) < SMALL_COPY:
+                small.append((kind, *span))
         elif cat == "kernel" and OURS in name:
             ours.append(span)
         elif cat == "kernel":
@@ -109,7 +117,8 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         "ours_ms": sum(e - s for s, e in ours) / 1e3,
         "ours_span_ms": (max(e for _, e in ours) - min(s for s, _ in ours)) / 1e3 if ours else 0.0,
         "dma_ms": {k: v / 1e3 for k, v in dma.items()},
-        "timeline_ms": _timeline(model, ours, htod),
+        "timeline_ms": _timeline(model, ours, htod, dtoh),
+        "small_copies_ms": _small(small, model, ours, htod, dtoh),
         "top": [
             {
                 "name": n[:120],
@@ -122,14 +131,32 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _t0(*kinds: list[tuple[float, float]]) -> float:
+    return min((s for spans in kinds for s, _ in spans), default=0.0)
+
+
+def _small(
+    small: list[tuple[str, float, float]], *kinds: list[tuple[float, float]]
+) -> list[dict[str, Any]]:
+    """The trace's copies under ``SMALL_COPY`` bytes (the engine's inputs, its sampled tokens;
+    kvoffload's id uploads), first and last ``SMALL_LISTED`` each, ms from the timeline's start:
+    when a copy the engine waits for ran against the model's kernels and the load."""
+    t0 = _t0(*kinds)
+    ordered = sorted(small, key=lambda x: x[1])
+    if len(ordered) > 2 * SMALL_LISTED:
+        ordered = ordered[:SMALL_LISTED] + ordered[-SMALL_LISTED:]
+    return [{"kind": k, "start": (s - t0) / 1e3, "end": (e - t0) / 1e3} for k, s, e in ordered]
+
+
 def _timeline(
     model: list[tuple[float, float]],
     ours: list[tuple[float, float]],
     htod: list[tuple[float, float]],
+    dtoh: list[tuple[float, float]],
 ) -> dict[str, float]:
     """First start and last end of each kind, in ms from the earliest of them."""
-    kinds = {"model": model, "ours": ours, "htod": htod}
-    t0 = min((s for spans in kinds.values() for s, _ in spans), default=0.0)
+    kinds = {"model": model, "ours": ours, "htod": htod, "dtoh": dtoh}
+    t0 = _t0(*kinds.values())
     out = {}
     for name, spans in kinds.items():
         if spans:
@@ -178,4 +205,13 @@ def compare(kvo: list[dict[str, Any]], gpu_all: list[dict[str, Any]]) -> dict[st
         "kernel_growth_ms": {
             n: med(v) for n, v in sorted(growth.items(), key=lambda kv: -med(kv[1]))[:TOP]
         },
+        "each": [
+            {
+                "timeline_ms": a["timeline_ms"],
+                "small_copies_ms": a.get("small_copies_ms", []),
+                "gpu_all_timeline_ms": b["timeline_ms"],
+                "gpu_all_small_copies_ms": b.get("small_copies_ms", []),
+            }
+            for a, b in pairs
+        ],
     }
