@@ -100,3 +100,15 @@ def test_small_copies_are_listed_by_start_first_and_last_few():
     assert {c["kind"] for c in listed} == {"DtoH"}
     assert listed[0]["end"] == pytest.approx((want[0] + 2 - 100) / 1e3)
     assert summarize_trace([big])["small_copies_ms"] == []
+
+
+def test_first_events_interleave_host_calls_and_device_work_from_the_first_device_event():
+    """A launch 5 us before its kernel shows at -0.005 ms beside it, sharing its correlation."""
+    launch = {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 95, "dur": 3}
+    launch["args"] = {"correlation": 9}
+    kernel = _k("gemm", 100, 20)
+    kernel["args"]["correlation"] = 9
+    events = summarize_trace([kernel, launch])["first_events"]
+    assert [(e["kind"], e["correlation"]) for e in events] == [("api", 9), ("device", 9)]
+    assert events[0]["start"] == pytest.approx(-0.005) and events[1]["start"] == 0.0
+    assert events[1]["stream"] == 7 and events[1]["ms"] == pytest.approx(0.02)

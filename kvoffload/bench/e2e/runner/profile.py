@@ -29,6 +29,8 @@ OURS = "copy_blocks"  # kvoffload's gather/scatter kernel (kernels.py)
 TOP = 12  # the model's kernels listed by name, largest total first
 SMALL_COPY = 1 << 20  # bytes: a copy below this is the engine's own or an id upload, not KV
 SMALL_LISTED = 4  # the first and the last this many small copies are listed per request
+FIRST_EVENTS = 48  # host CUDA calls and device events listed per request, each
+API_CATS = ("cuda_runtime", "cuda_driver")  # the trace's categories of host CUDA calls
 
 
 @contextmanager
@@ -80,8 +82,14 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     small: list[tuple[str, float, float]] = []  # the engine's own copies (inputs, tokens)
     by_name: dict[str, list[float]] = defaultdict(list)
     streams: set[Any] = set()
+    api: list[dict[str, Any]] = []  # the host's CUDA calls (launches, copies, waits)
+    device: list[dict[str, Any]] = []
     for ev in events:
         cat, dur = ev.get("cat"), ev.get("dur")
+        if dur is not None and cat in API_CATS:
+            api.append(ev)
+        elif dur is not None and cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            device.append(ev)
         if dur is None or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         span = (float(ev["ts"]), float(ev["ts"]) + float(dur))
@@ -119,6 +127,7 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         "dma_ms": {k: v / 1e3 for k, v in dma.items()},
         "timeline_ms": _timeline(model, ours, htod, dtoh),
         "small_copies_ms": _small(small, model, ours, htod, dtoh),
+        "first_events": _first_events(api, device, _t0(model, ours, htod, dtoh)),
         "top": [
             {
                 "name": n[:120],
@@ -133,6 +142,30 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _t0(*kinds: list[tuple[float, float]]) -> float:
     return min((s for spans in kinds for s, _ in spans), default=0.0)
+
+
+def _first_events(
+    api: list[dict[str, Any]], device: list[dict[str, Any]], t0: float
+) -> list[dict[str, Any]]:
+    """The first ``FIRST_EVENTS`` host CUDA calls and device events of the trace by start, ms
+    from the first device event (negative: the host before the device), with each one's stream
+    and correlation id (a launch and its kernel share it): whether a late kernel was launched
+    late or waited on the device."""
+    out = []
+    for kind, evs in (("api", api), ("device", device)):
+        for ev in sorted(evs, key=lambda e: float(e["ts"]))[:FIRST_EVENTS]:
+            args = ev.get("args", {})
+            out.append(
+                {
+                    "kind": kind,
+                    "name": str(ev.get("name", ""))[:60],
+                    "start": (float(ev["ts"]) - t0) / 1e3,
+                    "ms": float(ev["dur"]) / 1e3,
+                    "stream": args.get("stream"),
+                    "correlation": args.get("correlation"),
+                }
+            )
+    return sorted(out, key=lambda e: e["start"])
 
 
 def _small(
@@ -211,6 +244,8 @@ def compare(kvo: list[dict[str, Any]], gpu_all: list[dict[str, Any]]) -> dict[st
                 "small_copies_ms": a.get("small_copies_ms", []),
                 "gpu_all_timeline_ms": b["timeline_ms"],
                 "gpu_all_small_copies_ms": b.get("small_copies_ms", []),
+                "first_events": a.get("first_events", []),
+                "gpu_all_first_events": b.get("first_events", []),
             }
             for a, b in pairs
         ],
