@@ -11,6 +11,8 @@ pinned copy (the engine's inputs), and times from the load's start when each of 
 - ``api``: kvoffload's own load of the same bytes (``build_local``, the native engine);
 - each also with the small copy enqueued *before* the load (as vLLM's runner does: inputs
   prepared, then ``start_load_kv``, then the forward), and with a device-to-device small copy;
+- ``default stream engine``: the engine on torch's default (the legacy NULL) stream, as the
+  e2e runner and most engines run, against a load on our streams (their flags are listed);
 - ``paced raw``: the same chunks, each held back (a cross-stream event wait) until the one
   before it is done, so one chunk at a time sits in the copy engine's queue.
 
@@ -62,6 +64,18 @@ def timed(
         "small_copy_ms": t0.elapsed_time(copy_done),
         "load_ms": t0.elapsed_time(load_done),
     }
+
+
+def stream_flags(handle: int) -> int:
+    """cuStreamGetFlags of a stream handle (CU_STREAM_NON_BLOCKING = 1)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    flags = ctypes.c_uint(0)
+    rc = cuda.cuStreamGetFlags(ctypes.c_void_p(handle), ctypes.byref(flags))
+    if rc != 0:
+        raise RuntimeError(f"cuStreamGetFlags failed with {rc}")
+    return int(flags.value)
 
 
 def main() -> int:
@@ -134,7 +148,15 @@ def main() -> int:
         api.job = job  # type: ignore[attr-defined]
         return probe
 
+    default = torch.cuda.default_stream()
+    streams = [
+        (f"{d}[{i}]", st) for d, ss in worker.backend._streams.items() for i, st in enumerate(ss)
+    ]
+    result_flags = {name: stream_flags(st.cuda_stream) for name, st in streams}
+    result_flags["engine (a torch.cuda.Stream)"] = stream_flags(engine.cuda_stream)
+    print("stream flags (1: non-blocking):", result_flags)
     result: dict[str, Any] = {
+        "stream_flags": result_flags,
         "device": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"),
         "load_bytes": CHUNKS * CHUNK,
@@ -142,6 +164,9 @@ def main() -> int:
     }
     d2d_src = torch.ones(4096, dtype=torch.int64, device="cuda")
     cases = [
+        ("default stream engine, raw", raw, False, small_src, default),
+        ("default stream engine, api", api, False, small_src, default),
+        ("default stream engine, api", api, True, small_src, default),
         ("raw", raw, False, small_src),
         ("raw", raw, True, small_src),
         ("raw, device-to-device small copy", raw, False, d2d_src),
@@ -151,10 +176,10 @@ def main() -> int:
         ("api", api, True, small_src),
         ("api, device-to-device small copy", api, False, d2d_src),
     ]
-    for name, load, small_first, src in cases:
+    for name, load, small_first, src, *on in cases:
         reps = []
         for _ in range(REPS + 1):
-            reps.append(timed(load, small_first, engine, src, small_dst))
+            reps.append(timed(load, small_first, on[0] if on else engine, src, small_dst))
             if load is api:
                 worker.wait([api.job.job_id], timeout=60)  # type: ignore[attr-defined]
                 off.complete(worker.get_finished())
