@@ -201,9 +201,11 @@ class PagedEngine:
         if restore is not None and self.host is not None:
             # the inputs first, then the load (as vLLM: prepare inputs, start_load_kv, forward):
             # an input copy enqueued after the load's copies would wait behind them
-            staged = self._stage(tokens, loaded * bs, blocks)
+            with self.timer.section("stage"):  # GPU time: a wait enqueued here shows
+                staged = self._stage(tokens, loaded * bs, blocks)
             host_time.mark("launch")
-            load = self.host.start_load(req, *restore)
+            with self.timer.section("load_submit"):
+                load = self.host.start_load(req, *restore)
             host_time.mark("load_submit")
         layered = load is not None and self.offload.load == "layered"
         if load is not None and not layered:

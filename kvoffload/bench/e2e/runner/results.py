@@ -45,6 +45,9 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
         "gather_ms": r.sections.get("gather", 0.0) * 1e3,
         "sdpa_ms": r.sections.get("sdpa", 0.0) * 1e3,
         "gate_open_ms": gate_open * 1e3,
+        # device time between the events around each section on the engine's stream (a wait
+        # enqueued in it, or work ahead of it, shows here): stage, load_submit, prefill, ...
+        "device_ms": {k: v * 1e3 for k, v in r.sections.items() if not k.startswith("wait")},
         "load_bytes": r.load_bytes,
         "launch_ms": r.host.get("launch", 0.0) * 1e3,
         "kvo_ms": {name: s * 1e3 for name, (s, _) in r.kvo_calls.items()},
