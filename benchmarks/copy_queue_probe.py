@@ -12,7 +12,10 @@ pinned copy (the engine's inputs), and times from the load's start when each of 
 - each also with the small copy enqueued *before* the load (as vLLM's runner does: inputs
   prepared, then ``start_load_kv``, then the forward), and with a device-to-device small copy;
 - ``default stream engine``: the engine on torch's default (the legacy NULL) stream, as the
-  e2e runner and most engines run, against a load on our streams (their flags are listed);
+  e2e runner and most engines run, against a load on our streams (their flags are listed),
+  also through the backend from consecutive host slots (2D copies) and from scattered ones
+  (a ``cuMemcpyBatchAsync`` descriptor per block and slice), and the latter beside a side
+  stream engine;
 - ``paced raw``: the same chunks, each held back (a cross-stream event wait) until the one
   before it is done, so one chunk at a time sits in the copy engine's queue.
 
@@ -28,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 CHUNK = 32 << 20
@@ -125,7 +129,9 @@ def main() -> int:
         lambda s: torch.ones(s, dtype=torch.bfloat16, device="cuda"),
     )
     layout = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
-    local = build_local(layout, OffloadConfig(host_capacity_blocks=blocks + 8, backend="staged"))
+    local = build_local(
+        layout, OffloadConfig(host_capacity_blocks=2 * blocks + 8, backend="staged")
+    )
     off, worker = local.offloader, local.worker
     keys = [i.to_bytes(16, "little") for i in range(1, blocks + 1)]
     job = off.schedule_store("probe-store", keys, list(range(blocks)))
@@ -149,9 +155,27 @@ def main() -> int:
         return probe
 
     default = torch.cuda.default_stream()
-    streams = [
-        (f"{d}[{i}]", st) for d, ss in worker.backend._streams.items() for i, st in enumerate(ss)
-    ]
+    backend: Any = worker.backend  # the native staged backend: its streams, its submit
+    streams = [(f"{d}[{i}]", st) for d, ss in backend._streams.items() for i, st in enumerate(ss)]
+    from kvoffload.transfer.spec import TransferSpec
+
+    direct: list[Any] = []
+
+    def backend_load(step: int) -> Callable[[], Any]:
+        """The backend's load of every ``step``-th host slot: 1, runs of consecutive slots (one
+        2D copy per slice); 2, no two consecutive (a batch descriptor per block and slice)."""
+
+        def load() -> Any:
+            slots = np.arange(0, step * blocks, step)
+            spec = TransferSpec.of("load", np.arange(blocks, 2 * blocks), slots)
+            pending = backend.submit([spec])
+            probe.wait_stream(torch.cuda.current_stream())
+            pending.wait_on(probe)
+            direct.append(pending)
+            return probe
+
+        return load
+
     result_flags = {name: stream_flags(st.cuda_stream) for name, st in streams}
     result_flags["engine (a torch.cuda.Stream)"] = stream_flags(engine.cuda_stream)
     print("stream flags (1: non-blocking):", result_flags)
@@ -163,23 +187,30 @@ def main() -> int:
         "rows": {},
     }
     d2d_src = torch.ones(4096, dtype=torch.int64, device="cuda")
-    cases = [
+    Case = tuple[str, Callable[[], Any], bool, Any, Any]
+    cases: list[Case] = [
         ("default stream engine, raw", raw, False, small_src, default),
         ("default stream engine, api", api, False, small_src, default),
         ("default stream engine, api", api, True, small_src, default),
-        ("raw", raw, False, small_src),
-        ("raw", raw, True, small_src),
-        ("raw, device-to-device small copy", raw, False, d2d_src),
-        ("paced raw", paced, False, small_src),
-        ("paced raw, device-to-device small copy", paced, False, d2d_src),
-        ("api", api, False, small_src),
-        ("api", api, True, small_src),
-        ("api, device-to-device small copy", api, False, d2d_src),
+        ("default stream engine, consecutive slots", backend_load(1), False, small_src, default),
+        ("default stream engine, scattered slots", backend_load(2), False, small_src, default),
+        ("side stream engine, scattered slots", backend_load(2), False, small_src, engine),
+        ("raw", raw, False, small_src, engine),
+        ("raw", raw, True, small_src, engine),
+        ("raw, device-to-device small copy", raw, False, d2d_src, engine),
+        ("paced raw", paced, False, small_src, engine),
+        ("paced raw, device-to-device small copy", paced, False, d2d_src, engine),
+        ("api", api, False, small_src, engine),
+        ("api", api, True, small_src, engine),
+        ("api, device-to-device small copy", api, False, d2d_src, engine),
     ]
-    for name, load, small_first, src, *on in cases:
+    for name, load, small_first, src, on in cases:
         reps = []
         for _ in range(REPS + 1):
-            reps.append(timed(load, small_first, on[0] if on else engine, src, small_dst))
+            reps.append(timed(load, small_first, on, src, small_dst))
+            while direct:
+                if not direct.pop().wait(60):
+                    raise RuntimeError("expected the probe's load done in 60 s, got it running")
             if load is api:
                 worker.wait([api.job.job_id], timeout=60)  # type: ignore[attr-defined]
                 off.complete(worker.get_finished())
