@@ -15,7 +15,7 @@ pinned copy (the engine's inputs), and times from the load's start when each of 
   e2e runner and most engines run, against a load on our streams (their flags are listed),
   also through the backend from consecutive host slots (2D copies) and from scattered ones
   (a ``cuMemcpyBatchAsync`` descriptor per block and slice), and the latter beside a side
-  stream engine;
+  stream engine; and the engine's work as a CUDA graph's replay (``graph replay``);
 - ``paced raw``: the same chunks, each held back (a cross-stream event wait) until the one
   before it is done, so one chunk at a time sits in the copy engine's queue.
 
@@ -40,8 +40,15 @@ REPS = 5
 
 
 def timed(
-    load: Callable[[], Any], small_first: bool, engine: Any, src: Any, dst: Any
+    load: Callable[[], Any],
+    small_first: bool,
+    engine: Any,
+    src: Any,
+    dst: Any,
+    work: Callable[[], Any] | None = None,
 ) -> dict[str, float]:
+    """ms from before the load until the engine's work (a tiny kernel, or ``work``: a CUDA
+    graph's replay) and then its small copy are done, and until the load is."""
     torch.cuda.synchronize()
     t0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     kernel_done = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -54,7 +61,7 @@ def timed(
             dst.copy_(src, non_blocking=True)
     side = load()
     with torch.cuda.stream(engine):
-        x = torch.ones(16, device="cuda") * 2
+        x = torch.ones(16, device="cuda") * 2 if work is None else work()
         kernel_done.record()
         if not small_first:
             dst.copy_(src, non_blocking=True)
@@ -187,6 +194,18 @@ def main() -> int:
         "rows": {},
     }
     d2d_src = torch.ones(4096, dtype=torch.int64, device="cuda")
+    with torch.cuda.stream(engine):  # a CUDA graph of a few kernels, as a graph-mode engine
+        a = torch.ones(1 << 20, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            b = a * 2 + 1
+        graph.replay()
+    torch.cuda.synchronize()
+
+    def replay() -> Any:
+        graph.replay()
+        return b
+
     Case = tuple[str, Callable[[], Any], bool, Any, Any]
     cases: list[Case] = [
         ("default stream engine, raw", raw, False, small_src, default),
@@ -195,6 +214,8 @@ def main() -> int:
         ("default stream engine, consecutive slots", backend_load(1), False, small_src, default),
         ("default stream engine, scattered slots", backend_load(2), False, small_src, default),
         ("side stream engine, scattered slots", backend_load(2), False, small_src, engine),
+        ("default stream engine, graph replay, api", api, False, small_src, default),
+        ("side stream engine, graph replay, api", api, False, small_src, engine),
         ("raw", raw, False, small_src, engine),
         ("raw", raw, True, small_src, engine),
         ("raw, device-to-device small copy", raw, False, d2d_src, engine),
@@ -207,7 +228,8 @@ def main() -> int:
     for name, load, small_first, src, on in cases:
         reps = []
         for _ in range(REPS + 1):
-            reps.append(timed(load, small_first, on, src, small_dst))
+            work = replay if "graph replay" in name else None
+            reps.append(timed(load, small_first, on, src, small_dst, work))
             while direct:
                 if not direct.pop().wait(60):
                     raise RuntimeError("expected the probe's load done in 60 s, got it running")
