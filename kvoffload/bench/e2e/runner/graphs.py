@@ -237,11 +237,14 @@ class GraphRunner:
         used = min(len(ids), table)
         h[t0 : t0 + used] = ids[:used]
         h[-1] = n - 1
-        src = torch.from_numpy(h)
-        if self._ints.is_cuda:
-            self._ints.copy_(src.pin_memory(), non_blocking=True)  # the pinned block is kept
-        else:  # until the copy ran (the caching host allocator records it on the stream)
-            self._ints.copy_(src)
+        # A synchronous copy from pageable memory (tens of KiB, as the eager path's inputs).
+        # Through ``pin_memory()`` (torch's caching host allocator) and a non-blocking copy, the
+        # engine's next kernels were held on the device until a load submitted after the copy
+        # had moved its last byte: 10.6 ms of a 10.5 ms load, piecewise docs, H200 (device time
+        # of the events around ``start_load``, ``device_ms["load_submit"]``); with this copy
+        # 0.45 ms, and the restored TTFT 22.1 -> 13.8 ms (benchmarks/results/
+        # e2e_stage_bisect_*).
+        self._ints.copy_(torch.from_numpy(h))
 
     # -- piecewise -------------------------------------------------------------------------------
 
