@@ -58,6 +58,8 @@ def test_a_refused_step_submits_none_of_its_jobs() -> None:
         results = worker.step([good])  # the refused steps left it runnable
         results += collect(worker, {good.job_id} - {r.job_id for r in results})
         assert [r.ok for r in results] == [True]
+        with pytest.raises(ValueError, match=r"^step: expected a job not submitted before"):
+            worker.step([good])  # run already: the message names the call that refused it
         off.complete(results)
     finally:
         local.close()

@@ -120,23 +120,24 @@ class JobLedger:
 
     # -- the worker's side (each takes the lock) -----------------------------------------------
 
-    def take(self, job: TransferJob) -> None:
-        """Admit ``job`` to run (see the module docstring); ValueError, changing nothing, else."""
+    def take(self, job: TransferJob, where: str = "submit") -> None:
+        """Admit ``job`` to run (see the module docstring); ValueError, changing nothing, else.
+        ``where``: the worker call that asked (the messages start with it)."""
         with self.lock:
             if self.closed:
                 raise ValueError(
-                    "submit: expected a job of an open Offloader, got one of a closed one"
+                    f"{where}: expected a job of an open Offloader, got one of a closed one"
                 )
             entry = self._entries.get(job.job_id)
             if entry is None or entry.job is not job:
                 raise ValueError(
-                    f"submit: expected a job this worker's Offloader has in flight, got job "
+                    f"{where}: expected a job this worker's Offloader has in flight, got job "
                     f"{job.job_id} that it did not create or has already completed (a job runs "
                     "at most once)"
                 )
             if entry.taken:
                 raise ValueError(
-                    f"submit: expected a job not submitted before, got job {job.job_id} that was "
+                    f"{where}: expected a job not submitted before, got job {job.job_id} that was "
                     "already submitted or cancelled (a job runs at most once)"
                 )
             entry.taken = True

@@ -292,7 +292,7 @@ class TransferWorker:
             raise ValueError(f"{where}: expected a TransferJob, got {type(job).__name__}")
         if job.job_id in self._running:
             raise ValueError(f"{where}: expected a new job id, got {job.job_id} already running")
-        self._ledger.take(job)
+        self._ledger.take(job, where)
 
     def _start(self, job: TransferJob) -> None:
         """Hand a claimed job's copy to the backend and track it (its deadline for a load)."""
