@@ -60,6 +60,8 @@ class Calls:
     fail_batch_at: int | None = None
     # cuEventRecord through the C entry point fails on this stream (None: never)
     fail_record_on: int | None = None
+    # called with the stream of every cuEventRecord through the C entry point (None: nothing)
+    on_record: Any = None
     events: int = 0  # events the C entry points created and not destroyed
     memory: dict[int, Any] = field(default_factory=dict)  # allocations: address -> buffer
     # what the C entry point cuLaunchKernel runs (tests swap it to hold a launch)
@@ -312,6 +314,8 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
     def record(event, stream):
         if calls.fail_record_on == stream:
             return driver.CUDA_ERROR_INVALID_VALUE
+        if calls.on_record is not None:
+            calls.on_record(stream)
         calls.log.append(("record", stream, event))
         return 0
 

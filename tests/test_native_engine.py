@@ -9,6 +9,7 @@ the bytes that land, against the host backend, and how it fails.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
 from collections.abc import Iterator
@@ -398,6 +399,9 @@ def test_a_copy_the_driver_refuses_fails_the_job_naming_its_descriptor(fake_cuda
 def test_a_completion_event_that_cannot_be_recorded_fails_the_job_without_a_hang(
     fake_cuda: Calls,
 ) -> None:
+    """A job whose completion event cannot be recorded fails and its waits raise; that event is
+    destroyed, not leaked: once the backend and its jobs are gone, every event the core created
+    is destroyed."""
     with engine_on("llama3-8b", "page") as (_pair, backend):
         try:
             tail = backend.spec.dmas[0][0]
@@ -409,6 +413,34 @@ def test_a_completion_event_that_cannot_be_recorded_fails_the_job_without_a_hang
                 pending.wait_on(5)
         finally:
             fake_cuda.fail_record_on = None
+    del backend, pending
+    gc.collect()
+    assert fake_cuda.events == 0
+
+
+@needs_core
+def test_a_submit_racing_close_is_refused_and_enqueues_nothing(fake_cuda: Calls) -> None:
+    """Another thread closes the core while a submit records its order event on the caller's
+    stream (between the submit's two locked sections): the submit fails as closed, and no copy,
+    kernel or flag write of it reaches the driver."""
+    with engine_on("llama3-8b", "page") as (_pair, backend):
+        closer = threading.Thread(target=backend._core.close)
+
+        def close_now(stream: int) -> None:
+            if stream == 99 and closer.ident is None:
+                closer.start()
+                closer.join(10)
+
+        fake_cuda.on_record = close_now
+        try:
+            start = len(fake_cuda.log)
+            with pytest.raises(RuntimeError, match="closed"):
+                backend.submit([TransferSpec.of("store", [1], [2])], order_after=99)
+        finally:
+            fake_cuda.on_record = None
+        assert closer.ident is not None and not closer.is_alive()
+        moved = [e for e in fake_cuda.log[start:] if e[0] not in ("record", "wait")]
+        assert moved == []
 
 
 @needs_core

@@ -221,6 +221,12 @@ kvo_status kvo_core_submit(kvo_core *e, const kvo_input *in, int64_t n_in, kvo_s
     double now = kvo_now();
     int here[2] = {0, 0};
     pthread_mutex_lock(&e->mu);
+    if (e->closing) { /* close began since the check above: nothing of these jobs ran */
+        pthread_mutex_unlock(&e->mu);
+        drop_all(e, jobs);
+        kvo_ctx_leave(e, prev);
+        return kvo_say(msg, KVO_FAILED, "submit: expected an open native core, got a closed one");
+    }
     for (int d = 0; d < 2; d++) {
         kvo_job *job = jobs[d];
         if (job == NULL) continue;

@@ -430,7 +430,8 @@ static int finish(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
     for (int64_t l = 0; l < job->n_layers; l++)
         kvo_flag_set(p->flags, kvo_word_layer(p->flags, l), job->seq);
     kvo_flag_set(p->flags, kvo_word_done(dir), job->seq);
-    job->done_ev = NULL; /* not recorded: the core must not query it */
+    if (job->done_ev != NULL) p->d->event_destroy(job->done_ev); /* never recorded */
+    job->done_ev = NULL; /* the core must not query it (nor give it back to its pool) */
     return err;
 }
 
