@@ -124,6 +124,18 @@ def test_bad_transfers_are_clear_errors():
             backend.submit([TransferSpec.of("store", [1, 2], [3, 3])])
         with pytest.raises(ValueError, match="distinct destination engine blocks"):
             backend.submit([TransferSpec.of("load", [1, 1], [0, 2])])
+        # each spec alone is fine; together one store writes slot 3 twice, one load block 1
+        before = arena.slots.copy()
+        for twice in (
+            [TransferSpec.of("store", [1], [3]), TransferSpec.of("store", [2], [3])],
+            [TransferSpec.of("load", [1], [0]), TransferSpec.of("load", [1], [2])],
+        ):
+            with pytest.raises(ValueError, match="got 1 duplicates"):
+                backend.submit(twice)
+        assert np.array_equal(arena.slots, before)
+        # a store and a load of one submit are two jobs: the same slot in each is fine
+        mixed = [TransferSpec.of("store", [1], [3]), TransferSpec.of("load", [2], [3])]
+        assert backend.submit(mixed).wait(10)
         with pytest.raises(ValueError, match=r"engine block id in \[0, 8\), got 8"):
             backend.submit([TransferSpec.of("store", [8], [0])])
         with pytest.raises(ValueError, match=r"host slot in \[0, 4\), got -1"):

@@ -235,6 +235,8 @@ def test_close_with_waits_enqueued_waits_for_the_copies_then_frees_the_flags(
             "distinct destination host slots in one store, got 2 duplicates",
         ),
         (TransferSpec.of("load", [1, 1], [3, 4]), "distinct destination engine blocks"),
+        # distinct within the spec, but slot 8 is the other store spec's (one job: a race)
+        (TransferSpec.of("store", [9], [8]), "distinct destination host slots in one store, got 1"),
         (TransferSpec.of("load", [1], [3], group=1), r"group in \[0, 1\), got 1"),
         (
             TransferSpec("sideways", np.zeros(1, np.int64), np.zeros(1, np.int64)),  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.layout import KVLayout
-from kvoffload.transfer.spec import TransferSpec
+from kvoffload.transfer.spec import TransferSpec, check_distinct_across
 
 # wait_on() of a CPU copy blocks the host at most this long: far above any real copy (a 1 GiB
 # transfer takes ~0.3 s on a 2-core CI machine), so reaching it means something is stuck.
@@ -139,6 +139,7 @@ class CopyBackend(ABC):
     def validate(self, specs: Sequence[TransferSpec]) -> None:
         for spec in specs:
             spec.validate(self.layout, self.arena.num_slots)
+        check_distinct_across(specs)
 
     def layer_gate(self, layers: int) -> LayerGate:
         """A ``LayerGate`` of ``layers`` layers for this backend's transfers."""

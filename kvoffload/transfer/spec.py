@@ -112,6 +112,20 @@ def ids_fit(ids: np.ndarray, upper: int | None, distinct: bool) -> bool:
     return int(ids.view(np.uint64).max()) < upper  # a negative id reads as >= 2**63
 
 
+def check_distinct_across(specs: Sequence[TransferSpec]) -> None:
+    """Raise ValueError where two specs of one direction and layer group share a destination
+    (a store's host slot, a load's engine block): one submit is one job per direction, so both
+    writes would race. Each spec is checked alone by ``validate``."""
+    seen: dict[tuple[str, int], list[np.ndarray]] = {}
+    for spec in specs:
+        dst = spec.slots if spec.direction == "store" else spec.blocks
+        seen.setdefault((spec.direction, int(spec.group)), []).append(dst)
+    for (direction, _), parts in seen.items():
+        if len(parts) > 1:
+            what = "host slot" if direction == "store" else "engine block"
+            _check_distinct(np.concatenate(parts), what, direction)
+
+
 def _check_distinct(dst: np.ndarray, what: str, direction: str) -> None:
     if len(dst) < 2 or bool(np.all(dst[1:] > dst[:-1])):  # ascending: distinct, no sort
         return

@@ -149,18 +149,31 @@ static kvo_status validate(kvo_core *e, const kvo_input *in, int64_t n_in, char 
     }
     kvo_status rc = KVO_OK;
     pthread_mutex_lock(&e->check_mu);
-    for (int64_t i = 0; i < n_in && rc == KVO_OK; i++) { /* destinations: a store's slots, a
-                                                             load's blocks */
+    /* destinations: a store's slots, a load's blocks, distinct across every spec of one
+     * direction and layer group (the specs of a direction are one job: two writes of one place
+     * would race) */
+    for (int64_t i = 0; i < n_in && rc == KVO_OK; i++) {
+        int first = 1; /* the first spec of its (direction, group): checks the whole set */
+        for (int64_t k = 0; k < i && first; k++)
+            if (in[k].dir == in[i].dir && in[k].group == in[i].group) first = 0;
+        if (!first) continue;
         int store = in[i].dir == KVO_STORE;
-        const int64_t *dst = store ? in[i].slots : in[i].blocks;
         uint8_t *seen = store ? e->seen_slots : e->seen_blocks;
         int64_t dups = 0;
-        for (int64_t j = 0; j < in[i].n; j++) {
-            uint8_t bit = (uint8_t)(1u << (dst[j] & 7));
-            if (seen[dst[j] >> 3] & bit) dups++;
-            seen[dst[j] >> 3] |= bit;
-        }
-        for (int64_t j = 0; j < in[i].n; j++) seen[dst[j] >> 3] = 0;
+        for (int pass = 0; pass < 2; pass++) /* mark, then clear */
+            for (int64_t k = i; k < n_in; k++) {
+                if (in[k].dir != in[i].dir || in[k].group != in[i].group) continue;
+                const int64_t *dst = store ? in[k].slots : in[k].blocks;
+                for (int64_t j = 0; j < in[k].n; j++) {
+                    uint8_t bit = (uint8_t)(1u << (dst[j] & 7));
+                    if (pass == 1) {
+                        seen[dst[j] >> 3] = 0;
+                        continue;
+                    }
+                    if (seen[dst[j] >> 3] & bit) dups++;
+                    seen[dst[j] >> 3] |= bit;
+                }
+            }
         if (dups)
             rc = kvo_say(msg, KVO_REFUSED,
                          "expected distinct destination %s in one %s, got %lld duplicates",
