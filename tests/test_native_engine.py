@@ -175,8 +175,8 @@ def test_a_gate_opens_each_step_once_the_listed_loads_landed_and_closes_as_it_is
         slots = np.arange(8)
         assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
         gate = backend.layer_gate(32)
-        for bad in (-1, 32, True):
-            with pytest.raises(ValueError, match=r"layer in \[0, 32\)"):
+        for bad, said in ((-1, "-1"), (-5, "-5"), (32, "32"), (True, "True")):
+            with pytest.raises(ValueError, match=rf"layer in \[0, 32\), got {said}"):
                 gate.wait(77, bad)
         # step 1: a load in flight (its streams held); the replay waits for layers 0 and 31
         release = hold_stream(fake_cuda, backend.spec.gather[1])

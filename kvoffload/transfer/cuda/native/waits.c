@@ -173,7 +173,8 @@ kvo_status kvo_gate_create(kvo_core *e, int64_t layers, int64_t *gate, char *msg
     return rc;
 }
 
-static kvo_status check_gate(kvo_core *e, int64_t gate, int64_t layer, char *msg) {
+/* The gate, and (with_layer) its layer, or why not. */
+static kvo_status check_gate(kvo_core *e, int64_t gate, int with_layer, int64_t layer, char *msg) {
     pthread_mutex_lock(&e->mu);
     int64_t gates = e->gates, layers = gate >= 0 && gate < gates ? e->gate_layers[gate] : 0;
     int closed = e->closing;
@@ -182,14 +183,14 @@ static kvo_status check_gate(kvo_core *e, int64_t gate, int64_t layer, char *msg
     if (gate < 0 || gate >= gates)
         return kvo_say(msg, KVO_REFUSED, "expected a gate in [0, %lld), got %lld",
                        (long long)gates, (long long)gate);
-    if (layer < -1 || layer >= layers)
+    if (with_layer && (layer < 0 || layer >= layers))
         return kvo_say(msg, KVO_REFUSED, "expected a layer in [0, %lld), got %lld",
                        (long long)layers, (long long)layer);
     return KVO_OK;
 }
 
 kvo_status kvo_gate_wait(kvo_core *e, int64_t gate, kvo_stream stream, int64_t layer, char *msg) {
-    kvo_status rc = check_gate(e, gate, layer < 0 ? -2 : layer, msg);
+    kvo_status rc = check_gate(e, gate, 1, layer, msg);
     if (rc != KVO_OK) return rc;
     if (!flags_enter(e))
         return kvo_say(msg, KVO_FAILED, "expected an open native core, got a closed one");
@@ -215,7 +216,7 @@ static uint32_t newest(uint32_t a, uint32_t b) {
 
 kvo_status kvo_gate_open(kvo_core *e, int64_t gate, kvo_stream stream, kvo_job *const *jobs,
                          int64_t n, double timeout, char *msg) {
-    kvo_status rc = check_gate(e, gate, -1, msg);
+    kvo_status rc = check_gate(e, gate, 0, 0, msg);
     if (rc != KVO_OK) return rc;
     uint32_t target[2] = {0, 0}; /* per direction: the newest listed job still to land */
     for (int64_t i = 0; i < n; i++)
