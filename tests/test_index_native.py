@@ -79,6 +79,22 @@ def test_a_malformed_key_array_is_refused_and_changes_nothing(bad):
     assert (ix.num_free, ix.num_writing, ix.num_readable) == (3, 0, 1)
 
 
+def test_a_key_array_of_2_to_the_31_rows_is_refused_before_it_is_read(tmp_path):
+    """2**31 - 1 keys (32 GiB, a sparse file mapped read-only: nothing is read) in one call:
+    refused as too many, as a list of them would be, and the index is unchanged."""
+    n = 2**31 - 1
+    path = tmp_path / "keys"
+    with open(path, "wb") as f:
+        f.truncate(n * 16)
+    keys = np.memmap(path, dtype=np.uint8, mode="r", shape=(n, 16))
+    ix = BlockIndex(4, 1)
+    for call in (ix.prepare_store, ix.lookup):
+        with pytest.raises(ValueError, match=rf"fewer than 2\*\*31 keys in one call, got {n}"):
+            call(keys)
+    assert (ix.num_free, ix.num_writing, ix.num_readable) == (4, 0, 0)
+    del keys
+
+
 def test_prepare_store_refuses_what_is_not_a_key():
     ix = BlockIndex(4, 1)
     with pytest.raises(ValueError, match="non-empty bytes, got 'abc' at position 1"):

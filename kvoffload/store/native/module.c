@@ -54,6 +54,11 @@ static int keys_from_buffer(PyObject *obj, call_keys *c) {
         return -1;
     }
     c->n = c->view.len / IX_KEY_BYTES;
+    if (c->n > (Py_ssize_t)IX_MAX_SLOTS) {
+        PyErr_Format(PyExc_ValueError, "expected fewer than 2**31 keys in one call, got %zd",
+                     c->n);
+        return -1;
+    }
     c->keys = PyMem_Malloc((size_t)(c->n ? c->n : 1) * sizeof *c->keys);
     if (c->keys == NULL) return PyErr_NoMemory(), -1;
     const uint8_t *p = c->view.buf;
