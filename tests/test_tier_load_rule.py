@@ -54,6 +54,23 @@ def test_rule_refuses_bad_arguments():
         build(engine_kv(0), host_blocks=4, prefill_tokens_per_s=-1.0)
 
 
+def test_report_prefill_refuses_bad_figures_and_a_closed_offloader(tmp_path):
+    """Bad figures are refused with what was expected and leave the rule's rate as it was; a
+    closed Offloader refuses the call as its other calls do."""
+    local = build(engine_kv(0), host_blocks=4, disk_path=str(tmp_path))
+    off = local.offloader
+    off.report_prefill(1000, 0.5)
+    rate = off.tier_stats()["rule"]["prefill_tokens_per_s"]
+    bad = [("x", 1.0), (True, 1.0), (-1, 1.0), (10, float("nan")), (10, float("inf")), (10, -1.0)]
+    for tokens, seconds in bad:
+        with pytest.raises(ValueError, match="report_prefill: expected"):
+            off.report_prefill(tokens, seconds)  # type: ignore[arg-type]
+    assert off.tier_stats()["rule"]["prefill_tokens_per_s"] == rate
+    local.close()
+    with pytest.raises(ValueError, match="report_prefill: expected an open Offloader"):
+        off.report_prefill(1000, 0.5)
+
+
 def _spilled(tmp_path, seed, **options):
     """20 blocks stored through an 8-block host onto disk: the first 8 are on disk only."""
     kv = engine_kv(seed)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import secrets
 import threading
 from collections.abc import Iterable, Sequence
@@ -280,10 +281,23 @@ class Offloader:
 
     def report_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` of prefill in ``seconds``: the rate ``lookup_tiers``
-        weighs a lower-tier load against (``kvoffload.offload.load_rule``)."""
+        weighs a lower-tier load against (``kvoffload.offload.load_rule``). ValueError, changing
+        nothing, unless ``tokens`` is an int >= 0 and ``seconds`` a finite number >= 0."""
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
+            raise ValueError(f"report_prefill: expected tokens as an int >= 0, got {tokens!r}")
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float, np.floating, np.integer))
+            or not math.isfinite(seconds)
+            or seconds < 0
+        ):
+            raise ValueError(
+                f"report_prefill: expected seconds as a finite number >= 0, got {seconds!r}"
+            )
         with self._lock:
+            self._check_open("report_prefill")
             if self.lower is not None:
-                self.lower.rule.prefill(tokens, seconds)
+                self.lower.rule.prefill(int(tokens), float(seconds))
 
     def lookup_tiers(self, keys: Sequence[BlockKey] | KeyArray) -> TierLookup:
         """Like ``lookup``, and also start bringing up the next blocks a lower tier holds.
