@@ -11,6 +11,7 @@ import pytest
 from kvoffload import OffloadConfig, build_local, prefix_block_keys
 from kvoffload.offload import TransferJob
 from kvoffload.transfer.backend import LayerGate
+from kvoffload.transfer.layout import KVLayout
 from tests.test_offload_jobs import Snapshot, block, collect, layout_of, make_kv, same
 
 
@@ -113,5 +114,34 @@ def test_a_layer_waiter_checks_layers_and_waits_for_the_load() -> None:
             worker.layer_waiter(10_000)
         off.complete(collect(worker, {load.job_id}))
         worker.layer_waiter(load.job_id)(0)  # finished: only the layer is checked
+    finally:
+        local.close()
+
+
+def test_a_layer_waiter_checks_the_layers_of_the_jobs_own_group() -> None:
+    """Group 0 has two layers, group 1 one: a load of group 1 refuses layer 1 while in flight and
+    after it finished but before its Offloader completed it; once completed (the job is gone),
+    any layer of the largest group is accepted, with nothing to wait for."""
+    kv = [*make_kv(5), make_kv(6)[0]]
+    layout = KVLayout.from_tensors(kv, block_size=16, block_dim=1, groups=[[0, 1], [2]])
+    local = build_local(layout, OffloadConfig(host_capacity_blocks=8))
+    try:
+        off, worker = local.offloader, local.worker
+        keys = prefix_block_keys(list(range(64)), 16)
+        store = must(off.schedule_store("r", [keys[0]], [2], group=1))
+        worker.submit(store)
+        off.complete(collect(worker, {store.job_id}))
+        load = must(off.schedule_load("q", [keys[0]], [11], group=1))
+        worker.submit(load)
+        for waiter in (worker.layer_waiter(load.job_id), None):
+            if waiter is None:  # finished, reported, not yet completed by the Offloader
+                results = collect(worker, {load.job_id})
+                waiter = worker.layer_waiter(load.job_id)
+            waiter(0)
+            with pytest.raises(ValueError, match=r"layer in \[0, 1\), got 1"):
+                waiter(1)
+        off.complete(results)
+        assert np.array_equal(kv[2][:, 11], kv[2][:, 2])
+        worker.layer_waiter(load.job_id)(1)  # completed: checked against the largest group
     finally:
         local.close()

@@ -100,6 +100,12 @@ class JobLedger:
             return set(self._entries)
         return set(self._by_req.get(req_id, ()))
 
+    def job(self, job_id: int) -> TransferJob | None:
+        """The job of ``job_id`` while its Offloader has it in flight (None once completed)."""
+        with self.lock:
+            entry = self._entries.get(job_id)
+            return None if entry is None else entry.job
+
     def handed_out(self, job_id: object) -> bool:
         """Whether the Offloader ever handed out ``job_id`` (in flight or long finished)."""
         if isinstance(job_id, bool) or not isinstance(job_id, int):

@@ -122,7 +122,9 @@ class TransferWorker:
     def step(self, jobs: Sequence[TransferJob]) -> list[JobResult]:
         """One call per engine step: submit ``jobs`` in order (as ``submit`` does), then return
         ``get_finished()``. ValueError, submitting none of them, unless every job is one this
-        worker may run (as ``submit`` checks)."""
+        worker may run (as ``submit`` checks). An error of the copy backend itself on job k
+        (its core closed under it, out of memory) propagates with jobs before k submitted (they
+        run and are reported as usual) and k onwards not (each may be submitted again)."""
         if not isinstance(jobs, (list, tuple)):
             raise ValueError(f"step: expected a list of TransferJob, got {type(jobs).__name__}")
         with self._lock:
@@ -236,8 +238,8 @@ class TransferWorker:
         per layer (ValueError for a layer the job's groups do not have; the copy's error raised
         as ``wait_on`` raises it). The job, the stream and the layer count are resolved here and
         the waiter is the backend's own (``Pending.layer_waiter``), so a call is one Python call
-        that checks ``layer`` and makes one native wait. A job already finished gives a waiter
-        that only checks ``layer``."""
+        that checks ``layer``: against the job's groups while its Offloader has it in flight,
+        against the largest group once it was completed (nothing is left to wait for)."""
         with self._lock:
             run = self._running.get(job_id)
         if run is None and not self._ledger.handed_out(job_id):
@@ -245,8 +247,11 @@ class TransferWorker:
                 f"layer_waiter: expected a job id its Offloader handed out, got {job_id!r}"
             )
         groups = self.backend.layout.groups
-        specs = run.job.specs if run is not None else ()
-        layers = min((groups[s.group].num_layers for s in specs), default=groups[0].num_layers)
+        job = run.job if run is not None else self._ledger.job(job_id)
+        if job is not None:
+            layers = min((groups[s.group].num_layers for s in job.specs), default=0)
+        else:
+            layers = max(g.num_layers for g in groups)
         if run is not None:
             return run.pending.layer_waiter(stream, layers)
 
