@@ -4,6 +4,7 @@ random workload checked call by call against the Python model (tests/index_twin.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -93,6 +94,33 @@ def test_a_key_array_of_2_to_the_31_rows_is_refused_before_it_is_read(tmp_path):
             call(keys)
     assert (ix.num_free, ix.num_writing, ix.num_readable) == (4, 0, 0)
     del keys
+
+
+@pytest.mark.parametrize("form", ["list", "array"])
+def test_prepare_store_out_of_memory_at_any_allocation_leaves_no_slot_reserved(form):
+    """Each Python allocation of the call made to fail in turn (CPython's test hooks): the call
+    either succeeds or raises MemoryError with no slot left WRITING and the index consistent."""
+    testcapi = pytest.importorskip("_testcapi")
+    keys: Any = rows(8, seed=3)
+    if form == "list":
+        keys = [bytes(r) for r in keys]
+    failed = 0
+    for start in range(80):
+        ix = BlockIndex(16, 1)
+        try:
+            testcapi.set_nomemory(start, start + 1)
+            try:
+                plan = ix.prepare_store(keys)
+            finally:
+                testcapi.remove_mem_hooks()
+        except MemoryError:
+            failed += 1
+            assert (ix.num_writing, ix.num_free) == (0, 16), start
+            assert ix._ix.check() is None
+            continue
+        assert ix.num_writing == 8
+        ix.complete_store(plan.keys)
+    assert failed > 3  # the sweep reached the call's allocations
 
 
 def test_prepare_store_refuses_what_is_not_a_key():

@@ -181,22 +181,23 @@ class BlockIndex:
         """Reserve slots for the keys not yet present (see the module docstring)."""
         keys = _sequence(keys)
         try:
-            new, pos, slots, evicted, present, full = self._ix.prepare_store(keys)
+            result = self._ix.prepare_store(keys)
         except self._refused as refusal:
             raise self._refusal("prepare_store", keys, refusal) from None
-        self.stats.evictions += len(evicted)
-        positions = _ids(pos)
-        if new is None:  # the keys came as an array: the plan's keys are its rows (all: itself)
-            rows = np.asarray(keys).reshape(-1, 16)
-            return StorePlan(
-                rows if len(positions) == len(rows) else rows[positions],
-                _ids(slots),
-                evicted,
-                present,
-                full,
-                positions,
-            )
-        return StorePlan(new, _ids(slots), evicted, present, full, positions)
+        try:
+            new, pos, slots, evicted, present, full = result
+            self.stats.evictions += len(evicted)
+            positions = _ids(pos)
+            plan_keys = new
+            if new is None:  # keys as an array: the plan's keys are its rows (all: itself)
+                rows = np.asarray(keys).reshape(-1, 16)
+                plan_keys = rows if len(positions) == len(rows) else rows[positions]
+            return StorePlan(plan_keys, _ids(slots), evicted, present, full, positions)
+        except BaseException:  # out of memory or interrupted here: the reserved slots go back
+            new, pos = result[0], result[1]
+            reserved = new if new is not None else np.asarray(keys).reshape(-1, 16)[_ids(pos)]
+            self._ix.complete_store(reserved, False)
+            raise
 
     def complete_store(self, keys: Iterable[BlockKey] | np.ndarray, success: bool = True) -> None:
         keys = _sequence(keys)

@@ -219,6 +219,10 @@ static PyObject *index_prepare_store(IndexObject *self, PyObject *obj) {
             out = Py_BuildValue("(NNNNLL)", keys, ids(plan.pos, plan.n), ids(plan.slots, plan.n),
                                 dropped_keys(&plan), (long long)plan.skipped_present,
                                 (long long)plan.skipped_full);
+        /* out of memory for the result: the reserved slots go back to free (one key per call,
+         * so the rollback allocates nothing); the blocks evicted for them stay evicted */
+        for (int64_t j = 0; out == NULL && j < plan.n; j++)
+            ix_complete_store(&self->ix, &c.keys[plan.pos[j]], 1, 0, &why);
     }
     ix_plan_free(&plan);
     keys_done(&c);
