@@ -464,6 +464,55 @@ def test_every_copy_waits_for_the_callers_stream(fake_cuda: Calls) -> None:
 
 
 @needs_core
+def test_a_submit_out_of_memory_reaches_the_core_with_nothing(fake_cuda: Calls) -> None:
+    """Each Python allocation of a submit made to fail in turn (CPython's test hooks), while the
+    core's thread is held in an earlier job (so the submits queue and make no driver call): a
+    submit either returns its Pending or raises MemoryError (never another error) with no job
+    handed to the core (a job running while its caller saw MemoryError could be submitted again
+    under it). Every job handed out then runs, and the bytes are the oracle's."""
+    testcapi = pytest.importorskip("_testcapi")
+    with engine_on("llama3-8b", "page", native_inline_bytes=0) as (pair, backend):
+        warm = [backend.submit([TransferSpec.of("store", [k % 20], [k % 20])]) for k in range(64)]
+        assert all(p.wait(10) for p in warm)  # their events go back to the core's pool, so a
+        del warm  # submit below takes pooled ones (the fake cuEventCreate is Python: it would
+        gc.collect()  # fail under the hooks where a real driver's would not)
+        pair.oracle.copy([TransferSpec.of("store", list(range(20)), list(range(20)))])
+        gate, entered, launch = hold_launches(fake_cuda)
+        first = [TransferSpec.of("store", [0], [0])]
+        pendings = [backend.submit(first, order_after=None)]
+        pair.oracle.copy(first)
+        failed = 0
+        try:
+            assert entered.wait(10)
+            for start in range(60):
+                k = 1 + start % 20
+                spec = [TransferSpec.of("store", [k], [k])]
+                submitted = backend.stats()["submitted"]
+                try:
+                    testcapi.set_nomemory(start, start + 1)
+                    try:
+                        pending = backend.submit(spec, order_after=None)
+                    finally:
+                        testcapi.remove_mem_hooks()
+                except (MemoryError, RuntimeError) as err:
+                    # RuntimeError: a fake driver call (Python, so it allocates) failed under
+                    # the hooks; a real driver's would not. Either way nothing was submitted.
+                    assert isinstance(err, MemoryError) or "FAKE_ERROR" in str(err), err
+                    failed += 1
+                    assert backend.stats()["submitted"] == submitted, start
+                    continue
+                pendings.append(pending)
+                pair.oracle.copy(spec)
+        finally:
+            swap_launch(fake_cuda, launch)
+            gate.set()
+        assert all(p.wait(10) and p.error() is None for p in pendings)
+        assert failed > 2  # the sweep reached the submit's allocations
+        pair.check()
+        fake_cuda.errors[:] = [e for e in fake_cuda.errors if not isinstance(e, MemoryError)]
+
+
+@needs_core
 def test_finished_jobs_are_drained_from_the_native_queue(fake_cuda: Calls) -> None:
     with engine_on("llama3-8b", "page") as (_pair, backend):
         assert backend.drain_finished() == []  # tracking starts here

@@ -246,7 +246,10 @@ class NativeStagedBackend(CopyBackend):
             raise ValueError(f"submit: expected an open {self.name} backend, got a closed one")
         if not specs:
             return _Nothing()
-        return NativePending(self._core.submit(specs, self._order(order_after)))
+        order = self._order(order_after)
+        pending = NativePending(())  # made first: once the core has the jobs, nothing allocates
+        pending.jobs = self._core.submit(specs, order)  # (a Pending lost to MemoryError would
+        return pending  # leave its jobs running unseen)
 
     def submit_checked(self, specs: Sequence[TransferSpec], **kw: Any) -> Pending:
         return self.submit(specs, **kw)  # the core's checks cost O(n) in C: nothing to skip

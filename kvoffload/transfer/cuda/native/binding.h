@@ -24,7 +24,6 @@ extern PyTypeObject CoreType, JobType;
 /* Set the exception of a status (KVO_REFUSED: ValueError, KVO_TIMEOUT: TimeoutError, else
  * RuntimeError) with msg; returns NULL. */
 PyObject *raise_status(kvo_status rc, const char *msg);
-/* A Job object holding the caller's reference to job (released on failure). */
-PyObject *new_job(CoreObject *owner, kvo_job *job);
+PyObject *kvo_int_list(const int64_t *v, int64_t n); /* a list of ints; NULL (set) on no memory */
 
 #endif

@@ -22,6 +22,16 @@
 static kvo_driver cuda_table;
 static int cuda_resolved;
 
+PyObject *kvo_int_list(const int64_t *v, int64_t n) {
+    PyObject *out = PyList_New(n);
+    for (int64_t i = 0; out != NULL && i < n; i++) {
+        PyObject *x = PyLong_FromLongLong(v[i]);
+        if (x == NULL) Py_CLEAR(out); /* never a list with NULL items */
+        else PyList_SET_ITEM(out, i, x);
+    }
+    return out;
+}
+
 PyObject *raise_status(kvo_status rc, const char *msg) {
     PyObject *type = rc == KVO_REFUSED ? PyExc_ValueError
                      : rc == KVO_TIMEOUT ? PyExc_TimeoutError
@@ -104,6 +114,7 @@ static int ids_of(PyObject *spec, const char *name, Py_buffer *view) {
     int rc = PyObject_GetBuffer(arr, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
     Py_DECREF(arr);
     if (rc != 0) {
+        if (PyErr_ExceptionMatches(PyExc_MemoryError)) return -1; /* not the caller's input */
         PyErr_Clear();
         PyErr_Format(PyExc_ValueError, "expected %s as a contiguous int64 array", name);
         return -1;
@@ -116,19 +127,6 @@ static int ids_of(PyObject *spec, const char *name, Py_buffer *view) {
         return -1;
     }
     return 0;
-}
-
-PyObject *new_job(CoreObject *owner, kvo_job *job) {
-    JobObject *j = PyObject_New(JobObject, &JobType);
-    if (j == NULL) {
-        kvo_core *e = owner->e;
-        Py_BEGIN_ALLOW_THREADS kvo_job_release(e, job);
-        Py_END_ALLOW_THREADS return NULL;
-    }
-    Py_INCREF(owner);
-    j->owner = owner;
-    j->job = job;
-    return (PyObject *)j;
 }
 
 static PyObject *core_submit(CoreObject *self, PyObject *args) {
@@ -195,6 +193,28 @@ static PyObject *core_submit(CoreObject *self, PyObject *args) {
         in[i].slots = views[held - 1].buf;
     }
     {
+        /* The Python objects first, so that no job reaches the core without its Job: a job
+         * running while its caller saw MemoryError could be submitted again, or its memory
+         * reused, under it. One job per direction the specs name. */
+        int want = 0;
+        for (int d = 0; d < 2; d++)
+            for (Py_ssize_t i = 0; i < n; i++)
+                if (in[i].dir == d) {
+                    want++;
+                    break;
+                }
+        result = PyTuple_New(want);
+        for (int k = 0; result != NULL && k < want; k++) {
+            JobObject *j = PyObject_New(JobObject, &JobType);
+            if (j == NULL) {
+                Py_CLEAR(result);
+                break;
+            }
+            j->owner = (CoreObject *)Py_NewRef(self);
+            j->job = NULL; /* set below; a Job without one is released as nothing */
+            PyTuple_SET_ITEM(result, k, (PyObject *)j);
+        }
+        if (result == NULL) goto out;
         kvo_job *jobs[2];
         int n_out = 0;
         char msg[KVO_MSG] = "";
@@ -204,21 +224,20 @@ static PyObject *core_submit(CoreObject *self, PyObject *args) {
                                                       has_order, jobs, &n_out, msg);
         Py_END_ALLOW_THREADS if (rc != KVO_OK) {
             raise_status(rc, msg);
+            Py_CLEAR(result);
             goto out;
         }
-        result = PyTuple_New(n_out);
-        for (int k = 0; k < n_out; k++) {
-            PyObject *job = result ? new_job(self, jobs[k]) : NULL;
-            if (job == NULL) {
-                for (int m = k + (result ? 1 : 0); m < n_out; m++) {
-                    kvo_job *left = jobs[m];
-                    Py_BEGIN_ALLOW_THREADS kvo_job_release(e, left);
-                    Py_END_ALLOW_THREADS
-                }
-                Py_CLEAR(result);
-                break;
-            }
-            PyTuple_SET_ITEM(result, k, job);
+        for (int k = 0; k < n_out && k < want; k++)
+            ((JobObject *)PyTuple_GET_ITEM(result, k))->job = jobs[k];
+        for (int k = want; k < n_out; k++) { /* cannot happen: one job per direction named */
+            kvo_job *extra = jobs[k];
+            Py_BEGIN_ALLOW_THREADS kvo_job_release(e, extra);
+            Py_END_ALLOW_THREADS
+        }
+        if (n_out != want) { /* cannot happen either; never hand out a Job without its job */
+            Py_CLEAR(result);
+            PyErr_Format(PyExc_RuntimeError, "submit: expected %d jobs from the core, got %d",
+                         want, n_out);
         }
     }
 out:
@@ -237,8 +256,7 @@ static PyObject *core_finished(CoreObject *self, PyObject *noargs) {
     kvo_status rc;
     Py_BEGIN_ALLOW_THREADS rc = kvo_core_finished(e, &ids, &n);
     Py_END_ALLOW_THREADS if (rc != KVO_OK) return PyErr_NoMemory();
-    PyObject *out = PyList_New(n);
-    for (int64_t i = 0; out && i < n; i++) PyList_SET_ITEM(out, i, PyLong_FromLongLong(ids[i]));
+    PyObject *out = kvo_int_list(ids, n);
     free(ids);
     return out;
 }

@@ -118,8 +118,7 @@ static PyObject *job_get_layer_slice(JobObject *self, void *c) {
     int64_t *v = malloc((size_t)(i.layers + 1) * sizeof *v), n = 0;
     if (v == NULL) return PyErr_NoMemory();
     kvo_job_layer_slices(self->owner->e, self->job, v, i.layers, &n);
-    PyObject *out = PyList_New(n);
-    for (int64_t l = 0; out && l < n; l++) PyList_SET_ITEM(out, l, PyLong_FromLongLong(v[l]));
+    PyObject *out = kvo_int_list(v, n);
     free(v);
     return out;
 }
