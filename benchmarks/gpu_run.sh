@@ -13,7 +13,8 @@
 # sections (no GPU). --time-budget-s (default 280 s) bounds the whole transfer run: a fifth goes to
 # the host section, and a case whose estimate no longer fits is skipped and listed.
 #
-# STEPS (default "tests doctor transfer e2e"; "calibrate" alone writes the table only; "probe" runs
+# STEPS (default "tests doctor transfer e2e"; "stage": benchmarks/stage_bisect.py's three ways of
+# uploading the graph runner's inputs; "calibrate" alone writes the table only; "probe" runs
 # benchmarks/staged_sweep.py, the developer probe of slice schedules and scatter programs). Writes
 # under $OUT: gpu_run.log (everything), transfer_gpu.json/.png, staged_probe.json, enqueue_probe.json
 # (STEPS "enqueue"), e2e_gpu.json/.png,
@@ -52,6 +53,14 @@ want enqueue && step timeout 120 python3 benchmarks/staged_sweep.py "$OUT/enqueu
 # is in gpu_run.log. Before the graph modes this step took 226 s for chat + fits (run7).
 E2E_TRIM=(--workloads chat,docs --graph eager,piecewise,full --modes recompute,gpu_all,kvoffload
   --conversations 8 --documents 16 --requests 48 --zero-reuse-rounds 1 --zero-reuse-turns 8 --verify 2)
+# the graph runner's input upload three ways (benchmarks/stage_bisect.py; issue 25): piecewise
+# docs, restored requests only, about 25 s per way
+STAGE_ARGS=(--workloads docs --graph piecewise --modes kvoffload --documents 16 --requests 48
+  --zero-reuse-rounds 0 --verify 0)
+for way in sync pin-per-step persistent-pinned; do
+  want stage && step timeout 100 python3 benchmarks/stage_bisect.py "$way" "${STAGE_ARGS[@]}" \
+    --out "$OUT/stage_$way.json"
+done
 want e2e && step timeout 240 python3 -m kvoffload.cli bench e2e "${E2E_TRIM[@]}" --out "$OUT/e2e_gpu.json"
 want e2e && step timeout 240 python3 -m kvoffload.cli bench e2e --model qwen2.5-7b --block-size 32 "${E2E_TRIM[@]}" --out "$OUT/e2e_gpu_qwen.json"
 echo "=== done, status $status" | tee -a "$LOG"
