@@ -10,6 +10,7 @@ import pytest
 
 from kvoffload import OffloadConfig, build_local, prefix_block_keys
 from kvoffload.offload import TransferJob
+from kvoffload.offload.local import LocalOffload
 from kvoffload.transfer.backend import LayerGate
 from kvoffload.transfer.layout import KVLayout
 from tests.test_offload_jobs import Snapshot, block, collect, layout_of, make_kv, same
@@ -18,6 +19,19 @@ from tests.test_offload_jobs import Snapshot, block, collect, layout_of, make_kv
 def must(job: TransferJob | None) -> TransferJob:
     assert job is not None
     return job
+
+
+def loading(local: LocalOffload, src: int, dst: int, group: int = 0) -> TransferJob:
+    """Store engine block ``src`` of ``group`` (one key), complete it, then schedule and submit
+    its load into block ``dst``: the load job, in flight."""
+    off, worker = local.offloader, local.worker
+    key = prefix_block_keys(list(range(64)), 16)[0]
+    store = must(off.schedule_store("r", [key], [src], group=group))
+    worker.submit(store)
+    off.complete(collect(worker, {store.job_id}))
+    load = must(off.schedule_load("q", [key], [dst], group=group))
+    worker.submit(load)
+    return load
 
 
 def test_step_submits_every_job_in_order_and_returns_the_finished_ones() -> None:
@@ -71,12 +85,7 @@ def test_a_layer_gate_on_a_cpu_backend_waits_for_the_listed_jobs_whole() -> None
     local = build_local(layout_of(kv), OffloadConfig(host_capacity_blocks=8))
     try:
         off, worker = local.offloader, local.worker
-        keys = prefix_block_keys(list(range(64)), 16)
-        store = must(off.schedule_store("r", [keys[0]], [0]))
-        worker.submit(store)
-        off.complete(collect(worker, {store.job_id}))
-        load = must(off.schedule_load("q", [keys[0]], [9]))
-        worker.submit(load)
+        load = loading(local, 0, 9)
         gate = worker.layer_gate(2)
         assert isinstance(gate.gate, LayerGate) and gate.layers == 2
         gate.open(None, [load.job_id, 12345])  # an unknown or finished id counts as landed
@@ -98,12 +107,7 @@ def test_a_layer_waiter_checks_layers_and_waits_for_the_load() -> None:
     local = build_local(layout_of(kv), OffloadConfig(host_capacity_blocks=8))
     try:
         off, worker = local.offloader, local.worker
-        keys = prefix_block_keys(list(range(64)), 16)
-        store = must(off.schedule_store("r", [keys[0]], [2]))
-        worker.submit(store)
-        off.complete(collect(worker, {store.job_id}))
-        load = must(off.schedule_load("q", [keys[0]], [11]))
-        worker.submit(load)
+        load = loading(local, 2, 11)
         waiter = worker.layer_waiter(load.job_id)
         waiter(1)  # on a CPU backend: the host waits for the whole copy
         assert same(block(kv, 11), block(kv, 2))
@@ -127,12 +131,7 @@ def test_a_layer_waiter_checks_the_layers_of_the_jobs_own_group() -> None:
     local = build_local(layout, OffloadConfig(host_capacity_blocks=8))
     try:
         off, worker = local.offloader, local.worker
-        keys = prefix_block_keys(list(range(64)), 16)
-        store = must(off.schedule_store("r", [keys[0]], [2], group=1))
-        worker.submit(store)
-        off.complete(collect(worker, {store.job_id}))
-        load = must(off.schedule_load("q", [keys[0]], [11], group=1))
-        worker.submit(load)
+        load = loading(local, 2, 11, group=1)
         for waiter in (worker.layer_waiter(load.job_id), None):
             if waiter is None:  # finished, reported, not yet completed by the Offloader
                 results = collect(worker, {load.job_id})
