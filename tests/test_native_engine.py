@@ -127,13 +127,16 @@ def test_a_layer_wait_is_one_flag_wait_enqueued_at_once_and_released_when_it_lan
 
 @needs_core
 @pytest.mark.parametrize("where", ["launch", "flags"])
+@pytest.mark.parametrize("coupled", [False, True])
 def test_a_load_that_fails_mid_way_still_writes_every_flag_and_reports_failed(
-    fake_cuda: Calls, where: str
+    fake_cuda: Calls, where: str, coupled: bool
 ) -> None:
-    """A scatter refused at the second slice (or every flag write refused): the job fails, every
-    flag word a wait could name is written anyway (no stream is left waiting), wait_on says so,
-    and the next load runs."""
-    with engine_on("llama3-8b", "kv_split") as (pair, backend):
+    """A scatter refused at the second slice (or every flag write refused on the stream that
+    writes the slices' flags): the job fails, every flag word a wait could name is written
+    anyway (no stream is left waiting), wait_on says so, and the next load runs; also with
+    coupled loads (copy and scatter on one DMA stream)."""
+    config = {"load_coupled": True, "dma_streams": 2, "depth": 2} if coupled else {}
+    with engine_on("llama3-8b", "kv_split", **config) as (pair, backend):
         slots = np.arange(8)
         assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
         gate = backend.layer_gate(4)
@@ -148,7 +151,7 @@ def test_a_load_that_fails_mid_way_still_writes_every_flag_and_reports_failed(
         if where == "launch":
             swap_launch(fake_cuda, second_fails)
         else:
-            fake_cuda.fail_flags_on = backend.spec.gather[1]
+            fake_cuda.fail_flags_on = backend.spec.dmas[1][1] if coupled else backend.spec.gather[1]
         try:
             pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
             gate.open(77, [pending])
@@ -640,7 +643,10 @@ class TwoGroups:
 
 
 @needs_core
-def test_two_layer_groups_in_one_submit_move_the_oracles_bytes(fake_cuda: Calls) -> None:
+@pytest.mark.parametrize("coupled", [False, True])
+def test_two_layer_groups_in_one_submit_move_the_oracles_bytes(
+    fake_cuda: Calls, coupled: bool
+) -> None:
     from kvoffload.transfer.cuda.staged import make_staged
     from kvoffload.transfer.cuda.staged_config import StagedConfig
 
@@ -652,6 +658,7 @@ def test_two_layer_groups_in_one_submit_move_the_oracles_bytes(fake_cuda: Calls)
         layer_slice_bytes=8,
         max_layer_slices=4,
         layer_slice_transfer_bytes=1,
+        load_coupled=coupled,
     )
     backend: Any = make_staged(pair.kv, pair.arena, config)
     try:
@@ -679,6 +686,76 @@ def test_two_layer_groups_in_one_submit_move_the_oracles_bytes(fake_cuda: Calls)
         backend.close()
         pair.arena.close()
         pair.arena_oracle.close()
+
+
+@needs_core
+@pytest.mark.parametrize("layout", ["kv_split", "page", "cross_layer"])
+@pytest.mark.parametrize(("dma_streams", "depth"), [(1, 2), (2, 2), (2, 4)])
+def test_coupled_loads_move_the_oracles_bytes(
+    fake_cuda: Calls, layout: str, dma_streams: int, depth: int
+) -> None:
+    """StagedConfig(load_coupled=True): stores and loads of several sizes (one block to the
+    whole pool, ids on the host and uploaded) give the host backend's bytes."""
+    config = {"load_coupled": True, "dma_streams": dma_streams, "depth": depth}
+    with engine_on("llama3-8b", layout, **config) as (pair, backend):
+        round_trips(pair, backend, seed=dma_streams * 10 + depth)
+
+
+@needs_core
+def test_a_coupled_load_scatters_each_chunk_on_its_areas_dma_stream_without_events(
+    fake_cuda: Calls,
+) -> None:
+    """Every chunk of a coupled load is its copies then its scatter's launch on the DMA stream
+    of its staging area (areas alternate between the two streams), with no event wait between
+    them and no launch on the kernels' stream; each slice's flag words are written on the
+    stream of its last chunk after a wait for the other stream, and the job's done word on the
+    kernels' stream after both streams joined it."""
+    with engine_on("llama3-8b", "page", load_coupled=True, dma_streams=2, depth=2) as (
+        pair,
+        backend,
+    ):
+        n = 12  # four slices of 12 blocks; a staging area holds 8 blocks of a slice
+        slots = np.arange(n)
+        assert backend.submit([TransferSpec.of("store", np.arange(n), slots)]).wait(10)
+        start = len(fake_cuda.log)
+        pending = backend.submit([TransferSpec.of("load", np.arange(n, 2 * n), slots)])
+        assert pending.wait(10) and pending.error() is None
+        pair.oracle.copy([TransferSpec.of("store", np.arange(n), slots)])
+        pair.oracle.copy([TransferSpec.of("load", np.arange(n, 2 * n), slots)])
+        pair.check()
+        log = fake_cuda.log[start:]
+        kernels, dmas = backend.spec.gather[1], set(backend.spec.dmas[1][:2])
+        launches = [i for i, e in enumerate(log) if e[0] == "launch"]
+        assert launches and all(log[i][1] in dmas for i in launches)
+        assert {log[i][1] for i in launches} == dmas  # chunks on both streams
+        for i in launches:  # the chunk's copies just before its launch, on its stream
+            assert log[i - 1][0] in ("copy", "batch", "copy2d") and log[i - 1][1] == log[i][1]
+        recorded = {e[2]: e[1] for e in log if e[0] == "record"}
+        cross = [e for e in log if e[0] == "wait" and recorded.get(e[2], e[1]) != e[1]]
+        waits_on = {e[1] for e in cross}
+        assert kernels in waits_on  # the end joins the DMA streams into the kernels' stream
+        assert not [e for e in log if e[0] == "wait" and e[1] == kernels and e not in cross]
+        slices = int(pending.layer_slice.max()) + 1 if pending.layer_slice is not None else 1
+        assert slices > 1
+        flags = [i for i, e in enumerate(log) if e[0] == "write32"]
+        assert flags and all(log[i][1] in dmas or log[i][1] == kernels for i in flags)
+        firsts = [i for i in flags if log[i - 1][0] != "write32"]  # each slice's, then the end's
+        assert len(firsts) == slices + 1
+        for i in firsts[:-1]:  # after the slice's other stream joined the one that writes
+            joined = log[i - 1]
+            assert joined[0] == "wait" and joined[1] == log[i][1]
+            assert recorded[joined[2]] in dmas - {log[i][1]}
+        assert log[firsts[-1]][1] == kernels
+
+
+def test_coupled_loads_need_a_depth_that_is_a_multiple_of_the_dma_streams() -> None:
+    from kvoffload.transfer.cuda.staged_config import StagedConfig
+
+    with pytest.raises(ValueError, match="depth a multiple of dma_streams \\(2\\)"):
+        StagedConfig(load_coupled=True, dma_streams=2, depth=3)
+    with pytest.raises(ValueError, match="load_coupled as a bool, got 1"):
+        StagedConfig(load_coupled=1)  # type: ignore[arg-type]
+    assert StagedConfig(load_coupled=True, dma_streams=2, depth=4).load_coupled
 
 
 @needs_core

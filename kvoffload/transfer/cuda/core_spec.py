@@ -54,6 +54,9 @@ class CoreSpec:
     # per chunk and per slice, and the link's bytes per us (0: the byte rule alone).
     enqueue_ns: tuple[int, int, int, int]
     link_bytes_per_us: int
+    # 1: a load's chunk is copied and scattered on one DMA stream (native/pipeline.c, "coupled
+    # loads"); 0: scattered on the kernels' stream after an event
+    load_coupled: int
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
     groups: tuple[GroupSpec, ...]
 
@@ -82,6 +85,7 @@ class CoreSpec:
             self.gate,
             *self.enqueue_ns,
             self.link_bytes_per_us,
+            self.load_coupled,
             *self.bases[0],
             *self.bases[1],
         ]

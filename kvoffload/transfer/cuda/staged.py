@@ -166,6 +166,7 @@ class NativeStagedBackend(CopyBackend):
                 gate=int(self._gate_stream.cuda_stream),
                 enqueue_ns=config.enqueue_ns,
                 link_bytes_per_us=int(config.plan_link_GBps * 1000),
+                load_coupled=int(config.load_coupled),
                 bases=(bases["store"], bases["load"]),
                 groups=groups,
             )

@@ -69,6 +69,12 @@ class StagedConfig:
     # 0 is the default and lowest): the gather/scatter kernels queue behind the model's or ahead
     # of them (docs/transfer.md, "Stream priority").
     copy_priority: int = 0
+    # True: a load's chunk is copied and scattered on one DMA stream (its staging area's), with
+    # no event between them: fewer driver calls per chunk (its copies and one launch, against
+    # four event calls more) and at most ``dma_streams`` chunks in the copy engine's queue.
+    # Needs ``depth`` a multiple of ``dma_streams``. Off by default: not yet measured on a GPU
+    # (docs/transfer.md, "Coupled loads").
+    load_coupled: bool = False
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -88,6 +94,15 @@ class StagedConfig:
         if not isinstance(self.native_inline_bytes, int) or self.native_inline_bytes < 0:
             raise ValueError(
                 f"StagedConfig: expected native_inline_bytes >= 0, got {self.native_inline_bytes!r}"
+            )
+        if not isinstance(self.load_coupled, bool):
+            raise ValueError(
+                f"StagedConfig: expected load_coupled as a bool, got {self.load_coupled!r}"
+            )
+        if self.load_coupled and self.depth % self.dma_streams:
+            raise ValueError(
+                f"StagedConfig: expected depth a multiple of dma_streams ({self.dma_streams}) "
+                f"for load_coupled, got depth {self.depth}"
             )
         if isinstance(self.copy_priority, bool) or not isinstance(self.copy_priority, int):
             raise ValueError(

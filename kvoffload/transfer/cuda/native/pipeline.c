@@ -147,7 +147,7 @@ static int copies(part_run *r, int64_t c, kvo_stream stream) {
 
 static int fits32(int64_t v) { return v >= -2147483648LL && v <= 2147483647LL; }
 
-static int launch(part_run *r, int64_t c) {
+static int launch_on(part_run *r, int64_t c, kvo_stream stream) {
     const kvo_pipe *p = r->p;
     kvo_job *job = r->job;
     const kvo_kernel *k = r->kernel;
@@ -172,8 +172,36 @@ static int launch(part_run *r, int64_t c) {
     for (int j = 0; j < 8; j++) params[j] = &arg[j];
     for (int j = 8; j < 16; j++) params[j] = &none;
     int err = p->d->launch((void *)k->function, (unsigned)k->grid, 1, 1, (unsigned)k->block, 1, 1,
-                          (unsigned)k->shared, (kvo_stream)p->spec->gather[job->dir], params, NULL);
+                          (unsigned)k->shared, stream, params, NULL);
     return err ? kvo_job_fail(job, p->d, err, STEP_LAUNCH, c, -1, NULL) : 0;
+}
+
+static int launch(part_run *r, int64_t c) {
+    return launch_on(r, c, (kvo_stream)r->p->spec->gather[r->job->dir]);
+}
+
+/* Coupled loads (spec->load_coupled): chunk c is copied into its staging area and scattered
+ * from it on one DMA stream, the area's own (area % n_dmas), so no event passes between them
+ * and the area's next use (the same stream, depth being a multiple of n_dmas) is ordered by
+ * the stream. Per chunk that is its copies and one launch, where the default path adds four
+ * event calls; and each DMA stream holds at most one chunk's copies ahead of its scatter, so
+ * the copy engine's queue holds at most n_dmas chunks. A slice's flag words are written on the
+ * stream of its last chunk once the other streams that had chunks of it joined it. */
+static kvo_stream area_stream(const part_run *r, int64_t c) {
+    const kvo_spec *s = r->p->spec;
+    return (kvo_stream)s->dmas[KVO_LOAD][area_of(r, c) % s->n_dmas];
+}
+
+static int coupled_chunk(part_run *r, int64_t c) {
+    kvo_stream st = area_stream(r, c);
+    int err = copies(r, c, st);
+    if (!err) err = launch_on(r, c, st);
+    if (!err) {
+        int j = (int)(area_of(r, c) % r->p->spec->n_dmas);
+        r->lane->slice_streams |= 1u << j;
+        r->lane->slice_last = j;
+    }
+    return err;
 }
 
 /* A store's chunk: once its area is free, gather into it, mark it filled. */
@@ -293,6 +321,9 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
             TRY(p->d->record(lane->freed[area], dma), STEP_RECORD, c);
             if (c + ahead < m && (err = gather(&r, c + ahead))) return err;
         }
+    } else if (p->spec->load_coupled) {
+        for (int64_t c = 0; c < m; c++)
+            if ((err = coupled_chunk(&r, c))) return err;
     } else {
         for (int64_t c = 0; c < ahead; c++)
             if ((err = send(&r, c))) return err;
@@ -361,9 +392,21 @@ static int upload_ids(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, kvo_dptr 
 }
 
 /* Slice k's layers are in place: their flag words take the job's sequence number. */
-static int mark_slice(const kvo_pipe *p, kvo_job *job, int64_t k) {
+static int mark_slice(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t k) {
+    kvo_stream on = (kvo_stream)p->spec->gather[KVO_LOAD];
+    if (p->spec->load_coupled) { /* on the slice's last stream, the others joined to it */
+        on = (kvo_stream)p->spec->dmas[KVO_LOAD][lane->slice_last];
+        for (int j = 0; j < (int)p->spec->n_dmas; j++) {
+            if (j == lane->slice_last || !(lane->slice_streams >> j & 1u)) continue;
+            kvo_stream other = (kvo_stream)p->spec->dmas[KVO_LOAD][j];
+            int err = p->d->record(lane->joins[1 + j], other);
+            if (!err) err = p->d->wait(on, lane->joins[1 + j], 0);
+            if (err) return kvo_job_fail(job, p->d, err, STEP_WAIT, -1, -1, "a slice's join");
+        }
+        lane->slice_streams = 0;
+    }
     kvo_ops ops;
-    kvo_ops_begin(&ops, p->d, p->flags, (kvo_stream)p->spec->gather[KVO_LOAD]);
+    kvo_ops_begin(&ops, p->d, p->flags, on);
     for (int64_t l = 0; l < job->n_layers; l++)
         if (job->layer_slice[l] == k) kvo_ops_write(&ops, kvo_word_layer(p->flags, l), job->seq);
     int err = kvo_ops_end(&ops);
@@ -390,7 +433,7 @@ static int run_parts(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, kvo_dptr i
                 return err;
             at += (kvo_dptr)job->count[s] * 8;
         }
-        if ((err = mark_slice(p, job, k))) return err;
+        if ((err = mark_slice(p, lane, job, k))) return err;
     }
     return 0;
 }
@@ -412,7 +455,8 @@ static int finish(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
     kvo_stream tail = stream_of(p, dir, tail_j);
     int err = 0;
     for (int j = 0; j < n_streams(p) && !err; j++) {
-        int joins = j != tail_j && (job->failed || (dir == KVO_STORE && j > 1));
+        int coupled = dir == KVO_LOAD && p->spec->load_coupled && j >= 1;
+        int joins = j != tail_j && (job->failed || (dir == KVO_STORE && j > 1) || coupled);
         if (!joins) continue;
         err = p->d->record(lane->joins[j], stream_of(p, dir, j));
         if (!err) err = p->d->wait(tail, lane->joins[j], 0);
@@ -440,12 +484,23 @@ int kvo_pipeline_run(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
     if (job->seq == 0) job->seq = ++lane->seq; /* 0 is "never used" (index buffers) */
     int err = 0;
     kvo_dptr ids = 0;
+    int coupled = job->dir == KVO_LOAD && p->spec->load_coupled;
     if (job->order != NULL) { /* only the kernels touch the engine's memory: their stream waits
-                                 * for the caller's work; the DMA streams follow the kernels */
-        err = p->d->wait((kvo_stream)p->spec->gather[job->dir], job->order, 0);
+                                 * for the caller's work; the DMA streams follow the kernels
+                                 * (coupled loads: the kernels run on every DMA stream) */
+        for (int j = coupled ? 1 : 0; j < (coupled ? n_streams(p) : 1) && !err; j++)
+            err = p->d->wait(stream_of(p, job->dir, j), job->order, 0);
         if (err) kvo_job_fail(job, p->d, err, STEP_WAIT, -1, -1, "the wait for the caller's stream");
     }
+    lane->slice_streams = 0;
     if (!err) err = upload_ids(p, lane, job, &ids);
+    if (!err && coupled && job->total > KVO_HOST_IDS) {
+        /* the ids went up on the kernels' stream: every DMA stream's scatters wait for them */
+        err = p->d->record(lane->joins[0], stream_of(p, job->dir, 0));
+        for (int j = 1; j < n_streams(p) && !err; j++)
+            err = p->d->wait(stream_of(p, job->dir, j), lane->joins[0], 0);
+        if (err) kvo_job_fail(job, p->d, err, STEP_WAIT, -1, -1, "the wait for the block ids");
+    }
     if (!err) err = run_parts(p, lane, job, ids);
     int end = finish(p, lane, job);
     return err ? err : end;

@@ -27,6 +27,8 @@ typedef struct {
     int64_t scratch_chunks, scratch_desc;
     uint32_t seq;  /* the last sequence number given to a job */
     int64_t parts; /* parts enqueued (stats) */
+    unsigned slice_streams; /* coupled loads: bit j, DMA stream j had a chunk of this slice */
+    int slice_last;         /* ... and the DMA stream of its last chunk */
 } kvo_lane;
 
 typedef struct {

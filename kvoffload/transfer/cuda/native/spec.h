@@ -49,6 +49,10 @@ typedef struct {
      * and kernel launch) and per slice (its flag writes), and the link's bytes per us; a link of
      * 0 keeps the byte rule alone. */
     int64_t cost_desc_ns, cost_2d_ns, cost_chunk_ns, cost_slice_ns, link_bytes_per_us;
+    /* 1: a load's chunk is copied and scattered on one DMA stream, the one of its staging area
+     * (area % n_dmas; depth is a multiple of n_dmas), with no event between them (pipeline.c,
+     * "coupled loads"); 0: DMA on the DMA streams, scatter on the kernels' stream. */
+    int64_t load_coupled;
     int64_t *bases[2];                 /* per direction: staging area addresses (depth) */
     kvo_group *groups;
 } kvo_spec;
