@@ -31,8 +31,9 @@ POOL = 12
 SLEEP_CYCLES = 200_000_000  # ~100 ms of GPU sleep: the load starts after every wait is enqueued
 
 
-def fine(kv: KVLayout) -> StagedConfig:
-    """A slice per layer where possible, two DMA streams, tiny areas: many chunks per slice."""
+def fine(kv: KVLayout, coupled: bool = False) -> StagedConfig:
+    """A slice per layer where possible, two DMA streams, tiny areas: many chunks per slice
+    (``coupled``: each chunk's copy and scatter on its area's DMA stream)."""
     return StagedConfig(
         staging_bytes=2 * kv.slot_bytes,
         depth=2,
@@ -41,6 +42,7 @@ def fine(kv: KVLayout) -> StagedConfig:
         layer_slice_bytes=8,
         max_layer_slices=1024,
         layer_slice_transfer_bytes=1,
+        load_coupled=coupled,
     )
 
 
@@ -87,11 +89,12 @@ def held_load(backend, tensors, block_dim, dest, slots):
     return index, slept, pending
 
 
-@pytest.mark.parametrize("config", ["default", "fine"])
+@pytest.mark.parametrize("config", ["default", "fine", "fine-coupled"])
 def test_layer_waits_are_enqueued_before_the_copy_starts_and_order_each_layer(engine, config):
     tensors, block_dim, kv, arena = engine
     group = kv.groups[0]
-    backend = NativeStagedBackend(kv, arena, config=fine(kv) if config == "fine" else None)
+    chosen = None if config == "default" else fine(kv, coupled=config == "fine-coupled")
+    backend = NativeStagedBackend(kv, arena, config=chosen)
     try:
         dest, slots = [7, 2, 9, 4, 11], [3, 8, 0, 5, 10]
         index, slept, pending = held_load(backend, tensors, block_dim, dest, slots)

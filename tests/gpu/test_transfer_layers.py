@@ -47,6 +47,23 @@ BACKENDS = {
             plan_link_GBps=0.0,  # the most slices the byte rules allow, not the cheapest
         ),
     ),
+    # coupled loads: each chunk's copy and scatter on its staging area's DMA stream
+    "staged-coupled": lambda kv, a: sliced(kv, a, load_coupled=True),
+    "staged-coupled-fine": lambda kv, a: NativeStagedBackend(
+        kv,
+        a,
+        config=StagedConfig(
+            staging_bytes=2 * kv.slot_bytes,
+            depth=2,
+            first_chunk_bytes=1,
+            dma_streams=2,
+            layer_slice_bytes=8,
+            max_layer_slices=1024,
+            layer_slice_transfer_bytes=1,
+            plan_link_GBps=0.0,
+            load_coupled=True,
+        ),
+    ),
     "dma": lambda kv, a: DmaBackend(kv, a),
     "sm": lambda kv, a: SmBackend(kv, a),
 }
@@ -108,7 +125,7 @@ def test_wait_on_a_layer_orders_the_stream_after_that_layer(engine, name):
             want = arena.slots[slots][:, first:end]
             got_bytes = got.movedim(block_dim, 0).contiguous().view(torch.uint8).cpu().numpy()
             assert np.array_equal(got_bytes.reshape(len(dest), -1), want), f"layer {layer}"
-        if name == "staged-fine":
+        if name in ("staged-fine", "staged-coupled-fine"):
             assert slices(pending) == group.num_layers  # a slice per layer
         if name == "staged-ramp" and slices(pending) > 1:
             pages = [r.page_bytes for r in group.regions]
