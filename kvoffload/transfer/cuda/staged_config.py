@@ -73,7 +73,7 @@ class StagedConfig:
     # no event between them: fewer driver calls per chunk (its copies and one launch, against
     # four event calls more) and at most ``dma_streams`` chunks in the copy engine's queue.
     # Needs ``depth`` a multiple of ``dma_streams``. Off by default: not yet measured on a GPU
-    # (docs/transfer.md, "Coupled loads").
+    # (docs/transfer.md, Options, `load_coupled`).
     load_coupled: bool = False
 
     def __post_init__(self) -> None:
