@@ -707,9 +707,10 @@ def test_a_coupled_load_scatters_each_chunk_on_its_areas_dma_stream_without_even
 ) -> None:
     """Every chunk of a coupled load is its copies then its scatter's launch on the DMA stream
     of its staging area (areas alternate between the two streams), with no event wait between
-    them and no launch on the kernels' stream; each slice's flag words are written on the
-    stream of its last chunk after a wait for the other stream, and the job's done word on the
-    kernels' stream after both streams joined it."""
+    them (but, before a stream's first scatter, the wait for the caller's stream) and no launch
+    on the kernels' stream; each slice's flag words are written on the stream of its last chunk
+    after a wait for the other stream, and the job's done word on the kernels' stream after both
+    streams joined it."""
     with engine_on("llama3-8b", "page", load_coupled=True, dma_streams=2, depth=2) as (
         pair,
         backend,
@@ -728,8 +729,16 @@ def test_a_coupled_load_scatters_each_chunk_on_its_areas_dma_stream_without_even
         launches = [i for i, e in enumerate(log) if e[0] == "launch"]
         assert launches and all(log[i][1] in dmas for i in launches)
         assert {log[i][1] for i in launches} == dmas  # chunks on both streams
+        order = log[0]  # the caller's stream's record: scatters wait for it, copies need not
+        assert order[0] == "record" and order[1] not in dmas | {kernels}
+        first_launch: dict[int, int] = {}
         for i in launches:  # the chunk's copies just before its launch, on its stream
-            assert log[i - 1][0] in ("copy", "batch", "copy2d") and log[i - 1][1] == log[i][1]
+            stream, k = log[i][1], i - 1
+            first = first_launch.setdefault(stream, i) == i
+            if first:  # a stream's first scatter of the job waits for the caller's record
+                assert log[k] == ("wait", stream, order[2])
+                k -= 1
+            assert log[k][0] in ("copy", "batch", "copy2d") and log[k][1] == stream
         recorded = {e[2]: e[1] for e in log if e[0] == "record"}
         cross = [e for e in log if e[0] == "wait" and recorded.get(e[2], e[1]) != e[1]]
         waits_on = {e[1] for e in cross}

@@ -193,13 +193,23 @@ static kvo_stream area_stream(const part_run *r, int64_t c) {
 }
 
 static int coupled_chunk(part_run *r, int64_t c) {
+    const kvo_pipe *p = r->p;
+    kvo_job *job = r->job;
+    kvo_lane *lane = r->lane;
     kvo_stream st = area_stream(r, c);
+    int j = (int)(area_of(r, c) % p->spec->n_dmas);
     int err = copies(r, c, st);
+    if (!err && (lane->unordered >> j & 1u)) {
+        /* this stream's first scatter of the job: after the caller's work (the engine may still
+         * read the blocks it overwrites) and the block ids' upload; its copies need neither */
+        if (job->order != NULL) TRY(p->d->wait(st, job->order, 0), STEP_WAIT, c);
+        if (job->total > KVO_HOST_IDS) TRY(p->d->wait(st, lane->joins[0], 0), STEP_WAIT, c);
+        lane->unordered &= ~(1u << j);
+    }
     if (!err) err = launch_on(r, c, st);
     if (!err) {
-        int j = (int)(area_of(r, c) % r->p->spec->n_dmas);
-        r->lane->slice_streams |= 1u << j;
-        r->lane->slice_last = j;
+        lane->slice_streams |= 1u << j;
+        lane->slice_last = j;
     }
     return err;
 }
@@ -485,21 +495,19 @@ int kvo_pipeline_run(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
     int err = 0;
     kvo_dptr ids = 0;
     int coupled = job->dir == KVO_LOAD && p->spec->load_coupled;
-    if (job->order != NULL) { /* only the kernels touch the engine's memory: their stream waits
-                                 * for the caller's work; the DMA streams follow the kernels
-                                 * (coupled loads: the kernels run on every DMA stream) */
-        for (int j = coupled ? 1 : 0; j < (coupled ? n_streams(p) : 1) && !err; j++)
-            err = p->d->wait(stream_of(p, job->dir, j), job->order, 0);
+    /* only the kernels touch the engine's memory: their stream waits for the caller's work; the
+     * DMA streams follow the kernels (coupled loads: each DMA stream waits before its first
+     * scatter, coupled_chunk) */
+    if (job->order != NULL && !coupled) {
+        err = p->d->wait(stream_of(p, job->dir, 0), job->order, 0);
         if (err) kvo_job_fail(job, p->d, err, STEP_WAIT, -1, -1, "the wait for the caller's stream");
     }
     lane->slice_streams = 0;
+    lane->unordered = coupled ? (1u << p->spec->n_dmas) - 1 : 0;
     if (!err) err = upload_ids(p, lane, job, &ids);
-    if (!err && coupled && job->total > KVO_HOST_IDS) {
-        /* the ids went up on the kernels' stream: every DMA stream's scatters wait for them */
+    if (!err && coupled && job->total > KVO_HOST_IDS) { /* up on the kernels' stream: marked */
         err = p->d->record(lane->joins[0], stream_of(p, job->dir, 0));
-        for (int j = 1; j < n_streams(p) && !err; j++)
-            err = p->d->wait(stream_of(p, job->dir, j), lane->joins[0], 0);
-        if (err) kvo_job_fail(job, p->d, err, STEP_WAIT, -1, -1, "the wait for the block ids");
+        if (err) kvo_job_fail(job, p->d, err, STEP_RECORD, -1, -1, "the block ids' upload");
     }
     if (!err) err = run_parts(p, lane, job, ids);
     int end = finish(p, lane, job);

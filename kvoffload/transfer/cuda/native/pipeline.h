@@ -29,6 +29,8 @@ typedef struct {
     int64_t parts; /* parts enqueued (stats) */
     unsigned slice_streams; /* coupled loads: bit j, DMA stream j had a chunk of this slice */
     int slice_last;         /* ... and the DMA stream of its last chunk */
+    unsigned unordered;     /* coupled loads: bit j, DMA stream j has not yet waited for the
+                             * caller's stream and the ids (before its first scatter) */
 } kvo_lane;
 
 typedef struct {
