@@ -9,6 +9,8 @@ stream. Later layers may or may not be written when layer i is read; only layer 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +25,7 @@ from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
 from kvoffload.transfer.shapes import LAYOUTS, MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
+from tests.gpu.test_engine_flags import fine
 
 pytestmark = pytest.mark.gpu
 POOL = 12
@@ -33,40 +36,20 @@ BACKENDS = {
     # ramped slices: the first holds one layer where a layer is >= 64 KiB a block
     "staged-ramp": lambda kv, a: sliced(kv, a, first_slice_bytes=FIRST_SLICE_BYTES),
     # one layer per slice where possible, two DMA streams, tiny areas: many chunks per slice
-    "staged-fine": lambda kv, a: NativeStagedBackend(
-        kv,
-        a,
-        config=StagedConfig(
-            staging_bytes=2 * kv.slot_bytes,
-            depth=2,
-            first_chunk_bytes=1,
-            dma_streams=2,
-            layer_slice_bytes=8,
-            max_layer_slices=1024,
-            layer_slice_transfer_bytes=1,
-            plan_link_GBps=0.0,  # the most slices the byte rules allow, not the cheapest
-        ),
-    ),
+    "staged-fine": lambda kv, a: NativeStagedBackend(kv, a, config=most_slices(fine(kv))),
     # coupled loads: each chunk's copy and scatter on its staging area's DMA stream
     "staged-coupled": lambda kv, a: sliced(kv, a, load_coupled=True),
     "staged-coupled-fine": lambda kv, a: NativeStagedBackend(
-        kv,
-        a,
-        config=StagedConfig(
-            staging_bytes=2 * kv.slot_bytes,
-            depth=2,
-            first_chunk_bytes=1,
-            dma_streams=2,
-            layer_slice_bytes=8,
-            max_layer_slices=1024,
-            layer_slice_transfer_bytes=1,
-            plan_link_GBps=0.0,
-            load_coupled=True,
-        ),
+        kv, a, config=most_slices(fine(kv, coupled=True))
     ),
     "dma": lambda kv, a: DmaBackend(kv, a),
     "sm": lambda kv, a: SmBackend(kv, a),
 }
+
+
+def most_slices(config: StagedConfig) -> StagedConfig:
+    """The most slices the byte rules allow, not the cheapest count."""
+    return dataclasses.replace(config, plan_link_GBps=0.0)
 
 
 def sliced(kv, arena, **fields):
