@@ -49,5 +49,9 @@ void kvo_lane_free(kvo_lane *lane, const kvo_pipe *p);
  * cannot be enqueued, on the host once the direction's streams are idle): no wait is left hanging
  * and none is released before the work ahead of it. */
 int kvo_pipeline_run(const kvo_pipe *p, kvo_lane *lane, kvo_job *job);
+/* lane.c: a buffer of the job's block ids for the kernels (*dev): pinned host memory for at most
+ * KVO_HOST_IDS ids, else a device buffer filled by one copy on the kernels' stream; 0 or the
+ * CUresult (details in the job). */
+int kvo_upload_ids(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, kvo_dptr *dev);
 
 #endif
