@@ -247,10 +247,12 @@ class NativeStagedBackend(CopyBackend):
             raise ValueError(f"submit: expected an open {self.name} backend, got a closed one")
         if not specs:
             return _Nothing()
+        # The Pending is made first: once the core has the jobs nothing here allocates, so no
+        # MemoryError can lose a Pending whose jobs then run unseen.
         order = self._order(order_after)
-        pending = NativePending(())  # made first: once the core has the jobs, nothing allocates
-        pending.jobs = self._core.submit(specs, order)  # (a Pending lost to MemoryError would
-        return pending  # leave its jobs running unseen)
+        pending = NativePending(())
+        pending.jobs = self._core.submit(specs, order)
+        return pending
 
     def submit_checked(self, specs: Sequence[TransferSpec], **kw: Any) -> Pending:
         return self.submit(specs, **kw)  # the core's checks cost O(n) in C: nothing to skip
