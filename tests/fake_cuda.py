@@ -19,6 +19,7 @@ import gc
 import itertools
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -74,6 +75,8 @@ class Calls:
     memops: int = 0
     # cuStreamWriteValue32/cuStreamBatchMemOp fail on this stream (None: never)
     fail_flags_on: int | None = None
+    # seconds spent inside the C entry points' Python (benchmarks/api_fake.py leaves it out)
+    seconds: float = 0.0
 
     def stream_held(self, stream: int) -> bool:
         """True while ``stream`` waits on a flag word that has not reached its value."""
@@ -265,11 +268,14 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
 
     def guarded(fn: Any) -> Any:
         def run(*args: Any) -> int:
+            t0 = time.perf_counter()
             try:
                 return int(fn(*args))
             except Exception as err:  # noqa: BLE001 (kept in calls.errors; the fixture fails on it)
                 calls.errors.append(err)
                 return _FAILED
+            finally:
+                calls.seconds += time.perf_counter() - t0
 
         return run
 
@@ -465,6 +471,16 @@ def no_pin(address: int, nbytes: int) -> Any:
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
     """Patch torch.cuda, the driver module and the kernel launcher for the duration of a test."""
+    with faked(monkeypatch) as calls:
+        yield calls
+    assert not calls.errors, f"the fake driver's C callbacks raised: {calls.errors}"
+    gc.collect()  # pendings left over give their events back while the fake is in place
+
+
+@contextlib.contextmanager
+def faked(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
+    """The fake in place through ``monkeypatch`` (undone with it): the ``fake_cuda`` fixture,
+    and ``benchmarks/api_fake.py`` outside pytest (``pytest.MonkeyPatch.context()``)."""
     calls = Calls()
     events = itertools.count(1 << 20)
     recorded: dict[int, int] = {}
@@ -523,5 +539,3 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
 
     monkeypatch.setattr(torch, "zeros", zeros)
     yield calls
-    assert not calls.errors, f"the fake driver's C callbacks raised: {calls.errors}"
-    gc.collect()  # pendings left over give their events back while the fake is in place

@@ -22,7 +22,8 @@ import numpy as np
 
 from kvoffload.config import OffloadConfig
 from kvoffload.offload import TransferWorker, build_local
-from kvoffload.transfer.backend import Pending
+from kvoffload.store.arena import HostArena
+from kvoffload.transfer.backend import CopyBackend, Pending
 from kvoffload.transfer.host import HostBackend
 from kvoffload.transfer.layout import KVLayout
 
@@ -38,6 +39,7 @@ TARGETS = {
     "layer_wait_us": 3.0,
 }
 WAIT_LAYERS = 32  # Llama-3-8B's
+MakeBackend = Callable[[KVLayout, HostArena], CopyBackend]
 
 
 class Landed(Pending):
@@ -85,14 +87,24 @@ def met(fit: dict[str, float], per_block_target: float, per_call: bool = True) -
     return {**fit, "met": bool(ok)}
 
 
+def inline_host(layout: KVLayout, arena: HostArena) -> CopyBackend:
+    """The default backend: the host backend copying in the caller's thread."""
+    return InlineHostBackend(layout, arena)
+
+
 def measure_api(
     blocks: Sequence[int],
     reps: int,
     make_index: Callable[[int, int, str], Any] | None = None,
     kinds: Sequence[str] = ("list", "array"),
+    make_backend: MakeBackend = inline_host,
 ) -> dict[str, Any]:
     """The costs above; ``make_index(num_slots, slot_bytes, policy)`` puts another index with
-    ``BlockIndex``'s API under the Offloader (the Python model, for the ratio)."""
+    ``BlockIndex``'s API under the Offloader (the Python model, for the ratio);
+    ``make_backend(layout, arena)`` another backend under the worker (``benchmarks/api_fake.py``:
+    the native ``staged`` core over the CPU tests' fake CUDA driver). A backend without
+    ``copy_seconds`` copies off the caller's thread: each job is waited for after ``submit``
+    (``copy``: submit's return to done), so that nothing copies while the next phase is timed."""
     biggest = max(blocks)
     kv = np.zeros((2 * biggest, BLOCK_BYTES), np.uint8)
     layout = KVLayout.from_tensors([kv], block_size=16, block_dim=0)
@@ -102,10 +114,11 @@ def measure_api(
     if make_index is not None:
         off.index = make_index(off.num_slots, off.slot_bytes, off.config.eviction_policy)
     local.worker.close()
-    backend = InlineHostBackend(layout, local.arena)
+    backend = make_backend(layout, local.arena)
     worker = local.worker = TransferWorker(backend, off)
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {"blocks": list(blocks), "block_bytes": BLOCK_BYTES, "targets": TARGETS}
+    out["backend"] = backend.name or type(backend).__name__
     for part in ("phases_us", "total_us", "api_us", "total_cpu_us", "lookup_us"):
         out[part] = {}
     try:
@@ -117,7 +130,8 @@ def measure_api(
                 load = [_one(off, worker, "load", k, ids, r) for r, k in enumerate(stored)]
                 for direction, runs in (("store", store), ("load", load)):
                     name, timed = f"{kind}:{direction}", runs[1:]
-                    phases = {p: statistics.median(t[p] for t in timed) for p in PHASES}
+                    phases = {p: statistics.median(t[p] for t in timed) for p in timed[0]}
+                    phases.pop("cpu")
                     out["phases_us"].setdefault(name, {})[str(n)] = phases
                     total = statistics.median(sum(t[p] for p in PHASES) for t in timed)
                     out["total_us"].setdefault(name, {})[str(n)] = total
@@ -183,7 +197,7 @@ def fits(out: dict[str, Any]) -> dict[str, Any]:
         res["fits"][name] = total
         phases = out["phases_us"][name]
         res["phase_fits"][name] = {
-            p: line(blocks, [phases[str(n)][p] for n in blocks]) for p in PHASES
+            p: line(blocks, [phases[str(n)][p] for n in blocks]) for p in phases[str(blocks[0])]
         }
     for kind, by_n in out["lookup_us"].items():
         fit = line(blocks, us(by_n))
@@ -209,11 +223,34 @@ def _one(off: Any, worker: Any, direction: str, keys: Any, ids: Any, r: int) -> 
     t1 = time.perf_counter()
     worker.submit(job)
     t2 = time.perf_counter()
+    copy = getattr(worker.backend, "copy_seconds", None)
+    if copy is None:  # copied off this thread: wait for it, untimed but for ``copy``
+        c1 = time.thread_time()
+        _spin(worker, job.job_id)
+        t2w = time.perf_counter()
+        copy, c0 = t2w - t2, c0 + time.thread_time() - c1
+    else:
+        t2w, t2 = t2, t2 - copy
     done = off.complete(worker.get_finished())
     t3 = time.perf_counter()
     cpu = (time.thread_time() - c0) * 1e6
     if len(done) != 1 or not off.is_settled(req):
         raise RuntimeError(f"bench store: {direction} job {job.job_id} did not settle")
-    copy = worker.backend.copy_seconds
-    phases = {"schedule": t1 - t0, "submit": t2 - t1 - copy, "copy": copy, "complete": t3 - t2}
+    phases = {"schedule": t1 - t0, "submit": t2 - t1, "copy": copy, "complete": t3 - t2w}
+    native = getattr(worker.backend, "native_seconds", None)  # of submit, where a backend says
+    if native is not None:
+        phases["submit_native"] = native
     return {**{p: t * 1e6 for p, t in phases.items()}, "cpu": cpu}
+
+
+def _spin(worker: Any, job_id: int) -> None:
+    """Wait for a job without sleeping: a thread that sleeps ~0.4 ms between calls runs the next
+    ones ~2-3x slower on the shared VMs (its core clocks down or is given away; measured with the
+    host backend: schedule_store 9.5 us in a loop, 31.5 us with a 0.4 ms sleep between), and the
+    host backend's inline copy never sleeps. ``time.sleep(0)`` lets the copying thread have the
+    GIL."""
+    deadline = time.perf_counter() + 60.0
+    while worker.wait([job_id], 0.0):
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"bench store: job {job_id} did not finish in 60 s")
+        time.sleep(0)
