@@ -31,7 +31,7 @@ setup(
                 INDEX + f
                 for f in (
                     *("module.c", "index.c", "check.c", "batch.c", "keys.c", "table.c"),
-                    *("lists.c", "policy.c", "lru.c", "arc.c", "inspect.c"),
+                    *("lists.c", "policy.c", "lru.c", "arc.c", "inspect.c", "ids.c"),
                 )
             ],
             depends=[INDEX + "ix.h"],

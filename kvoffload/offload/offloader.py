@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from kvoffload.config import OffloadConfig
-from kvoffload.offload.inputs import check_block_ids, not_held
+from kvoffload.offload.inputs import engine_block_ids, not_held
 from kvoffload.offload.jobs import JobResult, TransferJob
 from kvoffload.offload.ledger import JobLedger
 from kvoffload.offload.load_rule import LoadRule
@@ -56,7 +56,7 @@ from kvoffload.offload.lower import LowerTiers, TierLookup
 from kvoffload.offload.tiers import TierMover
 from kvoffload.store.index import BlockIndex
 from kvoffload.store.keys import BlockKey, KeyArray, checked_keys, key_list, key_rows
-from kvoffload.transfer.spec import Direction, TransferSpec, check_engine_blocks
+from kvoffload.transfer.spec import Direction, TransferSpec
 
 _REFUSED = {
     "unknown": "unknown id(s) {}",
@@ -179,7 +179,10 @@ class Offloader:
             n = len(plan.positions)
             if not n:
                 return None
-            chosen = blocks_arr if n == len(blocks_arr) else blocks_arr[plan.positions]
+            chosen = blocks_arr
+            if n != len(blocks_arr):
+                chosen = blocks_arr[plan.positions]
+                chosen.setflags(write=False)
             spec = TransferSpec("store", chosen, plan.slots, group)
             return self._job(req_id, "store", plan.keys, spec)
 
@@ -380,9 +383,13 @@ class Offloader:
         where = f"schedule_{direction}"
         if not isinstance(keys, list):
             checked = checked_keys(keys, where)
-            return checked, self._engine_blocks(req_id, len(checked), blocks, group, direction)
+            return checked, engine_block_ids(
+                req_id, len(checked), blocks, group, direction, self.engine_blocks
+            )
         try:
-            return keys, self._engine_blocks(req_id, len(keys), blocks, group, direction)
+            return keys, engine_block_ids(
+                req_id, len(keys), blocks, group, direction, self.engine_blocks
+            )
         except ValueError:
             checked_keys(keys, where)  # a bad key is refused before bad blocks
             raise
@@ -414,44 +421,6 @@ class Offloader:
                 keys, refusal = scanned, err
         raise not_held(self.index, keys, "schedule_load", refusal)
 
-    def _engine_blocks(
-        self,
-        req_id: str,
-        n: int,
-        blocks: Sequence[int] | np.ndarray,
-        group: int,
-        direction: Direction,
-    ) -> np.ndarray:
-        """``blocks`` checked as ``n`` engine block ids of ``group``, as an int64 array of this
-        Offloader's own (a caller's array is copied: the job's ids cannot change with it)."""
-        if not isinstance(req_id, str):
-            raise ValueError(f"schedule_{direction}: expected a str req_id, got {req_id!r}")
-        raw = np.asarray(blocks)
-        if raw.ndim != 1:
-            raise ValueError(
-                f"schedule_{direction}: expected a 1-D array of engine block ids, got shape "
-                f"{raw.shape}"
-            )
-        if raw.dtype != np.int64:
-            check_block_ids(raw, f"schedule_{direction}")
-            if raw.size and raw.dtype.kind not in "iu":
-                raise ValueError(
-                    f"schedule_{direction}: expected int engine block ids, got dtype {raw.dtype}"
-                )
-        if len(raw) != n:
-            raise ValueError(
-                f"schedule_{direction}: expected one engine block per key ({n}), got {len(raw)}"
-            )
-        if isinstance(blocks, (list, tuple)):  # ``raw`` is new
-            arr = np.ascontiguousarray(raw, dtype=np.int64)
-        else:
-            arr = np.array(raw, dtype=np.int64)
-        try:
-            check_engine_blocks(direction, arr, group, self.engine_blocks)
-        except ValueError as err:
-            raise ValueError(f"schedule_{direction}: {err}") from None
-        return arr
-
     def _job(
         self,
         req_id: str,
@@ -459,8 +428,8 @@ class Offloader:
         keys: Sequence[BlockKey] | KeyArray,
         spec: TransferSpec,
     ) -> TransferJob:
-        spec.blocks.setflags(write=False)  # a job is data that cannot change once checked
-        spec.slots.setflags(write=False)
+        # a job is data that cannot change once checked: its id arrays are read-only already
+        # (``_engine_blocks``, the index's slots), keys given as an array are made so here
         if isinstance(keys, np.ndarray):
             keys.setflags(write=False)
         job = TransferJob(

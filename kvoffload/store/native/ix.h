@@ -194,6 +194,11 @@ ix_status ix_evict(ix_index *ix, int64_t n, ix_plan *out);
 ix_status ix_remove(ix_index *ix, const ix_key *keys, int64_t n, int all, ix_plan *out);
 const char *ix_check(const ix_index *ix); /* NULL, or what contradicts itself */
 
+/* -- ids.c: engine block ids of a transfer --------------------------------------------------- */
+/* 1 if every id is in [0, upper) (upper < 0: only >= 0) and, with want_distinct, none repeats;
+ * 0 if not; -1 out of memory. */
+int ix_ids_fit(const int64_t *v, int64_t n, int64_t upper, int want_distinct);
+
 /* -- inspect.c: the index read out, for the binding ---------------------------------------- */
 typedef struct {
     int state;

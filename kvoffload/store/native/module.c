@@ -5,7 +5,7 @@
  * nothing for the garbage collector to walk. Keys come as a list or tuple of bytes (any other
  * iterable is made a list first; an item that is not non-empty bytes is a key never found), or as
  * a C-contiguous uint8 buffer of shape (n, 16) or (16 * n,): one 16-byte key per row. Id arrays go
- * out as int64 in a bytearray (numpy.frombuffer reads them without a copy). A refusal raises
+ * out as int64 in bytes (numpy.frombuffer reads them read-only, without a copy). A refusal raises
  * Refused(status, count, first) before anything changed; the wrapper words the message. The GIL
  * is the lock: no entry point releases it.
  */
@@ -125,9 +125,9 @@ static PyObject *fail(ix_status st, const ix_refusal *why) {
     return NULL;
 }
 
-static PyObject *ids(const int64_t *v, int64_t n) {
-    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
-    if (out != NULL && n) memcpy(PyByteArray_AS_STRING(out), v, (size_t)n * 8);
+static PyObject *ids(const int64_t *v, int64_t n) { /* bytes: numpy reads them read-only */
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
+    if (out != NULL && n) memcpy(PyBytes_AS_STRING(out), v, (size_t)n * 8);
     return out;
 }
 
@@ -355,6 +355,62 @@ static PyObject *index_policy_state(IndexObject *self, PyObject *noargs) {
                          (unsigned long long)p);
 }
 
+/* ids(obj, upper, distinct): ``obj`` (a list or tuple of exact ints, or a 1-D C-contiguous int64
+ * buffer) as int64 ``bytes`` when every id is in [0, upper) (upper < 0: >= 0 only) and, with
+ * ``distinct``, none repeats; None for anything else (the caller's checks then say what). */
+static PyObject *module_ids(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    long long upper;
+    int want_distinct;
+    if (!PyArg_ParseTuple(args, "OLp", &obj, &upper, &want_distinct)) return NULL;
+    Py_buffer view;
+    int has_view = 0;
+    Py_ssize_t n;
+    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+        n = PySequence_Fast_GET_SIZE(obj);
+    } else if (PyObject_CheckBuffer(obj) && !PyBytes_Check(obj) && !PyByteArray_Check(obj)) {
+        if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            if (PyErr_ExceptionMatches(PyExc_MemoryError)) return NULL;
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        has_view = 1;
+        const char *f = view.format ? view.format : "B";
+        if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+        if (view.ndim != 1 || view.itemsize != 8 || (strcmp(f, "l") && strcmp(f, "q"))) {
+            PyBuffer_Release(&view);
+            Py_RETURN_NONE;
+        }
+        n = view.len / 8;
+    } else {
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (out == NULL) {
+        if (has_view) PyBuffer_Release(&view);
+        return NULL;
+    }
+    int64_t *v = (int64_t *)PyBytes_AS_STRING(out);
+    int ok = 1;
+    if (has_view) {
+        memcpy(v, view.buf, (size_t)n * 8);
+        PyBuffer_Release(&view);
+    } else {
+        PyObject **items = PySequence_Fast_ITEMS(obj);
+        for (Py_ssize_t i = 0; i < n && ok; i++) {
+            int overflow = 0;
+            ok = PyLong_CheckExact(items[i]);
+            if (ok) v[i] = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+            ok = ok && !overflow;
+        }
+    }
+    if (ok) ok = ix_ids_fit(v, n, upper, want_distinct);
+    if (ok > 0) return out;
+    Py_DECREF(out);
+    if (ok < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef index_methods[] = {
     {"lookup", (PyCFunction)index_lookup, METH_O, "(leading READABLE keys, keys)"},
     {"find", (PyCFunction)index_find, METH_O, "(state, slot or -1, readers) of one key"},
@@ -385,8 +441,14 @@ static PyTypeObject IndexType = {
     .tp_methods = index_methods,
 };
 
+static PyMethodDef module_methods[] = {
+    {"ids", module_ids, METH_VARARGS,
+     "ids(obj, upper, distinct): engine block ids as int64 bytes, or None unless they fit"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_index", NULL, -1, NULL, NULL, NULL, NULL, NULL};
+    PyModuleDef_HEAD_INIT, "_index", NULL, -1, module_methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__index(void) {
     if (PyType_Ready(&IndexType) < 0) return NULL;
