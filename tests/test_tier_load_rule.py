@@ -325,6 +325,53 @@ def test_the_decision_is_exported_as_a_metric():
     for family in OffloadCollector(off).collect():
         if family.name.endswith("tier_flow"):
             flow = {s.labels["counter"]: s.value for s in family.samples}
-    assert flow["declined_without_lookup"] == 2  # keys 0 and 1: the 8-block host holds 2..9
+    # keys 0..3, the half of the 8-block host's slots a lookup looks at: the walk stops at key 0,
+    # and the request recomputes from there (2 and 3 on host included)
+    assert flow["declined_without_lookup"] == 4
     assert flow["remeasured"] == 0 and "loads_declined" not in flow
+    local.close()
+
+
+class _CountingStates:
+    """``BlockIndex.state`` with every key it is asked about recorded."""
+
+    def __init__(self, index) -> None:
+        self.asked: list[bytes] = []
+        self._state = index.state
+        index.state = self
+
+    def __call__(self, key):
+        self.asked.append(key)
+        return self._state(key)
+
+
+def test_a_declined_lookup_reads_no_host_state_past_where_it_stops():
+    """The only tier that could continue the walk is declined: the keys after the first miss are
+    counted, not walked, whatever their number; when a re-measurement is due its sample still
+    holds only keys absent from host."""
+    kv, local, tier = _remote(host_blocks=64, num_blocks=64)
+    off = local.offloader
+    keys = prefix_block_keys(np.arange(40 * BS), BS)
+    _spill(local, keys, 40)  # 0..39 on the remote tier and on host
+    off.index.remove(keys[:2] + keys[4:40])  # on host: 2 and 3 only
+    off.lower.rule.read("remote", 1, 1.0)
+    off.report_prefill(16_000, 1.0)
+    tier.forget()
+    clock = _Clock(off)
+    states = _CountingStates(off.index)
+    assert off.lookup_tiers(keys) == TierLookup(ready=0, pending=0, probing=False)
+    assert states.asked == [keys[0]]  # the first key, found on no tier asked; nothing after it
+    assert off.tier_stats()["flow"]["declined_without_lookup"] == 32  # half the 64 host slots
+    assert tier.calls == Counter()
+    clock.now += REMEASURE_S  # due: a sample of the keys absent from host, probed and read up
+    assert off.lookup_tiers(keys).hit == 0
+    for _ in range(2):  # the probe, then the reads
+        assert mover_of(local).wait_idle(20)
+        off.poll_tiers()
+    # the 32 keys looked at, less 2 and 3 (on host: not asked about)
+    sample = [keys[0], keys[1], *keys[4:32]]
+    assert len(sample) < SAMPLE_BLOCKS and off.tier_stats()["flow"]["remeasured"] == len(sample)
+    assert [off.index.state(k) for k in sample] == [READABLE] * len(sample)
+    assert [off.index.state(k) for k in keys[32:40]] == [FREE] * 8
+    _load_equal(local, kv, keys[:8], list(range(8)), list(range(40, 48)))
     local.close()

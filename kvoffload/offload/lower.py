@@ -41,8 +41,9 @@ Whether a hit is worth loading (``load_rule.py``):
     tier: its measured read rate against the engine's prefill rate. Before walking the keys, the
     lookup leaves out every tier whose rate cannot beat recomputing (``LoadRule.too_slow``): it
     is not asked about any key (no ``contains``, no probe, no read), so a request that recomputes
-    pays no tier I/O, on its thread or behind it; the keys the walk would have asked it about are
-    counted ``declined_without_lookup``. At a bounded pace (``REMEASURE_S``, doubling up to
+    pays no tier I/O, on its thread or behind it; the keys from where the walk stopped to the end
+    of those it looks at are counted ``declined_without_lookup`` (not walked: their host states
+    are read only for a re-measurement's sample). At a bounded pace (``REMEASURE_S``, doubling up to
     ``REMEASURE_MAX_S`` while the tier stays too slow) one such lookup starts a re-measurement in
     the background instead: up to ``SAMPLE_BLOCKS`` of the keys it left out are probed on a mover
     thread and those the tier holds are read up (``remeasured``), so a tier that got faster is
@@ -110,7 +111,8 @@ class FlowStats:
     loads_taken: int = 0  # blocks promoted for a request: expected faster than recomputing
     loads_unmeasured: int = 0  # blocks promoted for a request before the rule had its figures
     # keys a lookup did not ask a tier about, its read rate being unable to beat the prefill
-    # rate: the request recomputes them, with no tier I/O (one count per key per tier left out)
+    # rate: those from where its walk stopped to the end of the keys it looks at (LOOKAHEAD),
+    # which the request recomputes with no tier I/O (one count per key per tier left out)
     declined_without_lookup: int = 0
     remeasured: int = 0  # blocks read up in the background to re-measure such a tier
 
@@ -188,7 +190,7 @@ class LowerTiers:
                     if maybe:
                         unknown = [k for k in rest[i:] if index.state(k) == FREE]
                     elif len(asked) < len(self.names):
-                        self._decline([k for k in rest[i:] if index.state(k) == FREE], asked)
+                        self._decline(rest[i:], asked)  # not walked: recomputed from here
                     break
                 promote[key] = source
             chain.append(key)
@@ -222,17 +224,22 @@ class LowerTiers:
                 asked.append(name)
         return asked
 
-    def _decline(self, keys: list[BlockKey], asked: list[str]) -> None:
-        """``keys`` are recomputed without asking the tiers left out of ``asked``; one of those
-        whose re-measurement is due probes a sample of them in the background."""
+    def _decline(self, keys: Sequence[BlockKey], asked: list[str]) -> None:
+        """``keys`` (where the walk stopped, and on) are recomputed without asking the tiers left
+        out of ``asked``; one of those whose re-measurement is due probes a sample of them in the
+        background. Their host states are read only then: a declined lookup costs the same
+        whatever the number of keys."""
         now = self.clock()
         for name in self.names:
             if name in asked:
                 continue
             self.stats.declined_without_lookup += len(keys)
             at, interval = self._remeasure[name]
-            sample = [k for k in keys[:SAMPLE_BLOCKS] if k not in self._probing]
-            if now < at or not sample:
+            if now < at:
+                continue
+            free = (k for k in keys if self.index.state(k) == FREE)
+            sample = [k for k in itertools.islice(free, SAMPLE_BLOCKS) if k not in self._probing]
+            if not sample:
                 continue
             interval = min(2 * interval, REMEASURE_MAX_S)
             self._remeasure[name] = (now + interval, interval)
