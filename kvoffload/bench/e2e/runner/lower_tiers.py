@@ -9,14 +9,20 @@ Two workloads, each in two engine processes, one after the other:
 - ``disk``: the same with a disk tier: the first process closes (its blocks on disk), and this
   one is the engine restarted against that directory.
 
-In the second process every document comes back with a new question, as three requests in turn:
-``recompute`` (no prefix cache), ``lower`` (GPU pool and host cold: the prefix comes up from the
-lower tier, if the load rule expects that to beat recomputing it, else it is recomputed) and
-``host`` (a third question, the GPU pool dropped: the prefix is now on host, loaded or stored by
-the ``lower`` request). Every copy and tier write is finished before the next request. The
-engine's prefill rate, measured on the ``recompute`` requests, is reported to the offloader
-(``Offloader.report_prefill``) before each ``lower`` request, so the load rule weighs the tier's
-measured read rate against it.
+- ``valkey-cluster``: as ``valkey``, against a cluster of 3 primaries + 3 replicas on loopback
+  (started here, as ``bench tiers --cluster`` starts one, unless ``--valkey-cluster-url``).
+
+In the second process every document comes back with a new question, as three requests:
+``recompute`` (no prefix cache) and ``lower`` (GPU pool and host cold: the prefix comes up from
+the lower tier, if the load rule expects that to beat recomputing it, else it is recomputed), in
+an order drawn per document (``request_orders``: half the documents each way, seeded, recorded
+as ``order``), then ``host`` (a third question, the GPU pool dropped: the prefix is now on host,
+loaded or stored by the ``lower`` request). Every copy and tier write is finished before the
+next request. The engine's prefill rate, measured on an untimed ``recompute`` request before
+the timed ones and then on every ``recompute`` request, is reported to the offloader
+(``Offloader.report_prefill``), so the load rule weighs the tier's measured read rate against
+it. Besides the p50s, each document's ``lower`` and ``host`` TTFT minus its ``recompute`` TTFT
+is reported (``paired_ms``: the median, its confidence interval, and the order effect).
 
 Correctness: the first ``--verify`` documents are restored before the rule has a prefill rate
 (so they are loaded whatever the rates), and their first-token logits and greedy tokens are
@@ -28,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,9 +47,18 @@ from kvoffload.bench.e2e.runner.config import model_config
 from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine, TurnResult
 from kvoffload.bench.e2e.runner.host_tier import HostTier
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
+from kvoffload.bench.e2e.runner.lower_tiers_report import (
+    TIER_WAIT,
+    attribution,
+    attribution_summary,
+    paired,
+    request_orders,
+    summary,
+    target,
+)
 from kvoffload.bench.e2e.runner.model import Model
 
-WORKLOADS = ("valkey", "disk")
+WORKLOADS = ("valkey", "valkey-cluster", "disk")
 # documents, document tokens, question tokens per model scale
 SHAPES = {
     "llama3-8b": (6, 4096, 128),
@@ -55,7 +69,6 @@ SHAPES = {
 MODEL_ID = "kvoffload-bench-e2e-lower"
 DECODE = 8  # greedy tokens compared in the bit-exact check
 PENDING_TIMEOUT_S = 30.0  # a lookup waits at most this long for pending blocks
-TIER_WAIT = "tiers.wait_idle"  # the engine's thread waiting for tier I/O in a lookup (``calls``)
 
 
 @dataclass(frozen=True)
@@ -177,140 +190,56 @@ def _second_engine(p: Params, tier: dict[str, Any]) -> dict[str, Any]:
     ttft: dict[str, list[float]] = {"recompute": [], "lower": [], "host": []}
     restored: list[int] = []
     requests: list[dict[str, Any]] = []
+    orders = request_orders(p.documents - p.verify, p.seed)
     stats = host.local.offloader.tier_stats
     try:
-        for i, (doc, q) in enumerate(zip(docs, questions, strict=True)):
+        for doc, q in zip(docs[: p.verify], questions, strict=False):
+            # before any prefill rate is reported: restored whatever the rates
+            checks.append(_check(engines, np.concatenate([doc, q[0]]), np.concatenate([doc, q[1]])))
+        # Untimed: a prefill rate for the rule before the first timed request, which may be a
+        # ``lower`` one (``orders``).
+        warm = engines["recompute"].run(np.concatenate([docs[0], questions[0][1]]), cache=False)
+        host.offloader.report_prefill(warm.computed_tokens, warm.ttft)
+        timed = zip(docs[p.verify :], questions[p.verify :], orders, strict=True)
+        for i, (doc, q, order) in enumerate(timed, start=p.verify):
             prompt = np.concatenate([doc, q[1]])
-            if i < p.verify:  # before any prefill rate is reported: restored whatever the rates
-                checks.append(_check(engines, np.concatenate([doc, q[0]]), prompt))
-                continue
-            s0 = stats()
-            rec = engines["recompute"].run(prompt, cache=False)
-            host.offloader.report_prefill(rec.computed_tokens, rec.ttft)
-            s1 = stats()
-            low = engines["lower"].run(prompt)
-            s2 = stats()
-            engines["lower"].drop_gpu_cache()  # its blocks stored: a recomputed prefix too
-            host.settle_tiers()
-            s3 = stats()
-            hit = engines["lower"].run(np.concatenate([doc, q[2]]))
-            s4 = stats()
+            turns: dict[str, TurnResult] = {}
+            request: dict[str, Any] = {"document": i, "order": list(order)}
+            for mode in order:  # the same prompt both ways, every tier op settled in between
+                before = stats()
+                if mode == "recompute":
+                    turns[mode] = engines["recompute"].run(prompt, cache=False)
+                    request[mode] = attribution(turns[mode], before, stats())
+                    host.offloader.report_prefill(turns[mode].computed_tokens, turns[mode].ttft)
+                else:
+                    turns[mode] = engines["lower"].run(prompt)
+                    request[mode] = attribution(turns[mode], before, stats())
+                    engines["lower"].drop_gpu_cache()  # its blocks stored: a recomputed prefix too
+                    host.settle_tiers()
+            before = stats()
+            turns["host"] = engines["lower"].run(np.concatenate([doc, q[2]]))
+            request["host"] = attribution(turns["host"], before, stats())
             engines["lower"].idle()
             host.settle_tiers()
-            ttft["recompute"].append(rec.ttft)
-            ttft["lower"].append(low.ttft)
-            ttft["host"].append(hit.ttft)
-            restored.append(low.host_hit_tokens)
-            requests.append(
-                {
-                    "recompute": _attribution(rec, s0, s1),
-                    "lower": _attribution(low, s1, s2),
-                    "host": _attribution(hit, s3, s4),
-                }
-            )
+            for mode, turn in turns.items():
+                ttft[mode].append(turn.ttft)
+            restored.append(turns["lower"].host_hit_tokens)
+            requests.append(request)
         final = stats()
     finally:
         host.close()
+    pair = paired(requests, "lower")
     return {
-        "ttft_ms": {mode: _summary(values) for mode, values in ttft.items()},
-        "target": _target(ttft, restored, final.get("rule", {})),
+        "ttft_ms": {mode: summary(values) for mode, values in ttft.items()},
+        "paired_ms": {"lower": pair, "host": paired(requests, "host")},
+        "target": target(ttft, restored, final.get("rule", {}), pair),
+        "warmup_recompute_ms": warm.ttft * 1e3,
         "restored_tokens": restored,
         "prompt_tokens": p.document_tokens + p.question_tokens,
         "tier_stats": final,
         "requests": requests,
-        "attribution_ms": _attribution_summary(requests),
+        "attribution_ms": attribution_summary(requests),
         "verify": checks,
-    }
-
-
-def _target(
-    ttft: dict[str, list[float]], restored: list[int], rule: dict[str, float]
-) -> dict[str, Any]:
-    """Issue 30's target for one workload: p50 TTFT restored from the lower tier <= recompute's,
-    whichever bound applied (``load``: the rule loaded every timed prefix, the gain is reported;
-    ``recompute``: it declined every one, the tier being slower than prefill; ``mixed``)."""
-    if not restored:
-        return {"met": False, "bound": "none", "why": "no timed request"}
-    bound = "load" if all(restored) else "recompute" if not any(restored) else "mixed"
-    lower = statistics.median(ttft["lower"]) * 1e3
-    recompute = statistics.median(ttft["recompute"]) * 1e3
-    return {
-        "bound": bound,
-        "p50_lower_ms": lower,
-        "p50_recompute_ms": recompute,
-        "gain_ms": recompute - lower,
-        "met": lower <= recompute,
-        "rule": rule,
-    }
-
-
-def _attribution(turn: TurnResult, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """Where one request's time went: its TTFT, the engine's host steps before the first token
-    (``host_ms``: match includes hashing the prompt's keys, lookup the lower tiers' lookups),
-    the host time inside each kvoffload call before the first token (``kvo_ttft_calls``; the
-    engine's thread waiting for tier I/O is ``tiers.wait_idle``), the device sections, and what
-    the tiers did during the whole request (``flow`` counters; ``busy``: the tiers' threads' ops,
-    blocks and seconds, which overlap the engine's compute)."""
-    flow = {
-        k: v - before.get("flow", {}).get(k, 0)
-        for k, v in after.get("flow", {}).items()
-        if v != before.get("flow", {}).get(k, 0)
-    }
-    busy = {}
-    for name, totals in after.get("busy", {}).items():
-        was = before.get("busy", {}).get(name, {})
-        delta = {k: v - was.get(k, 0) for k, v in totals.items()}
-        if delta["ops"]:
-            busy[name] = {**delta, "s": delta["s"] * 1e3}
-    return {
-        "ttft_ms": turn.ttft * 1e3,
-        "restored_tokens": turn.host_hit_tokens,
-        "host_ms": {step: s * 1e3 for step, s in turn.host.items()},
-        "kvo_ttft_ms": turn.kvo_ttft_s * 1e3,
-        "kvo_ttft_calls": {
-            name: {"ms": s * 1e3, "calls": n} for name, (s, n) in turn.kvo_ttft_calls.items()
-        },
-        "tier_wait_ms": turn.kvo_ttft_calls.get(TIER_WAIT, (0.0, 0))[0] * 1e3,
-        "device_ms": {name: s * 1e3 for name, s in turn.sections.items()},
-        "flow": flow,
-        "busy_ms": busy,
-    }
-
-
-def _attribution_summary(requests: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over the timed requests: ``lower`` and ``host`` TTFT minus ``recompute``'s (the
-    same request's), and the parts of ``lower``'s that recompute does not pay."""
-    if not requests:
-        return {}
-
-    def median(f: Any) -> float:
-        return float(statistics.median(f(r) for r in requests))
-
-    def call_ms(r: dict[str, Any], prefix: str) -> float:
-        calls = r["lower"]["kvo_ttft_calls"]
-        return float(sum(c["ms"] for n, c in calls.items() if n.startswith(prefix)))
-
-    def busy_ms(r: dict[str, Any]) -> float:
-        return float(sum(b["s"] for b in r["lower"]["busy_ms"].values()))
-
-    def minus_recompute(mode: str) -> float:
-        return median(lambda r: r[mode]["ttft_ms"] - r["recompute"]["ttft_ms"])
-
-    return {
-        "lower_minus_recompute": minus_recompute("lower"),
-        "host_minus_recompute": minus_recompute("host"),
-        "lower_kvo_calls": median(lambda r: r["lower"]["kvo_ttft_ms"]),
-        "lower_lookup_tiers": median(lambda r: call_ms(r, "offloader.lookup_tiers")),
-        "lower_tier_wait": median(lambda r: r["lower"]["tier_wait_ms"]),
-        "lower_host_match": median(lambda r: r["lower"]["host_ms"].get("match", 0.0)),
-        "lower_host_lookup": median(lambda r: r["lower"]["host_ms"].get("lookup", 0.0)),
-        "lower_tier_threads_busy": median(busy_ms),
-        "lower_prefill_minus_recompute": median(
-            lambda r: (
-                r["lower"]["device_ms"].get("prefill", 0.0)
-                - r["recompute"]["device_ms"].get("prefill", 0.0)
-            )
-        ),
     }
 
 
@@ -343,18 +272,6 @@ def _rounded(values: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 2) for k, v in values.items()}
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"n": 0}
-    ms = sorted(v * 1e3 for v in values)
-    return {
-        "n": len(ms),
-        "p50": statistics.median(ms),
-        "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
-        "mean": statistics.fmean(ms),
-    }
-
-
 def run(args: argparse.Namespace, device: str, dtype: str) -> dict[str, Any]:
     """Every workload ``--lower-tiers`` names; the result dict for the JSON."""
     import contextlib
@@ -385,25 +302,38 @@ def run(args: argparse.Namespace, device: str, dtype: str) -> dict[str, Any]:
             f"--block-size > 0, got {p.documents}, {p.verify}, {p.document_tokens}, "
             f"{p.block_size}"
         )
-    result: dict[str, Any] = {"params": p.__dict__}
+    if args.tier_threads is not None and args.tier_threads <= 0:
+        raise SystemExit(
+            f"kvoffload bench e2e: expected --tier-threads > 0, got {args.tier_threads}"
+        )
+    threads = {} if args.tier_threads is None else {"tier_threads": args.tier_threads}
+    result: dict[str, Any] = {"params": p.__dict__, "tier_threads": args.tier_threads or "default"}
     with contextlib.ExitStack() as stack:
         for name in names:
             if name == "valkey":
-                url = args.valkey_url or _server(stack, result)
+                url = args.valkey_url or _server(stack, result, cluster=False)
                 tier: dict[str, Any] = {"valkey_url": url, "valkey_namespace": _namespace()}
+            elif name == "valkey-cluster":
+                url = args.valkey_cluster_url or _server(stack, result, cluster=True)
+                tier = {"valkey_url": url, "valkey_namespace": _namespace()}
             else:
                 where = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvo-e2e-"))
                 tier = {"disk_path": where, "disk_capacity_bytes": 64 << 30}
-            result[name] = run_workload(p, tier)
+            result[name] = run_workload(p, {**tier, **threads})
     return result
 
 
-def _server(stack: Any, result: dict[str, Any]) -> str:
-    from kvoffload.store.tiers.local_server import LocalServer, server_version
+def _server(stack: Any, result: dict[str, Any], cluster: bool) -> str:
+    """A server (or a cluster of 3 primaries + 3 replicas, as ``bench tiers --cluster`` starts
+    one) on loopback, started here and stopped by ``stack``."""
+    from kvoffload.store.tiers.local_server import LocalCluster, LocalServer, server_version
 
-    server = stack.enter_context(LocalServer())
-    result["valkey_server"] = f"{server_version()}, one server on loopback (started here)"
-    return str(server.url)
+    made = LocalCluster() if cluster else LocalServer()
+    stack.enter_context(made)
+    shape = "3 primaries + 3 replicas" if cluster else "one server"
+    key = "valkey_cluster" if cluster else "valkey_server"
+    result[key] = f"{server_version()}, {shape} on loopback (started here)"
+    return str(made.url)
 
 
 def _namespace() -> str:
@@ -443,6 +373,17 @@ def main(args: argparse.Namespace, cuda: bool) -> int:
             f"declined without lookup {flow.get('declined_without_lookup', 0)} keys, remeasured "
             f"{flow.get('remeasured', 0)} blocks; rule {r['tier_stats'].get('rule', {})}"
         )
+        pair = r["paired_ms"]["lower"]
+        if pair["n"]:
+            low, high = pair["median_ci_ms"]
+            console.print(
+                f"{workload}: per document, {workload} minus recompute (ms): median "
+                f"{pair['median_ms']:+.2f}, {pair['ci_coverage']:.0%} interval [{low:+.2f}, "
+                f"{high:+.2f}]{' (holds 0)' if pair['ci_holds_zero'] else ''}, quartiles "
+                f"[{pair['q25_ms']:+.2f}, {pair['q75_ms']:+.2f}], {pair['above_zero']} of "
+                f"{pair['n']} above 0; coming second is faster by "
+                f"{pair.get('second_faster_ms', float('nan')):+.2f} ms"
+            )
         target = r["target"]
         console.print(
             f"{workload}: bound {target['bound']}, p50 TTFT restored <= recompute: "

@@ -12,7 +12,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--lower-tiers",
         default=None,
         metavar="LIST",
-        help="only restored prefixes from lower tiers, comma separated from valkey,disk "
-        "(--documents, --document-tokens size them)",
+        help="only restored prefixes from lower tiers, comma separated from "
+        "valkey,valkey-cluster,disk (--documents, --document-tokens size them)",
     )
-    g.add_argument("--valkey-url", default=None, help="--lower-tiers valkey: the server")
+    g.add_argument(
+        "--valkey-url", default=None, help="--lower-tiers valkey: the server (default: start one)"
+    )
+    g.add_argument(
+        "--valkey-cluster-url",
+        default=None,
+        help="--lower-tiers valkey-cluster: redis+cluster://host:port,... (default: start 3 "
+        "primaries + 3 replicas on loopback)",
+    )
+    g.add_argument(
+        "--tier-threads",
+        type=int,
+        default=None,
+        help="OffloadConfig.tier_threads of both engine processes (default: the config's)",
+    )
