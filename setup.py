@@ -31,10 +31,10 @@ setup(
                 INDEX + f
                 for f in (
                     *("module.c", "index.c", "check.c", "batch.c", "keys.c", "table.c"),
-                    *("lists.c", "policy.c", "lru.c", "arc.c", "inspect.c", "ids.c"),
+                    *("lists.c", "policy.c", "lru.c", "arc.c", "inspect.c", "ids.c", "bind_ids.c"),
                 )
             ],
-            depends=[INDEX + "ix.h"],
+            depends=[INDEX + "ix.h", INDEX + "binding.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         ),

@@ -119,7 +119,11 @@ class ModelIndex:
         chosen = np.asarray(positions[:fit], dtype=np.int64)
         return StorePlan(new, slots, evicted, skipped, dropped, chosen)
 
-    def complete_store(self, keys: Iterable[BlockKey], success: bool = True) -> None:
+    def complete_store(
+        self, keys: Iterable[BlockKey], success: bool = True, slots: object = None
+    ) -> None:
+        """``slots`` (the native index's shortcut) changes nothing here: the model's answer is
+        the one by keys."""
         keys = list(keys)
         _check_unique(keys, "complete_store")
         missing = [k for k in keys if k not in self._writing]
@@ -148,7 +152,9 @@ class ModelIndex:
             self.policy.touch(key)
         return np.fromiter((self._readable[k] for k in keys), dtype=np.int64, count=len(keys))
 
-    def complete_load(self, keys: Iterable[BlockKey], success: bool = True) -> None:
+    def complete_load(
+        self, keys: Iterable[BlockKey], success: bool = True, slots: object = None
+    ) -> None:
         keys = list(keys)
         self._release(keys, "complete_load: expected keys prepared for load")
         if success:

@@ -24,17 +24,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from kvoffload.offload.jobs import JobResult, TransferJob
 
 
-@dataclass
 class _Entry:
-    job: TransferJob
-    taken: bool = False  # handed to the worker: submitted, or cancelled before it ever ran
-    late: bool = False  # a load reported timed out whose copy has not ended
-    reported: list[JobResult] = field(default_factory=list)  # handed out, not yet accepted
+    """One job's record (a plain class with slots: one is made per job on the engine's thread,
+    ~0.2 µs against ~0.5 µs for a dataclass with a default factory)."""
+
+    __slots__ = ("job", "late", "reported", "taken")
+
+    def __init__(self, job: TransferJob) -> None:
+        self.job = job
+        self.taken = False  # handed to the worker: submitted, or cancelled before it ever ran
+        self.late = False  # a load reported timed out whose copy has not ended
+        self.reported: list[JobResult] = []  # handed out, not yet accepted
 
 
 class JobLedger:
@@ -60,19 +64,24 @@ class JobLedger:
         else:
             jobs.add(job_id)
 
-    def accept(self, result: JobResult) -> tuple[TransferJob | None, str]:
+    def accept(self, result: JobResult) -> tuple[TransferJob | None, str, bool]:
         """The job ``result`` belongs to, if the worker reported exactly this result; else None
-        and why (``unknown``, ``unsubmitted`` or ``unreported``). Each result is accepted once."""
+        and why (``unknown``, ``unsubmitted`` or ``unreported``). Each result is accepted once.
+        Third: whether the job was reported late (``mark_late``) before this result."""
         job_id = result.job_id
         entry = self._entries.get(job_id) if isinstance(job_id, int) else None
         if entry is None:
-            return None, "unknown"
+            return None, "unknown", False
         if not entry.taken:
-            return None, "unsubmitted"
-        if result not in entry.reported:
-            return None, "unreported"
-        entry.reported.remove(result)
-        return entry.job, ""
+            return None, "unsubmitted", False
+        reported = entry.reported
+        if reported and reported[0] is result:  # the usual case: the one result reported
+            del reported[0]
+        elif result in reported:
+            reported.remove(result)
+        else:
+            return None, "unreported", False
+        return entry.job, "", entry.late
 
     def mark_late(self, job_id: int) -> None:
         self._entries[job_id].late = True

@@ -217,13 +217,12 @@ class Offloader:
                     refused = refused or {why: [] for why in _REFUSED}
                     refused["unknown"].append(result)
                     continue
-                job, why = self._ledger.accept(result)
+                job, why, late = self._ledger.accept(result)
                 if job is None:
                     refused = refused or {why: [] for why in _REFUSED}
                     refused[why].append(result.job_id)
                     continue
                 if result.final:  # a late load was reported failed: the engine recomputed
-                    late = self._ledger.is_late(job.job_id)
                     self._apply(self._ledger.settle(job.job_id), result.ok and not late)
                 else:
                     self._ledger.mark_late(job.job_id)
@@ -429,7 +428,7 @@ class Offloader:
         spec: TransferSpec,
     ) -> TransferJob:
         # a job is data that cannot change once checked: its id arrays are read-only already
-        # (``_engine_blocks``, the index's slots), keys given as an array are made so here
+        # (``engine_block_ids``, the index's slots), keys given as an array are made so here
         if isinstance(keys, np.ndarray):
             keys.setflags(write=False)
         job = TransferJob(
@@ -447,9 +446,10 @@ class Offloader:
     def _apply(self, job: TransferJob, ok: bool) -> None:
         """Release what a settled job held: a store's keys become readable or roll back, a
         load's slots unpin. A closed Offloader writes nothing more to the lower tiers."""
+        slots = job.specs[0].slots  # the job's one spec: its keys' slots, in order
         if job.direction == "store":
-            self.index.complete_store(job.keys, ok)
+            self.index.complete_store(job.keys, ok, slots)
             if ok and self.lower is not None and not self._closed:
                 self.lower.stored(key_list(job.keys))
         else:
-            self.index.complete_load(job.keys, ok)
+            self.index.complete_load(job.keys, ok, slots)

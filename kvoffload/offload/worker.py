@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from time import perf_counter
 from typing import Any
 
 from kvoffload.config import DEFAULT_LOAD_TIMEOUT_S
@@ -39,13 +40,19 @@ from kvoffload.transfer.backend import CopyBackend, LayerGate, LayerWaiter, Pend
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class _Running:
-    job: TransferJob
-    pending: Pending
-    started: float
-    deadline: float | None  # loads only: perf_counter() time it is reported failed at
-    late: bool = False  # reported timed out; the copy has not ended
+    """A submitted job (slots, no dataclass: one is made per submit on the engine's thread)."""
+
+    __slots__ = ("deadline", "job", "late", "pending", "started")
+
+    def __init__(
+        self, job: TransferJob, pending: Pending, started: float, deadline: float | None
+    ) -> None:
+        self.job = job
+        self.pending = pending
+        self.started = started
+        self.deadline = deadline  # loads only: perf_counter() time it is reported failed at
+        self.late = False  # reported timed out; the copy has not ended
 
 
 @dataclass
@@ -176,16 +183,19 @@ class TransferWorker:
     def get_finished(self) -> list[JobResult]:
         """Results of jobs finished (or past their deadline) since the last call; never blocks."""
         with self._lock:
-            now = time.perf_counter()
-            for job_id, run in list(self._running.items()):
-                if run.pending.done():
-                    self._finish(job_id, now)
-                elif not run.late and run.deadline is not None and now >= run.deadline:
-                    self._expire(run, now)
-            out, self._finished = self._finished, []
+            if self._running:
+                now = perf_counter()
+                for job_id, run in list(self._running.items()):
+                    if run.pending.done():
+                        self._finish(job_id, now)
+                    elif not run.late and run.deadline is not None and now >= run.deadline:
+                        self._expire(run, now)
+            out = self._finished
             if out:
+                self._finished = []
                 self._ledger.report(out)  # what Offloader.complete will accept
-            return out
+                return out
+            return []
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> set[int]:
         """Block until ``job_ids`` finish or ``timeout`` s pass; returns those still running.
@@ -302,7 +312,7 @@ class TransferWorker:
     def _start(self, job: TransferJob) -> None:
         """Hand a claimed job's copy to the backend and track it (its deadline for a load)."""
         pending = self.backend.submit_checked(job.specs)
-        now = time.perf_counter()
+        now = perf_counter()
         deadline = now + self.load_timeout_s if job.direction == "load" else None
         self._running[job.job_id] = _Running(job, pending, now, deadline)
 

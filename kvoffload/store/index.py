@@ -199,12 +199,31 @@ class BlockIndex:
             self._ix.complete_store(reserved, False)
             raise
 
-    def complete_store(self, keys: Iterable[BlockKey] | np.ndarray, success: bool = True) -> None:
+    def complete_store(
+        self,
+        keys: Iterable[BlockKey] | np.ndarray,
+        success: bool = True,
+        slots: np.ndarray | None = None,
+    ) -> None:
+        """``slots``: the int64 slots ``prepare_store`` gave these keys, same order (a job's own
+        record): the index then finds none of the keys again (~0.03 µs a block less); a slot
+        not WRITING is refused by the keys, as without them."""
         keys = _sequence(keys)
+        if slots is not None and len(slots) == len(keys):
+            try:
+                n = self._ix.complete_store_slots(slots, success)
+            except self._refused:
+                pass  # nothing changed: the keys' own call says what is wrong
+            else:
+                self._stored(n, success)
+                return
         try:
             n = self._ix.complete_store(keys, success)
         except self._refused as refusal:
             raise self._refusal("complete_store", keys, refusal) from None
+        self._stored(n, success)
+
+    def _stored(self, n: int, success: bool) -> None:
         if success:
             self.stats.stores += n
             self.stats.bytes_in += n * self.slot_bytes
@@ -221,8 +240,15 @@ class BlockIndex:
         except self._refused as refusal:
             raise self._refusal("prepare_load", keys, refusal) from None
 
-    def complete_load(self, keys: Iterable[BlockKey] | np.ndarray, success: bool = True) -> None:
-        n = self._release(keys, "complete_load: expected keys prepared for load")
+    def complete_load(
+        self,
+        keys: Iterable[BlockKey] | np.ndarray,
+        success: bool = True,
+        slots: np.ndarray | None = None,
+    ) -> None:
+        """``slots``: the slots ``prepare_load`` gave these keys, same order, as for
+        ``complete_store``."""
+        n = self._release(keys, "complete_load: expected keys prepared for load", slots)
         if success:
             self.stats.loads += n
             self.stats.bytes_out += n * self.slot_bytes
@@ -242,10 +268,21 @@ class BlockIndex:
         """Release one ``pin`` of each key; counts nothing."""
         self._release(keys, "unpin: expected pinned keys")
 
-    def _release(self, keys: Iterable[BlockKey] | np.ndarray, expected: str) -> int:
-        """Drop one reader of each key (a key may repeat); ValueError, changing nothing, if a key
-        has fewer readers than asked. Returns the number of keys."""
+    def _release(
+        self,
+        keys: Iterable[BlockKey] | np.ndarray,
+        expected: str,
+        slots: np.ndarray | None = None,
+    ) -> int:
+        """Drop one reader of each key (a key may repeat; by ``slots`` where given: their slots);
+        ValueError, changing nothing, if a key has fewer readers than asked. Returns the number
+        of keys."""
         keys = _sequence(keys)
+        if slots is not None and len(slots) == len(keys):
+            try:
+                return int(self._ix.release_slots(slots))
+            except self._refused:
+                pass  # nothing changed: the keys' own call says what is wrong
         try:
             return int(self._ix.release(keys))
         except self._refused as refusal:

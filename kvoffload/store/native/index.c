@@ -299,6 +299,31 @@ static int all_distinct_in(ix_index *ix, const ix_key *keys, int64_t n, int stat
     return i == n;
 }
 
+/* A store's end for slots found WRITING and distinct: readable, or back to free. */
+static ix_status finish_store(ix_index *ix, const uint32_t *slots, int64_t n, int success) {
+    ix_status st = IX_OK;
+    uint32_t from = ix->num_free;
+    for (int64_t i = 0; i < n && st == IX_OK; i++) {
+        uint32_t s = slots[i];
+        ix->num_writing--;
+        if (success) {
+            ix->e[s].state = IX_READABLE;
+            ix->num_readable++;
+            st = ix_policy_insert(ix, s);
+            continue;
+        }
+        ix_table_del(&ix->table, ix_key_hash(ix->e[s].b, ix->e[s].tag), s);
+        if (ix->full) {
+            free(ix->full[s]);
+            ix->full[s] = NULL;
+        }
+        memset(&ix->e[s], 0, sizeof ix->e[s]);
+        ix->free[ix->num_free++] = s;
+    }
+    freed_in_order(ix, from);
+    return st;
+}
+
 ix_status ix_complete_store(ix_index *ix, const ix_key *keys, int64_t n, int success,
                             ix_refusal *why) {
     uint32_t *slots = malloc((size_t)(n ? n : 1) * sizeof *slots);
@@ -316,25 +341,37 @@ ix_status ix_complete_store(ix_index *ix, const ix_key *keys, int64_t n, int suc
         free(slots);
         return st;
     }
-    uint32_t from = ix->num_free;
-    for (int64_t i = 0; i < n && st == IX_OK; i++) {
-        uint32_t s = slots[i];
-        ix->num_writing--;
-        if (success) {
-            ix->e[s].state = IX_READABLE;
-            ix->num_readable++;
-            st = ix_policy_insert(ix, s);
-            continue;
-        }
-        ix_table_del(&ix->table, keys[i].hash, s);
-        if (ix->full) {
-            free(ix->full[s]);
-            ix->full[s] = NULL;
-        }
-        memset(&ix->e[s], 0, sizeof ix->e[s]);
-        ix->free[ix->num_free++] = s;
+    st = finish_store(ix, slots, n, success);
+    free(slots);
+    return st;
+}
+
+/* The given slots, all in ``state`` (READABLE: with a reader) and, where ``distinct``, none
+ * repeated, as uint32 ids in ``out``; the first that is not so in ``why`` (nothing changed). */
+static ix_status slots_in(ix_index *ix, const int64_t *given, int64_t n, int state, int distinct,
+                          uint32_t *out, ix_refusal *why) {
+    int64_t i = 0;
+    for (; i < n; i++) {
+        int64_t s = given[i];
+        if (s < 0 || s >= ix->num_slots || ix->e[s].state != state ||
+            (state == IX_READABLE && ix->e[s].readers == 0) || (distinct && ix->e[s].mark))
+            break;
+        out[i] = (uint32_t)s;
+        if (distinct) ix->e[s].mark = 1;
     }
-    freed_in_order(ix, from);
+    for (int64_t j = 0; distinct && j < i; j++) ix->e[out[j]].mark = 0;
+    if (i == n) return IX_OK;
+    why->count = 1;
+    why->first = i;
+    return state == IX_WRITING ? IX_NOT_WRITING : IX_FEW_READERS;
+}
+
+ix_status ix_complete_slots(ix_index *ix, const int64_t *given, int64_t n, int success,
+                            ix_refusal *why) {
+    uint32_t *slots = malloc((size_t)(n ? n : 1) * sizeof *slots);
+    if (slots == NULL) return IX_NOMEM;
+    ix_status st = slots_in(ix, given, n, IX_WRITING, 1, slots, why);
+    if (st == IX_OK) st = finish_store(ix, slots, n, success);
     free(slots);
     return st;
 }
@@ -381,28 +418,47 @@ static ix_status release_refusal(ix_index *ix, const ix_key *keys, int64_t n, ix
     return IX_FEW_READERS;
 }
 
-ix_status ix_release(ix_index *ix, const ix_key *keys, int64_t n, ix_refusal *why) {
-    uint32_t *slots = malloc((size_t)(n ? n : 1) * sizeof *slots);
-    if (slots == NULL) return IX_NOMEM;
-    int64_t i = 0; /* drop one reader per key as we go; undo them all at the first shortfall */
+/* Drop one reader of each slot (one may repeat); at the first that has none left, undo them all
+ * and return its position (n: every one dropped). */
+static int64_t drop_readers(ix_index *ix, const uint32_t *slots, int64_t n) {
+    int64_t i = 0;
     for (; i < n; i++) {
-        uint32_t s = slots[i] = ix_find_at(ix, keys, n, i);
-        if (!readable(ix, s) || ix->e[s].readers == 0) break;
-        ix->e[s].readers--;
+        if (ix->e[slots[i]].readers == 0) break;
+        ix->e[slots[i]].readers--;
     }
     if (i < n) {
         for (int64_t j = 0; j < i; j++) ix->e[slots[j]].readers++;
-        free(slots);
-        return release_refusal(ix, keys, n, why);
+        return i;
     }
-    for (int64_t j = 0; j < n; j++) /* a key released twice is counted unpinned once */
+    for (int64_t j = 0; j < n; j++) /* a slot released twice is counted unpinned once */
         if (ix->e[slots[j]].readers == 0 && !ix->e[slots[j]].mark) {
             ix->e[slots[j]].mark = 1;
             ix->num_pinned--;
         }
     for (int64_t j = 0; j < n; j++) ix->e[slots[j]].mark = 0;
+    return n;
+}
+
+ix_status ix_release(ix_index *ix, const ix_key *keys, int64_t n, ix_refusal *why) {
+    uint32_t *slots = malloc((size_t)(n ? n : 1) * sizeof *slots);
+    if (slots == NULL) return IX_NOMEM;
+    int64_t i = 0;
+    for (; i < n; i++) {
+        uint32_t s = slots[i] = ix_find_at(ix, keys, n, i);
+        if (!readable(ix, s)) break;
+    }
+    ix_status st = i == n && drop_readers(ix, slots, n) == n ? IX_OK : IX_FEW_READERS;
     free(slots);
-    return IX_OK;
+    return st == IX_OK ? IX_OK : release_refusal(ix, keys, n, why);
+}
+
+ix_status ix_release_slots(ix_index *ix, const int64_t *given, int64_t n, ix_refusal *why) {
+    uint32_t *slots = malloc((size_t)(n ? n : 1) * sizeof *slots);
+    if (slots == NULL) return IX_NOMEM;
+    ix_status st = slots_in(ix, given, n, IX_READABLE, 0, slots, why);
+    if (st == IX_OK && drop_readers(ix, slots, n) != n) st = IX_FEW_READERS;
+    free(slots);
+    return st;
 }
 
 void ix_touch(ix_index *ix, const ix_key *keys, int64_t n) {

@@ -188,6 +188,12 @@ ix_status ix_complete_store(ix_index *ix, const ix_key *keys, int64_t n, int suc
 ix_status ix_acquire(ix_index *ix, const ix_key *keys, int64_t n, int touch, int64_t *slots,
                      ix_refusal *why);
 ix_status ix_release(ix_index *ix, const ix_key *keys, int64_t n, ix_refusal *why);
+/* complete_store and release by the slots prepare_store / prepare_load gave (the caller's record
+ * of a job), without finding the keys again: a WRITING (distinct) or READABLE slot with a reader
+ * each, else a refusal (count 1, first: the position) before anything changed. */
+ix_status ix_complete_slots(ix_index *ix, const int64_t *slots, int64_t n, int success,
+                            ix_refusal *why);
+ix_status ix_release_slots(ix_index *ix, const int64_t *slots, int64_t n, ix_refusal *why);
 void ix_touch(ix_index *ix, const ix_key *keys, int64_t n);
 /* Evict up to n (victims) or drop the given keys (remove); the dropped keys go to ``out``. */
 ix_status ix_evict(ix_index *ix, int64_t n, ix_plan *out);

@@ -9,19 +9,11 @@
  * Refused(status, count, first) before anything changed; the wrapper words the message. The GIL
  * is the lock: no entry point releases it.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <string.h>
 
-#include "ix.h"
+#include "binding.h"
 
 #define ABI 1
-
-typedef struct {
-    PyObject_HEAD
-    ix_index ix;
-    int ready;
-} IndexObject;
 
 static PyObject *Refused;
 
@@ -117,7 +109,7 @@ static PyObject *stored_key(const uint8_t b[IX_KEY_BYTES], uint8_t tag, const ui
     return PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)n);
 }
 
-static PyObject *fail(ix_status st, const ix_refusal *why) {
+PyObject *ix_bind_fail(ix_status st, const ix_refusal *why) {
     if (st == IX_NOMEM) return PyErr_NoMemory();
     PyObject *args = Py_BuildValue("(iLL)", (int)st, (long long)why->count, (long long)why->first);
     if (args != NULL) PyErr_SetObject(Refused, args);
@@ -125,7 +117,7 @@ static PyObject *fail(ix_status st, const ix_refusal *why) {
     return NULL;
 }
 
-static PyObject *ids(const int64_t *v, int64_t n) { /* bytes: numpy reads them read-only */
+PyObject *ix_bind_int64s(const int64_t *v, int64_t n) { /* bytes: numpy reads them read-only */
     PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
     if (out != NULL && n) memcpy(PyBytes_AS_STRING(out), v, (size_t)n * 8);
     return out;
@@ -205,7 +197,7 @@ static PyObject *index_prepare_store(IndexObject *self, PyObject *obj) {
     ix_status st = ix_prepare_store(&self->ix, c.keys, c.n, &plan, &why);
     PyObject *out = NULL;
     if (st != IX_OK) {
-        fail(st, &why);
+        ix_bind_fail(st, &why);
     } else {
         /* a list of the caller's own key objects; None for a buffer (its rows at ``positions``
          * are the keys: no bytes object is made per key) */
@@ -216,7 +208,7 @@ static PyObject *index_prepare_store(IndexObject *self, PyObject *obj) {
             else PyList_SET_ITEM(keys, j, k);
         }
         if (keys != NULL)
-            out = Py_BuildValue("(NNNNLL)", keys, ids(plan.pos, plan.n), ids(plan.slots, plan.n),
+            out = Py_BuildValue("(NNNNLL)", keys, ix_bind_int64s(plan.pos, plan.n), ix_bind_int64s(plan.slots, plan.n),
                                 dropped_keys(&plan), (long long)plan.skipped_present,
                                 (long long)plan.skipped_full);
         /* out of memory for the result: the reserved slots go back to free (one key per call,
@@ -238,7 +230,7 @@ static PyObject *index_complete_store(IndexObject *self, PyObject *args) {
     ix_refusal why = {0, -1};
     ix_status st = ix_complete_store(&self->ix, c.keys, c.n, success, &why);
     keys_done(&c);
-    return st != IX_OK ? fail(st, &why) : PyLong_FromSsize_t(c.n);
+    return st != IX_OK ? ix_bind_fail(st, &why) : PyLong_FromSsize_t(c.n);
 }
 
 static PyObject *acquire(IndexObject *self, PyObject *obj, int touch) {
@@ -251,7 +243,7 @@ static PyObject *acquire(IndexObject *self, PyObject *obj, int touch) {
         PyErr_NoMemory();
     } else {
         ix_status st = ix_acquire(&self->ix, c.keys, c.n, touch, slots, &why);
-        out = st != IX_OK ? fail(st, &why) : ids(slots, c.n);
+        out = st != IX_OK ? ix_bind_fail(st, &why) : ix_bind_int64s(slots, c.n);
     }
     PyMem_Free(slots);
     keys_done(&c);
@@ -268,7 +260,7 @@ static PyObject *index_release(IndexObject *self, PyObject *obj) {
     ix_refusal why = {0, -1};
     ix_status st = ix_release(&self->ix, c.keys, c.n, &why);
     keys_done(&c);
-    return st != IX_OK ? fail(st, &why) : PyLong_FromSsize_t(c.n);
+    return st != IX_OK ? ix_bind_fail(st, &why) : PyLong_FromSsize_t(c.n);
 }
 
 static PyObject *index_touch(IndexObject *self, PyObject *obj) {
@@ -281,7 +273,7 @@ static PyObject *index_touch(IndexObject *self, PyObject *obj) {
 
 static PyObject *plan_keys(ix_status st, ix_plan *plan) {
     ix_refusal none = {0, -1};
-    PyObject *out = st != IX_OK ? fail(st, &none) : dropped_keys(plan);
+    PyObject *out = st != IX_OK ? ix_bind_fail(st, &none) : dropped_keys(plan);
     ix_plan_free(plan);
     return out;
 }
@@ -355,62 +347,6 @@ static PyObject *index_policy_state(IndexObject *self, PyObject *noargs) {
                          (unsigned long long)p);
 }
 
-/* ids(obj, upper, distinct): ``obj`` (a list or tuple of exact ints, or a 1-D C-contiguous int64
- * buffer) as int64 ``bytes`` when every id is in [0, upper) (upper < 0: >= 0 only) and, with
- * ``distinct``, none repeats; None for anything else (the caller's checks then say what). */
-static PyObject *module_ids(PyObject *self, PyObject *args) {
-    PyObject *obj;
-    long long upper;
-    int want_distinct;
-    if (!PyArg_ParseTuple(args, "OLp", &obj, &upper, &want_distinct)) return NULL;
-    Py_buffer view;
-    int has_view = 0;
-    Py_ssize_t n;
-    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
-        n = PySequence_Fast_GET_SIZE(obj);
-    } else if (PyObject_CheckBuffer(obj) && !PyBytes_Check(obj) && !PyByteArray_Check(obj)) {
-        if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-            if (PyErr_ExceptionMatches(PyExc_MemoryError)) return NULL;
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        has_view = 1;
-        const char *f = view.format ? view.format : "B";
-        if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
-        if (view.ndim != 1 || view.itemsize != 8 || (strcmp(f, "l") && strcmp(f, "q"))) {
-            PyBuffer_Release(&view);
-            Py_RETURN_NONE;
-        }
-        n = view.len / 8;
-    } else {
-        Py_RETURN_NONE;
-    }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
-    if (out == NULL) {
-        if (has_view) PyBuffer_Release(&view);
-        return NULL;
-    }
-    int64_t *v = (int64_t *)PyBytes_AS_STRING(out);
-    int ok = 1;
-    if (has_view) {
-        memcpy(v, view.buf, (size_t)n * 8);
-        PyBuffer_Release(&view);
-    } else {
-        PyObject **items = PySequence_Fast_ITEMS(obj);
-        for (Py_ssize_t i = 0; i < n && ok; i++) {
-            int overflow = 0;
-            ok = PyLong_CheckExact(items[i]);
-            if (ok) v[i] = PyLong_AsLongLongAndOverflow(items[i], &overflow);
-            ok = ok && !overflow;
-        }
-    }
-    if (ok) ok = ix_ids_fit(v, n, upper, want_distinct);
-    if (ok > 0) return out;
-    Py_DECREF(out);
-    if (ok < 0) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef index_methods[] = {
     {"lookup", (PyCFunction)index_lookup, METH_O, "(leading READABLE keys, keys)"},
     {"find", (PyCFunction)index_find, METH_O, "(state, slot or -1, readers) of one key"},
@@ -418,6 +354,10 @@ static PyMethodDef index_methods[] = {
     {"prepare_store", (PyCFunction)index_prepare_store, METH_O,
      "(keys or None for a buffer, positions, slots, evicted, skipped_present, skipped_full)"},
     {"complete_store", (PyCFunction)index_complete_store, METH_VARARGS, "(keys, success): keys"},
+    {"complete_store_slots", (PyCFunction)ix_bind_complete_slots, METH_VARARGS,
+     "(slots, success): complete_store by the slots prepare_store gave"},
+    {"release_slots", (PyCFunction)ix_bind_release_slots, METH_O,
+     "release by the slots prepare_load or pin gave"},
     {"prepare_load", (PyCFunction)index_prepare_load, METH_O, "add a reader, touch; slots"},
     {"pin", (PyCFunction)index_pin, METH_O, "add a reader; slots"},
     {"release", (PyCFunction)index_release, METH_O, "drop a reader of each key; keys"},
@@ -442,7 +382,7 @@ static PyTypeObject IndexType = {
 };
 
 static PyMethodDef module_methods[] = {
-    {"ids", module_ids, METH_VARARGS,
+    {"ids", ix_bind_ids, METH_VARARGS,
      "ids(obj, upper, distinct): engine block ids as int64 bytes, or None unless they fit"},
     {NULL, NULL, 0, NULL},
 };
