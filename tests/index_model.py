@@ -119,6 +119,13 @@ class ModelIndex:
         chosen = np.asarray(positions[:fit], dtype=np.int64)
         return StorePlan(new, slots, evicted, skipped, dropped, chosen)
 
+    def reserve(self, keys: Sequence[BlockKey]) -> tuple[object, ...]:
+        """``prepare_store`` as ``BlockIndex.reserve`` returns it (positions None: all)."""
+        plan = self.prepare_store(keys)
+        present, full = plan.skipped_present, plan.skipped_full
+        positions = None if not present and not full else plan.positions
+        return plan.keys, plan.slots, positions, plan.evicted, present, full
+
     def complete_store(
         self, keys: Iterable[BlockKey], success: bool = True, slots: object = None
     ) -> None:

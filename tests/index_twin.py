@@ -23,6 +23,8 @@ def _same(a: object, b: object) -> bool:
             and (a.skipped_present, a.skipped_full) == (b.skipped_present, b.skipped_full)
             and np.array_equal(a.positions, b.positions)
         )
+    if isinstance(a, tuple) and isinstance(b, tuple):  # reserve's plan
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.array_equal(np.asarray(a), np.asarray(b))
     return a == b
@@ -102,6 +104,6 @@ def _ghost(key: bytes) -> bytes | None:
 
 
 _CALLS = {
-    *("lookup", "state", "slot_of", "readers", "prepare_store", "complete_store"),
+    *("lookup", "state", "slot_of", "readers", "prepare_store", "reserve", "complete_store"),
     *("prepare_load", "complete_load", "pin", "unpin", "touch", "evict", "remove", "reset"),
 }

@@ -72,3 +72,16 @@ def test_slots_must_be_int64() -> None:
     with pytest.raises(ValueError, match="int64"):
         ix._ix.complete_store_slots(plan.slots.astype(np.int32), True)
     assert ix.num_writing == 1
+
+
+def test_reserve_is_prepare_store_as_a_tuple() -> None:
+    twin = TwinIndex(6, 64)
+    plan_keys, slots, positions, evicted, present, full = twin.reserve(keys(3))
+    assert plan_keys == keys(3) and positions is None and (present, full) == (0, 0)
+    assert not slots.flags.writeable and evicted == []
+    twin.complete_store(plan_keys, True, slots)
+    got = twin.reserve(keys(5, 1))  # 1 and 2 are held; 3, 4, 5 fit, then the index is full
+    assert got[0] == keys(3, 3) and got[2] is not None and got[2].tolist() == [2, 3, 4]
+    assert (got[4], got[5]) == (2, 0)
+    plan = twin.prepare_store(keys(2, 10))  # full: the oldest unpinned readable are evicted
+    assert plan.positions.tolist() == [0, 1] and plan.evicted == keys(2)

@@ -146,7 +146,8 @@ class Offloader:
         is a 1-D sequence of distinct engine block ids of layer ``group``, one per key.
         """
         with self._lock:
-            self._check_open("schedule_load")
+            if self._closed:
+                self._check_open("schedule_load")
             keys, blocks_arr = self._checked(req_id, keys, blocks, group, "load")
             keys, slots = self._prepare_load(keys)
             return self._job(req_id, "load", keys, TransferSpec("load", blocks_arr, slots, group))
@@ -165,26 +166,26 @@ class Offloader:
         after the compute stream). Raises ValueError, changing nothing, on bad input.
         """
         with self._lock:
-            self._check_open("schedule_store")
+            if self._closed:
+                self._check_open("schedule_store")
             keys, blocks_arr = self._checked(req_id, keys, blocks, group, "store")
             try:
-                plan = self.index.prepare_store(keys)
+                plan_keys, slots, positions, evicted, _, _ = self.index.reserve(keys)
             except ValueError:
                 scanned = self._scanned(keys, "schedule_store")
                 if scanned is None:
                     raise
-                plan = self.index.prepare_store(scanned)
+                plan_keys, slots, positions, evicted, _, _ = self.index.reserve(scanned)
             if self.lower is not None:
-                self.lower.evicted(plan.evicted)
-            n = len(plan.positions)
-            if not n:
+                self.lower.evicted(evicted)
+            if not len(slots):
                 return None
             chosen = blocks_arr
-            if n != len(blocks_arr):
-                chosen = blocks_arr[plan.positions]
+            if positions is not None:  # some keys were held already
+                chosen = blocks_arr[positions]
                 chosen.setflags(write=False)
-            spec = TransferSpec("store", chosen, plan.slots, group)
-            return self._job(req_id, "store", plan.keys, spec)
+            spec = TransferSpec("store", chosen, slots, group)
+            return self._job(req_id, "store", plan_keys, spec)
 
     def touch(self, keys: Iterable[BlockKey] | KeyArray) -> None:
         """Mark held ``keys`` as just used (e.g. blocks the engine's GPU cache keeps hitting, so
@@ -205,7 +206,8 @@ class Offloader:
         timeout and keeps the job in flight, its host slots pinned, until its final result.
         """
         with self._lock:
-            self._check_open("complete")
+            if self._closed:
+                self._check_open("complete")
             done: list[TransferJob] = []
             refused: dict[str, list[object]] = {}  # why -> ids, filled on the first refusal
             # a late load's timeout first, when its end comes in the same call
@@ -379,9 +381,8 @@ class Offloader:
 
         A list of keys is left to the index to check (``_scanned``): it finds only non-empty
         ``bytes``, so a call whose keys it accepts needs no scan of them in Python."""
-        where = f"schedule_{direction}"
         if not isinstance(keys, list):
-            checked = checked_keys(keys, where)
+            checked = checked_keys(keys, f"schedule_{direction}")
             return checked, engine_block_ids(
                 req_id, len(checked), blocks, group, direction, self.engine_blocks
             )
@@ -390,7 +391,7 @@ class Offloader:
                 req_id, len(keys), blocks, group, direction, self.engine_blocks
             )
         except ValueError:
-            checked_keys(keys, where)  # a bad key is refused before bad blocks
+            checked_keys(keys, f"schedule_{direction}")  # a bad key is refused before bad blocks
             raise
 
     def _scanned(

@@ -64,6 +64,9 @@ except ImportError as err:  # an install without a C compiler: say so when an in
 FREE, WRITING, READABLE = 0, 1, 2
 Keys = Sequence[BlockKey] | np.ndarray
 PolicyState = tuple[list[bytes], list[bytes], list[bytes], list[Any], list[Any], int]
+Reserved = tuple[
+    list[BlockKey] | np.ndarray, np.ndarray, np.ndarray | None, list[BlockKey], int, int
+]
 
 
 def _no_positions() -> np.ndarray:
@@ -179,6 +182,19 @@ class BlockIndex:
 
     def prepare_store(self, keys: Keys) -> StorePlan:
         """Reserve slots for the keys not yet present (see the module docstring)."""
+        plan_keys, slots, positions, evicted, present, full = self.reserve(keys)
+        try:
+            if positions is None:
+                positions = np.arange(len(slots), dtype=np.int64)
+            return StorePlan(plan_keys, slots, evicted, present, full, positions)
+        except BaseException:  # out of memory or interrupted here: the reserved slots go back
+            self._ix.complete_store(plan_keys, False)
+            raise
+
+    def reserve(self, keys: Keys) -> Reserved:
+        """``prepare_store``'s plan as a tuple, for a caller that makes one per store (the
+        Offloader): (keys, slots, positions, evicted, skipped_present, skipped_full), positions
+        None where every key got a slot, in order."""
         keys = _sequence(keys)
         try:
             result = self._ix.prepare_store(keys)
@@ -186,13 +202,14 @@ class BlockIndex:
             raise self._refusal("prepare_store", keys, refusal) from None
         try:
             new, pos, slots, evicted, present, full = result
-            self.stats.evictions += len(evicted)
-            positions = _ids(pos)
+            if evicted:
+                self.stats.evictions += len(evicted)
+            positions = None if not present and not full else _ids(pos)
             plan_keys = new
             if new is None:  # keys as an array: the plan's keys are its rows (all: itself)
                 rows = np.asarray(keys).reshape(-1, 16)
-                plan_keys = rows if len(positions) == len(rows) else rows[positions]
-            return StorePlan(plan_keys, _ids(slots), evicted, present, full, positions)
+                plan_keys = rows if positions is None else rows[positions]
+            return plan_keys, _ids(slots), positions, evicted, present, full
         except BaseException:  # out of memory or interrupted here: the reserved slots go back
             new, pos = result[0], result[1]
             reserved = new if new is not None else np.asarray(keys).reshape(-1, 16)[_ids(pos)]
