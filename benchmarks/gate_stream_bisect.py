@@ -26,12 +26,12 @@ import kvoffload.transfer.cuda.staged as staged
 MODES = ("pool", "high", "own")
 
 
-def gate_stream(mode: str) -> Any:
+def gate_stream(mode: str, pooled: Any) -> Any:
     if mode == "pool":
-        return torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        return pooled()
     if mode == "high":
         high = torch.cuda.Stream.priority_range()[1]  # type: ignore[call-arg]
-        return torch.cuda.Stream(priority=high)  # type: ignore[no-untyped-call]
+        return pooled(priority=high)
     from cuda.bindings import driver as cu
 
     err, handle = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
@@ -47,7 +47,7 @@ def patch(mode: str) -> None:
     real: Any = torch.cuda.Stream
 
     def stream(*args: Any, **kwargs: Any) -> Any:
-        return real(*args, **kwargs) if "priority" in kwargs else gate_stream(mode)
+        return real(*args, **kwargs) if "priority" in kwargs else gate_stream(mode, real)
 
     def patched(self: Any, *args: Any, **kwargs: Any) -> None:
         torch.cuda.Stream = stream  # type: ignore[misc,assignment]

@@ -1,17 +1,27 @@
-"""Does a stream blocked in a GPU-side wait hold up another stream's work? (issue 25)
+"""Does a stream blocked in a GPU-side wait hold up the engine's stream? (issue 25)
 
-In ``bench e2e --graph full`` a restored request's forward began only once its whole load had
-landed: the engine's stream waited ~10 ms in the ``gate_open`` section, where the only thing
-enqueued on it is an event record, while the gate's opener (a stream of ours) sat in
-``cuStreamWaitValue32`` waits, one per layer, until each layer landed. Streams share a few
-hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default); a stream waiting on a flag
-word may block every stream mapped to its queue. This probe blocks ``waiters`` torch streams on
-a host flag word nobody writes for ``HOLD_MS``, then times when a tiny kernel and an event on the
-engine's stream are done (host-observed, polling ``query``), with the engine on the legacy
-default stream and on a torch stream; then writes the flag. Run it under several
-``CUDA_DEVICE_MAX_CONNECTIONS`` values (the variable is read when CUDA starts).
+In ``bench e2e --graph full`` a restored request's graph replay began only once its whole load
+had landed: ~10.5 ms of device time on the engine's stream inside ``gate_open``, where the
+engine's stream gets one event record, while the gate's opener (a stream of the native core)
+sat in ``cuStreamWaitValue32`` waits on flag words in host memory, one per layer, until each
+layer landed. An opener of its own (``gate_stream_bisect.py own``) changed nothing. This probe
+blocks ``n`` streams of its own for ``HOLD_MS`` one way, then times when a tiny kernel and an
+event on the engine's stream are done (host-observed, polling ``query``):
 
-    CUDA_DEVICE_MAX_CONNECTIONS=8 python benchmarks/wait_alias_probe.py OUT.json   # CUDA only
+- ``none``: nothing blocked (the baseline);
+- ``busy``: one stream runs a one-block spin kernel (``torch.cuda._sleep``) for the hold, nothing
+  waits (a busy neighbour, not a blocked one);
+- ``host_flag``: ``n`` streams wait (``cuStreamWaitValue32``, GEQ) on a word in pinned host
+  memory (as the core's flag words), written by the host after the hold;
+- ``dev_flag``: the same on a word in device memory, written (``cuStreamWriteValue32``) by a
+  stream that first spins for the hold;
+- ``event``: ``n`` streams wait (``cuStreamWaitEvent``) on an event recorded after that spin.
+
+The engine runs on torch's default (legacy) stream and on a non-blocking stream of its own.
+Every kernel is run once before any wait is pending: a kernel's first launch loads its module
+lazily, which waits for the device to go idle and would hang behind a pending wait.
+
+    python benchmarks/wait_alias_probe.py OUT.json   # CUDA only
 """
 
 from __future__ import annotations
@@ -27,7 +37,8 @@ from typing import Any
 import torch
 
 HOLD_MS = 20.0
-WAITERS = (0, 1, 2, 4, 8, 16, 40)
+CASES = ("none", "busy", "host_flag", "dev_flag", "event")
+WAITERS = (1, 8)
 REPS = 5
 
 
@@ -45,72 +56,94 @@ def main() -> int:
         raise SystemExit("wait_alias_probe.py: expected a CUDA device, got none")
     from cuda.bindings import driver as cu
 
-    torch.cuda.init()  # type: ignore[no-untyped-call]
+    geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+    sleep: Any = torch.cuda._sleep  # a one-block spin kernel of so many clock cycles
     x = torch.zeros(1 << 10, device="cuda")
-    torch.cuda.synchronize()
+    dev_word = torch.zeros(1, dtype=torch.int32, device="cuda")
     host = _check(cu.cuMemHostAlloc(4096, cu.CU_MEMHOSTALLOC_DEVICEMAP))
-    dptr = _check(cu.cuMemHostGetDevicePointer(host, 0))
-    word = ctypes.c_uint32.from_address(int(host))
-    GEQ = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-    # streams of their own (cuStreamCreate, non-blocking): torch.cuda.Stream() hands out a pool
-    # of streams round robin, so two of its streams may be one CUDA stream
-    pool = len({torch.cuda.Stream().cuda_stream for _ in range(64)})  # type: ignore[no-untyped-call]
-    print(f"torch.cuda.Stream(): {pool} distinct CUDA streams in 64 calls")
+    host_dptr = _check(cu.cuMemHostGetDevicePointer(host, 0))
+    host_word = ctypes.c_uint32.from_address(int(host))
 
-    def new_stream() -> torch.cuda.ExternalStream:
+    def new_stream() -> Any:
         handle = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
         return torch.cuda.ExternalStream(int(handle))  # type: ignore[no-untyped-call]
 
+    # every kernel once (lazy module loading), and the spin kernel's clock rate
+    x.add_(0)
+    x.mul_(1)
+    sleep(1000)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    sleep(10_000_000)
+    torch.cuda.synchronize()
+    hold_cycles = int(10_000_000 * HOLD_MS / 1e3 / (time.perf_counter() - t0))
     waiting = [new_stream() for _ in range(max(WAITERS))]
+    sleeper = new_stream()
     results = []
     seq = 0
     for engine_kind in ("default", "own_stream"):
         engine = torch.cuda.default_stream() if engine_kind == "default" else new_stream()
-        for waiters in WAITERS:
-            done_ms = []
-            for _ in range(REPS):
-                seq += 1
-                for s in waiting[:waiters]:
-                    _check(cu.cuStreamWaitValue32(s.cuda_stream, dptr, seq, GEQ))
-                    with torch.cuda.stream(s):
-                        x.add_(0)  # work behind the wait, as the gate's writes are
-                t0 = time.perf_counter()
-                with torch.cuda.stream(engine):
-                    x.mul_(1)
-                    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    ev.record()
-                done = None
-                while time.perf_counter() - t0 < HOLD_MS / 1e3:
-                    if ev.query():  # type: ignore[no-untyped-call]
-                        done = (time.perf_counter() - t0) * 1e3
-                        break
-                word.value = seq  # release the waiters
-                ev.synchronize()
-                if done is None:
-                    done = (time.perf_counter() - t0) * 1e3
-                torch.cuda.synchronize()
-                done_ms.append(done)
-            row = {
-                "engine": engine_kind,
-                "waiters": waiters,
-                "engine_done_ms_median": statistics.median(done_ms),
-                "engine_done_ms": done_ms,
-                "held_past_release": sum(d >= HOLD_MS for d in done_ms),
-            }
-            results.append(row)
-            print(
-                f"engine {engine_kind:12s} waiters {waiters:3d}: engine's kernel done after "
-                f"{row['engine_done_ms_median']:.3f} ms (median of {REPS}; "
-                f"{row['held_past_release']} held until the flag was written at {HOLD_MS} ms)"
-            )
+        for case in CASES:
+            for n in (0,) if case in ("none", "busy") else WAITERS:
+                done_ms = []
+                for _ in range(REPS):
+                    seq += 1
+                    if case in ("busy", "dev_flag", "event"):
+                        with torch.cuda.stream(sleeper):
+                            sleep(hold_cycles)
+                    if case == "dev_flag":
+                        _check(
+                            cu.cuStreamWriteValue32(
+                                sleeper.cuda_stream, dev_word.data_ptr(), seq, 0
+                            )
+                        )
+                    ev_release = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    ev_release.record(sleeper)
+                    for s in waiting[:n]:
+                        if case == "host_flag":
+                            _check(cu.cuStreamWaitValue32(s.cuda_stream, host_dptr, seq, geq))
+                        elif case == "dev_flag":
+                            _check(
+                                cu.cuStreamWaitValue32(s.cuda_stream, dev_word.data_ptr(), seq, geq)
+                            )
+                        else:
+                            s.wait_event(ev_release)
+                        with torch.cuda.stream(s):
+                            x.add_(0)  # work behind the wait, as the gate's writes are
+                    t0 = time.perf_counter()
+                    with torch.cuda.stream(engine):
+                        x.mul_(1)
+                        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                        ev.record()
+                    done = None
+                    while time.perf_counter() - t0 < 2 * HOLD_MS / 1e3:
+                        if ev.query():  # type: ignore[no-untyped-call]
+                            done = (time.perf_counter() - t0) * 1e3
+                            break
+                        if case == "host_flag" and time.perf_counter() - t0 >= HOLD_MS / 1e3:
+                            host_word.value = seq
+                    host_word.value = seq
+                    torch.cuda.synchronize()
+                    done_ms.append(done if done is not None else (time.perf_counter() - t0) * 1e3)
+                row = {
+                    "engine": engine_kind,
+                    "case": case,
+                    "waiters": n,
+                    "engine_done_ms_median": statistics.median(done_ms),
+                    "engine_done_ms": done_ms,
+                }
+                results.append(row)
+                print(
+                    f"engine {engine_kind:10s} {case:9s} waiters {n}: the engine's kernel done "
+                    f"after {row['engine_done_ms_median']:.3f} ms (median of {REPS}; hold "
+                    f"{HOLD_MS} ms)"
+                )
     out = {
         "benchmark": "wait_alias_probe",
         "device": torch.cuda.get_device_name(),
-        "driver": torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None,
         "date": time.strftime("%Y-%m-%d"),
         "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
         "hold_ms": HOLD_MS,
-        "torch_stream_pool_distinct_of_64": pool,
         "results": results,
     }
     with open(sys.argv[1], "w") as f:
