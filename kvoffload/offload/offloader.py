@@ -430,7 +430,7 @@ class Offloader:
     ) -> TransferJob:
         # a job is data that cannot change once checked: its id arrays are read-only already
         # (``engine_block_ids``, the index's slots), keys given as an array are made so here
-        if isinstance(keys, np.ndarray):
+        if isinstance(keys, np.ndarray) and keys.flags.writeable:  # rows chosen from the keys
             keys.setflags(write=False)
         job = TransferJob(
             next(self._ids),

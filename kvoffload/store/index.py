@@ -207,7 +207,9 @@ class BlockIndex:
             positions = None if not present and not full else _ids(pos)
             plan_keys = new
             if new is None:  # keys as an array: the plan's keys are its rows (all: itself)
-                rows = np.asarray(keys).reshape(-1, 16)
+                rows = np.asarray(keys)
+                if rows.ndim != 2:  # a flat buffer of 16 * n bytes
+                    rows = rows.reshape(-1, 16)
                 plan_keys = rows if positions is None else rows[positions]
             return plan_keys, _ids(slots), positions, evicted, present, full
         except BaseException:  # out of memory or interrupted here: the reserved slots go back
