@@ -9,7 +9,10 @@ with that opener stream made one of three ways:
 - ``pool``: ``torch.cuda.Stream()`` (the backend's way: one of torch's pooled streams, handed
   out round robin, so it may be a stream something else also uses);
 - ``high``: a pooled stream of the highest priority;
-- ``own``: a stream of its own (``cuStreamCreate``, non-blocking).
+- ``own``: a stream of its own (``cuStreamCreate``, non-blocking);
+- ``unordered``: timing only, the bytes are NOT kept in order: every step opens its gate at once
+  (no load listed), so the replay waits for nothing. What is left of the stall then is not the
+  gate's waits.
 
     python benchmarks/gate_stream_bisect.py MODE [bench e2e arguments] --out F   # CUDA only
 """
@@ -23,7 +26,7 @@ import torch
 
 import kvoffload.transfer.cuda.staged as staged
 
-MODES = ("pool", "high", "own")
+MODES = ("pool", "high", "own", "unordered")
 
 
 def gate_stream(mode: str, pooled: Any) -> Any:
@@ -38,6 +41,16 @@ def gate_stream(mode: str, pooled: Any) -> Any:
     if int(err) != 0:
         raise RuntimeError(f"cuStreamCreate failed: {err}")
     return torch.cuda.ExternalStream(int(handle))  # type: ignore[no-untyped-call]
+
+
+def unorder() -> None:
+    """Every gate opened at once (timing only: the graph no longer waits for its loads)."""
+    gate_open = staged.NativeGate.open
+
+    def opened(self: Any, stream: object, pendings: Any) -> None:
+        gate_open(self, stream, [])
+
+    staged.NativeGate.open = opened  # type: ignore[method-assign]
 
 
 def patch(mode: str) -> None:
@@ -68,7 +81,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("gate_stream_bisect.py: expected a CUDA device, got none")
     mode, args = sys.argv[1], sys.argv[2:]
-    patch(mode)
+    if mode == "unordered":
+        unorder()
+    else:
+        patch(mode)
     from kvoffload.cli import main as cli
 
     return int(cli(["bench", "e2e", *args]) or 0)
