@@ -10,6 +10,9 @@ with that opener stream made one of three ways:
   out round robin, so it may be a stream something else also uses);
 - ``high``: a pooled stream of the highest priority;
 - ``own``: a stream of its own (``cuStreamCreate``, non-blocking);
+- ``default``: the engine's own stream (torch's default stream), with ``unordered``'s gates;
+- ``nogate``: timing only, nothing captured or opened: the graph holds no stream memory
+  operation and no stream of ours is asked to open anything;
 - ``unordered``: timing only, the bytes are NOT kept in order: every step opens its gate at once
   (no load listed), so the replay waits for nothing. What is left of the stall then is not the
   gate's waits.
@@ -26,15 +29,17 @@ import torch
 
 import kvoffload.transfer.cuda.staged as staged
 
-MODES = ("pool", "high", "own", "unordered")
+MODES = ("pool", "high", "own", "unordered", "default", "nogate")
 
 
 def gate_stream(mode: str, pooled: Any) -> Any:
     if mode == "pool":
         return pooled()
     if mode == "high":
-        high = torch.cuda.Stream.priority_range()[1]  # type: ignore[call-arg]
+        high = pooled.priority_range()[1]
         return pooled(priority=high)
+    if mode == "default":
+        return torch.cuda.default_stream()
     from cuda.bindings import driver as cu
 
     err, handle = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
@@ -51,6 +56,16 @@ def unorder() -> None:
         gate_open(self, stream, [])
 
     staged.NativeGate.open = opened  # type: ignore[method-assign]
+
+
+def no_gate() -> None:
+    """Gates that enqueue nothing (timing only)."""
+
+    def nothing(self: Any, *args: Any) -> None:
+        return None
+
+    staged.NativeGate.open = nothing  # type: ignore[method-assign]
+    staged.NativeGate.wait = nothing  # type: ignore[method-assign]
 
 
 def patch(mode: str) -> None:
@@ -81,9 +96,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("gate_stream_bisect.py: expected a CUDA device, got none")
     mode, args = sys.argv[1], sys.argv[2:]
-    if mode == "unordered":
+    if mode in ("unordered", "default"):
         unorder()
-    else:
+    if mode == "nogate":
+        no_gate()
+    elif mode != "unordered":
         patch(mode)
     from kvoffload.cli import main as cli
 
