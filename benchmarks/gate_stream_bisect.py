@@ -64,8 +64,8 @@ def no_gate() -> None:
     def nothing(self: Any, *args: Any) -> None:
         return None
 
-    staged.NativeGate.open = nothing  # type: ignore[method-assign]
-    staged.NativeGate.wait = nothing  # type: ignore[method-assign]
+    staged.NativeGate.open = nothing  # type: ignore[method-assign,assignment]
+    staged.NativeGate.wait = nothing  # type: ignore[method-assign,assignment]
 
 
 def patch(mode: str) -> None:
