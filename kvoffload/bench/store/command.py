@@ -19,6 +19,8 @@ Two parts, both timed as medians over ``--reps`` runs after a warm-up:
    + ``Offloader.complete`` per call and per block (``--api-blocks``), over the host backend
    copying 64-byte blocks in the caller's thread (that copy timed apart), and ``lookup``: a
    per-call + per-block fit of each, against issue 27's targets (``met``).
+   ``benchmarks/api_fake.py`` runs this part over the native ``staged`` core instead, its copies
+   made by the CPU tests' fake CUDA driver.
 
 ``make_index`` lets a caller time another index with the same API (``benchmarks/store_compare.py``
 times the Python model of ``tests/index_model.py`` in the same run, for the ratio).
