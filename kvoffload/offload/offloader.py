@@ -211,9 +211,9 @@ class Offloader:
             done: list[TransferJob] = []
             refused: dict[str, list[object]] = {}  # why -> ids, filled on the first refusal
             # a late load's timeout first, when its end comes in the same call
-            items: list[object] = list(results)
-            if len(items) > 1:
-                items.sort(key=lambda r: not isinstance(r, JobResult) or r.final)
+            items: list[object] = results if type(results) is list else list(results)
+            if len(items) > 1:  # sorted as a copy: the caller's list stays as given
+                items = sorted(items, key=lambda r: not isinstance(r, JobResult) or r.final)
             for result in items:
                 if not isinstance(result, JobResult):
                     refused = refused or {why: [] for why in _REFUSED}

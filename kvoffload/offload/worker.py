@@ -339,9 +339,10 @@ class TransferWorker:
 
     def _finish(self, job_id: int, now: float) -> None:
         run = self._running.pop(job_id)
+        job = run.job
         error = run.pending.error()
         seconds = now - run.started  # ``now``: when get_finished looked, just before done()
-        stats = self.stats.load if run.job.direction == "load" else self.stats.store
+        stats = getattr(self.stats, job.direction)
         if run.late:
             stats.failed += 1
             self._finished.append(
@@ -356,10 +357,10 @@ class TransferWorker:
             )
         elif error is None:
             stats.ok += 1
-            stats.bytes += run.job.nbytes
+            stats.bytes += job.nbytes
             stats.seconds += seconds
-            self.latency[run.job.direction].observe(seconds)
-            self._finished.append(JobResult(job_id, True, run.job.nbytes, seconds))
+            self.latency[job.direction].observe(seconds)
+            self._finished.append(JobResult(job_id, True, job.nbytes, seconds))
         else:
             stats.failed += 1
             self._finished.append(

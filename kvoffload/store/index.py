@@ -227,8 +227,7 @@ class BlockIndex:
         """``slots``: the int64 slots ``prepare_store`` gave these keys, same order (a job's own
         record): the index then finds none of the keys again (~0.03 µs a block less); a slot
         not WRITING is refused by the keys, as without them."""
-        keys = _sequence(keys)
-        if slots is not None and len(slots) == len(keys):
+        if slots is not None and type(keys) in _SIZED and len(slots) == len(keys):  # type: ignore[arg-type]
             try:
                 n = self._ix.complete_store_slots(slots, success)
             except self._refused:
@@ -236,6 +235,7 @@ class BlockIndex:
             else:
                 self._stored(n, success)
                 return
+        keys = _sequence(keys)
         try:
             n = self._ix.complete_store(keys, success)
         except self._refused as refusal:
@@ -296,12 +296,12 @@ class BlockIndex:
         """Drop one reader of each key (a key may repeat; by ``slots`` where given: their slots);
         ValueError, changing nothing, if a key has fewer readers than asked. Returns the number
         of keys."""
-        keys = _sequence(keys)
-        if slots is not None and len(slots) == len(keys):
+        if slots is not None and type(keys) in _SIZED and len(slots) == len(keys):  # type: ignore[arg-type]
             try:
                 return int(self._ix.release_slots(slots))
             except self._refused:
                 pass  # nothing changed: the keys' own call says what is wrong
+        keys = _sequence(keys)
         try:
             return int(self._ix.release(keys))
         except self._refused as refusal:
@@ -379,6 +379,7 @@ def _sequence(keys: Iterable[BlockKey] | np.ndarray) -> Keys:
 
 
 _INT64 = np.dtype(np.int64)  # given positionally: frombuffer parses a dtype= keyword ~2x slower
+_SIZED = (tuple, list, np.ndarray)  # keys a job's slots are counted against
 
 
 def _ids(raw: bytes) -> np.ndarray:

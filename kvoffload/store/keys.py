@@ -73,7 +73,7 @@ def key_rows(keys: np.ndarray, where: str, copy: bool = True) -> KeyArray:
         )
     if not copy:
         return keys
-    rows = np.array(keys, dtype=np.uint8, order="C", copy=True)
+    rows: KeyArray = keys.copy(order="C")  # uint8 (checked above): a copy of its own
     rows.setflags(write=False)
     return rows
 
