@@ -42,6 +42,7 @@ def staged(pair: Pair, **config: Any) -> Any:
         "layer_slice_bytes": 8,
         "max_layer_slices": 4,
         "layer_slice_transfer_bytes": 1,
+        "load_coupled": False,  # the split pipeline (its streams held below); coupled: asked
     }
     fields.update(config)
     return make_staged(pair.kv, pair.arena, StagedConfig(**fields))
@@ -765,6 +766,10 @@ def test_coupled_loads_need_a_depth_that_is_a_multiple_of_the_dma_streams() -> N
     with pytest.raises(ValueError, match="load_coupled as a bool, got 1"):
         StagedConfig(load_coupled=1)  # type: ignore[arg-type]
     assert StagedConfig(load_coupled=True, dma_streams=2, depth=4).load_coupled
+    assert StagedConfig().load_coupled  # the default since it kept full graphs from stalling
+    with pytest.raises(ValueError, match="multiple of dma_streams"):
+        StagedConfig(depth=3)  # the default couples loads: depth 3 of 2 streams is refused
+    assert not StagedConfig(depth=3, load_coupled=False).load_coupled
 
 
 @needs_core

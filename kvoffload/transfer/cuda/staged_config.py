@@ -72,9 +72,11 @@ class StagedConfig:
     # True: a load's chunk is copied and scattered on one DMA stream (its staging area's), with
     # no event between them: fewer driver calls per chunk (its copies and one launch, against
     # four event calls more) and at most ``dma_streams`` chunks in the copy engine's queue.
-    # Needs ``depth`` a multiple of ``dma_streams``. Off by default: not yet measured on a GPU
-    # (docs/transfer.md, Options, `load_coupled`).
-    load_coupled: bool = False
+    # Needs ``depth`` a multiple of ``dma_streams``. On by default: a scatter stream waiting on
+    # its chunk's copy (False) held the engine's stream behind it in a full-graph forward, whose
+    # replay began only once the whole load had landed (docs/transfer.md, Options,
+    # `load_coupled`; docs/e2e.md, "Fifth round").
+    load_coupled: bool = True
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)

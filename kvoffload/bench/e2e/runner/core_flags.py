@@ -14,7 +14,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "ramp": {"first_slice_bytes": 64 << 10},
     "prio": {"copy_priority": -5},
     "whole": {"max_layer_slices": 1},
-    "coupled": {"load_coupled": True},  # a load's copy and scatter on one DMA stream
+    "coupled": {"load_coupled": True},  # a load's copy and scatter on one DMA stream (default)
+    "split": {"load_coupled": False},  # a load's scatter on its own streams (before 2026-11-26)
     "most": {"plan_link_GBps": 0.0},  # the most slices the byte rules allow (before 2026-11-25)
 }
 # parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest
