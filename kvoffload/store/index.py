@@ -227,14 +227,10 @@ class BlockIndex:
         """``slots``: the int64 slots ``prepare_store`` gave these keys, same order (a job's own
         record): the index then finds none of the keys again (~0.03 µs a block less); a slot
         not WRITING is refused by the keys, as without them."""
-        if slots is not None and type(keys) in _SIZED and len(slots) == len(keys):  # type: ignore[arg-type]
-            try:
-                n = self._ix.complete_store_slots(slots, success)
-            except self._refused:
-                pass  # nothing changed: the keys' own call says what is wrong
-            else:
-                self._stored(n, success)
-                return
+        n = self._by_slots(keys, slots, self._ix.complete_store_slots, success)
+        if n is not None:
+            self._stored(n, success)
+            return
         keys = _sequence(keys)
         try:
             n = self._ix.complete_store(keys, success)
@@ -296,16 +292,27 @@ class BlockIndex:
         """Drop one reader of each key (a key may repeat; by ``slots`` where given: their slots);
         ValueError, changing nothing, if a key has fewer readers than asked. Returns the number
         of keys."""
-        if slots is not None and type(keys) in _SIZED and len(slots) == len(keys):  # type: ignore[arg-type]
-            try:
-                return int(self._ix.release_slots(slots))
-            except self._refused:
-                pass  # nothing changed: the keys' own call says what is wrong
+        n = self._by_slots(keys, slots, self._ix.release_slots)
+        if n is not None:
+            return n
         keys = _sequence(keys)
         try:
             return int(self._ix.release(keys))
         except self._refused as refusal:
             raise self._refusal(expected, keys, refusal) from None
+
+    def _by_slots(
+        self, keys: object, slots: np.ndarray | None, call: Callable[..., int], *args: object
+    ) -> int | None:
+        """``call(slots, *args)`` (the native index by a job's own slots) where ``slots`` match
+        ``keys`` one for one; None where they are not given or the index refused them (nothing
+        changed: the caller's call by keys then says what is wrong)."""
+        if slots is None or type(keys) not in _SIZED or len(slots) != len(keys):  # type: ignore[arg-type]
+            return None
+        try:
+            return int(call(slots, *args))
+        except self._refused:
+            return None
 
     def touch(self, keys: Iterable[BlockKey] | np.ndarray) -> None:
         self._ix.touch(_sequence(keys))
