@@ -18,6 +18,11 @@ event on the engine's stream are done (host-observed, polling ``query``):
 - ``event``: ``n`` streams wait (``cuStreamWaitEvent``) on an event recorded after that spin.
 
 The engine runs on torch's default (legacy) stream and on a non-blocking stream of its own.
+
+``per_stream`` rows then take ``PER_STREAM`` more streams one at a time, in creation order, as
+the only waiter (``host_flag``) or the only busy neighbour (``busy``): the streams that hold the
+engine are those sharing its hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default), and
+a busy one on the same queue shows whether a running kernel holds it as a pending wait does.
 Every kernel is run once before any wait is pending: a kernel's first launch loads its module
 lazily, which waits for the device to go idle and would hang behind a pending wait.
 
@@ -40,6 +45,7 @@ HOLD_MS = 20.0
 CASES = ("none", "busy", "host_flag", "dev_flag", "event")
 WAITERS = (1, 8)
 REPS = 5
+PER_STREAM = 16
 
 
 def _check(result: tuple[Any, ...]) -> Any:
@@ -138,6 +144,41 @@ def main() -> int:
                     f"after {row['engine_done_ms_median']:.3f} ms (median of {REPS}; hold "
                     f"{HOLD_MS} ms)"
                 )
+    extra = [new_stream() for _ in range(PER_STREAM)]
+    per_stream = []
+    for engine_kind in ("default", "own_stream"):
+        engine = torch.cuda.default_stream() if engine_kind == "default" else new_stream()
+        for case in ("host_flag", "busy"):
+            held = []
+            for s in extra:
+                done_ms = []
+                for _ in range(3):
+                    seq += 1
+                    if case == "busy":
+                        with torch.cuda.stream(s):
+                            sleep(hold_cycles)
+                    else:
+                        _check(cu.cuStreamWaitValue32(s.cuda_stream, host_dptr, seq, geq))
+                        with torch.cuda.stream(s):
+                            x.add_(0)
+                    t0 = time.perf_counter()
+                    with torch.cuda.stream(engine):
+                        x.mul_(1)
+                        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                        ev.record()
+                    done = None
+                    while time.perf_counter() - t0 < 2 * HOLD_MS / 1e3:
+                        if ev.query():  # type: ignore[no-untyped-call]
+                            done = (time.perf_counter() - t0) * 1e3
+                            break
+                        if time.perf_counter() - t0 >= HOLD_MS / 1e3:
+                            host_word.value = seq
+                    host_word.value = seq
+                    torch.cuda.synchronize()
+                    done_ms.append(done if done is not None else (time.perf_counter() - t0) * 1e3)
+                held.append(round(statistics.median(done_ms), 3))
+            per_stream.append({"engine": engine_kind, "case": case, "engine_done_ms": held})
+            print(f"per stream: engine {engine_kind:10s} {case:9s} done ms by stream: {held}")
     out = {
         "benchmark": "wait_alias_probe",
         "device": torch.cuda.get_device_name(),
@@ -145,6 +186,7 @@ def main() -> int:
         "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
         "hold_ms": HOLD_MS,
         "results": results,
+        "per_stream": per_stream,
     }
     with open(sys.argv[1], "w") as f:
         json.dump(out, f, indent=1)
