@@ -6,10 +6,17 @@ import numpy as np
 import pytest
 
 from kvoffload.store.arena import HostArena
+from kvoffload.transfer.backend import LayerGate, Pending
 from kvoffload.transfer.calibration import CalibrationTable, Measurement
 from kvoffload.transfer.host import HostBackend
 from kvoffload.transfer.layout import KVLayout
-from kvoffload.transfer.planner import DMA_PIECE_BYTES, PlannedBackend, Planner, transfer_shape
+from kvoffload.transfer.planner import (
+    DMA_PIECE_BYTES,
+    PlannedBackend,
+    Planner,
+    RoutedGate,
+    transfer_shape,
+)
 from kvoffload.transfer.spec import TransferSpec
 
 
@@ -139,6 +146,93 @@ def test_planned_backend_sees_a_transfer_of_the_other_direction_in_flight():
         assert planned.choose(load) == "dma"
         store.finished = True
         assert planned.choose(load) == "staged"
+    finally:
+        planned.close()
+        arena.close()
+
+
+class HeldPending(Pending):
+    """A transfer that lands only once released; ``wait_on`` records the stream it ordered."""
+
+    def __init__(self, log: list) -> None:
+        self.finished = False
+        self.log = log
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.finished
+
+    def error(self) -> BaseException | None:
+        return None
+
+    def wait_on(self, stream: object = None, layer: int | None = None) -> None:
+        self.log.append(("whole", self, stream))
+
+
+class GateLog(LayerGate):
+    def __init__(self, layers: int, log: list) -> None:
+        super().__init__(layers)
+        self.log = log
+
+    def wait(self, stream: object, layer: int) -> None:
+        self.log.append(("wait", layer, stream))
+
+    def open(self, stream: object, pendings) -> None:
+        self.log.append(("open", list(pendings), stream))
+
+
+class HeldBackend(HostBackend):
+    """Moves nothing: each submit is a ``HeldPending``; its gate logs what it is asked."""
+
+    def __init__(self, layout, arena, log: list) -> None:
+        super().__init__(layout, arena)
+        self.log = log
+
+    def submit(self, specs, **options):
+        return HeldPending(self.log)
+
+    def layer_gate(self, layers: int) -> LayerGate:
+        return GateLog(layers, self.log)
+
+
+def test_the_auto_gate_opens_the_native_engines_loads_layer_by_layer_and_others_whole():
+    _, kv, arena = cpu_engine()
+    log: list = []
+    routes = table(("staged", "load", 4096, 3, 9.0), ("dma", "load", 4096, 6, 9.0))
+    planned = PlannedBackend(kv, arena, Planner(routes), lambda n, lay, a: HeldBackend(lay, a, log))
+    try:
+        gate = planned.layer_gate(4)
+        assert isinstance(gate, RoutedGate) and gate.layers == 4
+        assert set(planned.backends) == {"staged"}  # the gate's backend, built for it
+        gate.wait("s", 2)
+        assert log == [("wait", 2, "s")]
+        staged = planned.submit([TransferSpec.of("load", [1], [0])])  # 3 pieces: staged
+        dma = planned.submit([TransferSpec.of("load", [2, 3], [1, 2])])  # 6 pieces: dma
+        done = planned.submit([TransferSpec.of("load", [4], [3])])
+        done.finished = True  # type: ignore[attr-defined]
+        assert planned.owner(staged) == "staged" and planned.owner(dma) == "dma"
+        log.clear()
+        gate.open("s", [staged, dma, done])
+        # the other backend's load whole first, then the gate opened for the engine's own
+        assert log == [("whole", dma, "s"), ("open", [staged], "s")]
+        with pytest.raises(ValueError, match="expected transfers"):
+            gate.open("s", [staged, "job"])
+        assert len(log) == 2  # refused whole: nothing waited, nothing opened
+    finally:
+        planned.close()
+        arena.close()
+
+
+def test_the_auto_gate_without_the_native_engine_is_the_plain_one():
+    _, kv, arena = cpu_engine()
+    planned = PlannedBackend(
+        kv, arena, Planner(None, candidates=("dma",)), lambda n, lay, a: HostBackend(lay, a)
+    )
+    try:
+        gate = planned.layer_gate(2)
+        assert type(gate) is LayerGate and planned.backends == {}
     finally:
         planned.close()
         arena.close()

@@ -16,17 +16,22 @@ near the link on every layout measured with little SM time, except for pieces of
 link directly, so a gather would only add work (see docs/transfer.md for the measurements).
 
 ``PlannedBackend`` is the ``auto`` backend on a CUDA layout: it routes each ``submit`` to the
-backend the planner picks, building each backend on first use.
+backend the planner picks, building each backend on first use. Its layer gate (a forward captured
+whole in a CUDA graph) is the native engine's, so a load the engine moved opens layer by layer; a
+load another backend moved opens it once landed whole. Until 2026-11-26 ``auto`` gave the plain
+gate, so every full-graph replay waited for its whole load (``bench e2e --graph full``, Qwen2.5-7B
+docs on an H200: 4.3-4.5 ms of a 4.7 ms load, docs/e2e.md "Sixth round").
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.backend import CopyBackend, Pending
+from kvoffload.transfer.backend import CopyBackend, LayerGate, Pending
 from kvoffload.transfer.calibration import CalibrationTable
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
@@ -114,6 +119,8 @@ class PlannedBackend(CopyBackend):
         self._make = make
         self.backends: dict[str, CopyBackend] = {}
         self._last: dict[str, Pending] = {}  # per direction, the latest transfer submitted
+        # which backend moves each transfer still referenced (a layer gate routes by it)
+        self._owner: weakref.WeakKeyDictionary[Pending, str] = weakref.WeakKeyDictionary()
 
     def choose(self, specs: Sequence[TransferSpec]) -> str:
         if not specs:
@@ -136,21 +143,66 @@ class PlannedBackend(CopyBackend):
 
     def _route(self, specs: list[TransferSpec], checked: bool, options: dict[str, Any]) -> Pending:
         name = self.choose(specs)
-        if name not in self.backends:
-            self.backends[name] = self._make(name, self.layout, self.arena)
-        backend = self.backends[name]
+        backend = self._backend(name)
         if checked:
             pending = backend.submit_checked(specs, **options)
         else:
             pending = backend.submit(specs, **options)
+        self._owner[pending] = name
         if specs:
             self._last[specs[0].direction] = pending
         return pending
+
+    def _backend(self, name: str) -> CopyBackend:
+        if name not in self.backends:
+            self.backends[name] = self._make(name, self.layout, self.arena)
+        return self.backends[name]
+
+    def owner(self, pending: Pending) -> str | None:
+        """The name of the backend that moves ``pending`` (None: not submitted here)."""
+        return self._owner.get(pending)
+
+    def layer_gate(self, layers: int) -> LayerGate:
+        """``DEFAULT_METHOD``'s gate (the native engine's flag words: its loads open each layer
+        as it lands) when that method is a candidate, routed by ``RoutedGate``; else the plain
+        gate (each load waited for whole)."""
+        if DEFAULT_METHOD not in self.planner.candidates:
+            return super().layer_gate(layers)
+        return RoutedGate(self, self._backend(DEFAULT_METHOD).layer_gate(layers))
 
     def close(self) -> None:
         for backend in self.backends.values():
             backend.close()
         self.backends.clear()
+
+
+class RoutedGate(LayerGate):
+    """``PlannedBackend.layer_gate``: the waits are ``inner``'s (``DEFAULT_METHOD``'s gate).
+    ``open`` hands ``inner`` the transfers that backend moves (each layer opens as it lands); a
+    transfer another backend moves is waited for whole on ``stream`` first, so the gate opens
+    after it too; a finished one needs nothing."""
+
+    def __init__(self, planned: PlannedBackend, inner: LayerGate) -> None:
+        super().__init__(inner.layers)
+        self._planned = planned
+        self.inner = inner
+
+    def wait(self, stream: object, layer: int) -> None:
+        self.inner.wait(stream, layer)
+
+    def open(self, stream: object, pendings: Sequence[Pending]) -> None:
+        for p in pendings:
+            if not isinstance(p, Pending):
+                raise ValueError(f"expected transfers (Pending), got {type(p).__name__}")
+        own: list[Pending] = []
+        other: list[Pending] = []
+        for p in pendings:
+            if p.done():
+                continue
+            (own if self._planned.owner(p) == DEFAULT_METHOD else other).append(p)
+        for p in other:  # before inner's open: the gate's opening is ordered after these waits
+            p.wait_on(stream)
+        self.inner.open(stream, own)
 
 
 def make_planned(

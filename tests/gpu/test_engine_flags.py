@@ -19,10 +19,12 @@ import pytest
 import torch
 
 from kvoffload.store.arena import HostArena
-from kvoffload.transfer.cuda.staged import NativeStagedBackend
+from kvoffload.transfer.cuda.staged import NativeGate, NativeStagedBackend
 from kvoffload.transfer.cuda.staged_config import StagedConfig
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.pinning import cuda_pin
+from kvoffload.transfer.planner import RoutedGate
+from kvoffload.transfer.registry import make_backend
 from kvoffload.transfer.shapes import LAYOUTS, MODELS, engine_tensors
 from kvoffload.transfer.spec import TransferSpec
 
@@ -117,15 +119,24 @@ def test_layer_waits_are_enqueued_before_the_copy_starts_and_order_each_layer(en
         backend.close()
 
 
-def test_a_gate_inside_a_captured_graph_orders_each_layer_every_step(engine):
+@pytest.mark.parametrize("kind", ["native", "auto"])
+def test_a_gate_inside_a_captured_graph_orders_each_layer_every_step(engine, kind):
     """The per-layer waits are captured once in a CUDA graph (fixed addresses); each step opens
-    the gate for that step's load (or none) and replays: bytes exact, no hang, three times."""
+    the gate for that step's load (or none) and replays: bytes exact, no hang, three times.
+    ``auto`` (the planner): its gate is the native engine's, so the native engine's loads open
+    layer by layer (until 2026-11-26 it was the plain gate: every replay waited for the whole
+    load); a load the planner gave another backend is waited for whole."""
     tensors, block_dim, kv, arena = engine
     group = kv.groups[0]
     layers = group.num_layers
-    backend = NativeStagedBackend(kv, arena, config=fine(kv))
+    if kind == "native":
+        backend = NativeStagedBackend(kv, arena, config=fine(kv))
+    else:
+        backend = make_backend("auto", kv, arena)
     try:
         gate = backend.layer_gate(layers)
+        if kind == "auto":
+            assert isinstance(gate, RoutedGate) and isinstance(gate.inner, NativeGate)
         dest = [7, 2, 9]
         index = torch.tensor(dest, device="cuda")
         outs = [tensors[i].index_select(block_dim, index) for i in range(layers)]
@@ -160,7 +171,7 @@ LAZY = textwrap.dedent(
     """
     import numpy as np, torch
     from kvoffload.store.arena import HostArena
-    from kvoffload.transfer.cuda.staged import NativeStagedBackend
+    from kvoffload.transfer.cuda.staged import NativeGate, NativeStagedBackend
     from kvoffload.transfer.layout import KVLayout
     from kvoffload.transfer.pinning import cuda_pin
     from kvoffload.transfer.shapes import MODELS, engine_tensors
