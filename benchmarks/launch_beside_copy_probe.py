@@ -1,0 +1,202 @@
+"""What slows an engine's host launch loop while a restore's copy runs beside it? (issue 25)
+
+``bench e2e`` (eager and piecewise graphs) shows the restored request's host launch phase 6-25%
+longer than ``gpu_all``'s, while kvoffload's own calls inside it (the per-layer waits) are ~0.1 ms.
+This probe times a launch-bound loop (``KERNELS`` tiny kernels on the engine's stream, host time
+from the first launch to the last) alone and beside one copy of ``MIB`` MiB started just before it,
+made in turn by:
+
+- ``htod_torch``: torch's ``copy_`` from pinned host memory on a side stream (one driver call,
+  no thread of ours, no kvoffload);
+- ``dtoh_torch``: the same the other way;
+- ``dtod_torch``: device to device (no PCIe, no host memory);
+- ``host_memcpy``: no GPU copy; numpy copies ``MIB`` MiB between two host buffers in a thread
+  (the host memory traffic of a copy without the GPU, the GIL released);
+- ``kvoffload_load``: kvoffload's load of the same bytes through the public API (``staged``,
+  schedule + submit before the loop, its per-layer waits left out);
+- ``kvoffload_dma``: the same through backend ``dma`` (copy engines only, no kernels of ours);
+- ``sleep_only``: a one-block spin kernel on a side stream for longer than the loop;
+- ``kvoffload_held``: ``kvoffload_load`` ordered after that spin, so it is in flight (our
+  threads watching it) through the whole loop, but no byte moves and no kernel of ours runs.
+
+The loop is run ``REPS`` times per case, alternating with the loop alone; reported: the median
+host launch time of each and their ratio.
+
+    python benchmarks/launch_beside_copy_probe.py OUT.json   # CUDA only
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvoffload import KVLayout, OffloadConfig, build_local
+from kvoffload.transfer.shapes import MODELS, engine_tensors
+
+KERNELS = 2000
+MIB = 512
+REPS = 9
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("launch_beside_copy_probe.py: expected a CUDA device, got none")
+    out_path = sys.argv[1]
+    nbytes = MIB << 20
+    x = torch.zeros(256, device="cuda")
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_a = np.ones(nbytes, dtype=np.uint8)
+    host_b = np.empty(nbytes, dtype=np.uint8)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+    blocks = nbytes // (2 << 20)  # Llama-3-8B pages: 2 MiB per block
+    pool = 2 * blocks
+    gen = torch.Generator().manual_seed(0)
+    tensors, block_dim = engine_tensors(
+        MODELS["llama3-8b"],
+        "page",
+        pool,
+        16,
+        lambda s: torch.randint(-100, 100, s, dtype=torch.int16, generator=gen).to("cuda"),
+    )
+    kv = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
+    keys = np.random.default_rng(1).integers(0, 256, (blocks, 16), dtype=np.uint8)
+    locals_ = {}
+    for backend in ("staged", "dma"):
+        local = build_local(kv, OffloadConfig(host_capacity_blocks=blocks, backend=backend))
+        job = local.offloader.schedule_store("store", keys, np.arange(blocks))
+        assert job is not None
+        local.worker.submit(job)
+        local.worker.wait([job.job_id], 60)
+        local.offloader.complete(local.worker.get_finished())
+        locals_[backend] = local
+    dst = np.arange(blocks, pool)
+    step = [0]
+    sleep: Any = torch.cuda._sleep
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    sleep(10_000_000)
+    torch.cuda.synchronize()
+    spin = int(10_000_000 * 0.03 / (time.perf_counter() - t0))  # ~30 ms: longer than the loop
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(KERNELS):
+            x.add_(1)
+        return (time.perf_counter() - t0) * 1e3
+
+    def htod() -> Callable[[], None]:
+        with torch.cuda.stream(side):
+            dev_a.copy_(pinned, non_blocking=True)
+        return lambda: None
+
+    def dtoh() -> Callable[[], None]:
+        with torch.cuda.stream(side):
+            pinned.copy_(dev_a, non_blocking=True)
+        return lambda: None
+
+    def dtod() -> Callable[[], None]:
+        with torch.cuda.stream(side):
+            dev_b.copy_(dev_a, non_blocking=True)
+        return lambda: None
+
+    def host_memcpy() -> Callable[[], None]:
+        t = threading.Thread(target=np.copyto, args=(host_b, host_a))
+        t.start()
+        return t.join
+
+    def kvo_load(backend: str = "staged", held: bool = False) -> Callable[[], None]:
+        step[0] += 1
+        off, worker = locals_[backend].offloader, locals_[backend].worker
+        job = off.schedule_load(f"l{step[0]}", keys, dst)
+        assert job is not None
+        if held:  # ordered after the spin: the submit orders the load after the current stream
+            with torch.cuda.stream(side):
+                sleep(spin)
+                worker.submit(job)
+        else:
+            worker.submit(job)
+
+        def end() -> None:
+            worker.wait([job.job_id], 60)
+            results = worker.get_finished()
+            off.complete(results)
+            if not all(r.ok for r in results):
+                raise RuntimeError(f"load failed: {results}")
+
+        return end
+
+    def sleep_only() -> Callable[[], None]:
+        with torch.cuda.stream(side):
+            sleep(spin)
+        return lambda: None
+
+    cases: dict[str, Callable[[], Callable[[], None]]] = {
+        "htod_torch": htod,
+        "dtoh_torch": dtoh,
+        "dtod_torch": dtod,
+        "host_memcpy": host_memcpy,
+        "kvoffload_load": kvo_load,
+        "kvoffload_dma": lambda: kvo_load("dma"),
+        "sleep_only": sleep_only,
+        "kvoffload_held": lambda: kvo_load(held=True),
+    }
+    for make in cases.values():  # every kernel and path once
+        make()()
+    loop()
+    torch.cuda.synchronize()
+    rows: list[dict[str, Any]] = []
+    for name, make in cases.items():
+        alone, beside, copy_ms = [], [], []
+        for _ in range(REPS):
+            torch.cuda.synchronize()
+            alone.append(loop())
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            end = make()
+            beside.append(loop())
+            end()
+            torch.cuda.synchronize()
+            copy_ms.append((time.perf_counter() - t0) * 1e3)
+        row = {
+            "case": name,
+            "alone_ms": statistics.median(alone),
+            "beside_ms": statistics.median(beside),
+            "ratio": statistics.median(beside) / statistics.median(alone),
+            "copy_and_loop_ms": statistics.median(copy_ms),
+        }
+        rows.append(row)
+        print(
+            f"{name:15} loop alone {row['alone_ms']:7.3f} ms  beside {row['beside_ms']:7.3f} ms"
+            f"  x{row['ratio']:.3f}  (copy + loop {row['copy_and_loop_ms']:.2f} ms)"
+        )
+    for local in locals_.values():
+        local.close()
+    with open(out_path, "w") as f:
+        json.dump(
+            {
+                "benchmark": "launch_beside_copy_probe",
+                "device": torch.cuda.get_device_name(),
+                "date": time.strftime("%Y-%m-%d"),
+                "kernels": KERNELS,
+                "mib": MIB,
+                "results": rows,
+            },
+            f,
+            indent=1,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
