@@ -19,8 +19,10 @@ made in turn by:
 - ``kvoffload_held``: ``kvoffload_load`` ordered after that spin, so it is in flight (our
   threads watching it) through the whole loop, but no byte moves and no kernel of ours runs.
 
-The loop is run ``REPS`` times per case, alternating with the loop alone; reported: the median
-host launch time of each and their ratio.
+Each case runs beside two loops: ``eager`` (the kernels launched one by one) and ``graph``
+(``REPLAYS`` replays of a CUDA graph of ``GRAPH_KERNELS`` of them, as a piecewise engine launches
+its layers' dense parts). The loop is run ``REPS`` times per case, alternating with the loop
+alone; reported: the median host launch time of each and their ratio.
 
     python benchmarks/launch_beside_copy_probe.py OUT.json   # CUDA only
 """
@@ -42,6 +44,8 @@ from kvoffload import KVLayout, OffloadConfig, build_local
 from kvoffload.transfer.shapes import MODELS, engine_tensors
 
 KERNELS = 2000
+GRAPH_KERNELS = 10
+REPLAYS = 400
 MIB = 512
 REPS = 9
 
@@ -89,11 +93,24 @@ def main() -> int:
     torch.cuda.synchronize()
     spin = int(10_000_000 * 0.03 / (time.perf_counter() - t0))  # ~30 ms: longer than the loop
 
-    def loop() -> float:
+    def eager_loop() -> float:
         t0 = time.perf_counter()
         for _ in range(KERNELS):
             x.add_(1)
         return (time.perf_counter() - t0) * 1e3
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_KERNELS):
+            x.add_(1)
+
+    def graph_loop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(REPLAYS):
+            graph.replay()
+        return (time.perf_counter() - t0) * 1e3
+
+    loops = {"eager": eager_loop, "graph": graph_loop}
 
     def htod() -> Callable[[], None]:
         with torch.cuda.stream(side):
@@ -153,33 +170,37 @@ def main() -> int:
     }
     for make in cases.values():  # every kernel and path once
         make()()
-    loop()
+    for loop in loops.values():
+        loop()
     torch.cuda.synchronize()
     rows: list[dict[str, Any]] = []
-    for name, make in cases.items():
-        alone, beside, copy_ms = [], [], []
-        for _ in range(REPS):
-            torch.cuda.synchronize()
-            alone.append(loop())
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            end = make()
-            beside.append(loop())
-            end()
-            torch.cuda.synchronize()
-            copy_ms.append((time.perf_counter() - t0) * 1e3)
-        row = {
-            "case": name,
-            "alone_ms": statistics.median(alone),
-            "beside_ms": statistics.median(beside),
-            "ratio": statistics.median(beside) / statistics.median(alone),
-            "copy_and_loop_ms": statistics.median(copy_ms),
-        }
-        rows.append(row)
-        print(
-            f"{name:15} loop alone {row['alone_ms']:7.3f} ms  beside {row['beside_ms']:7.3f} ms"
-            f"  x{row['ratio']:.3f}  (copy + loop {row['copy_and_loop_ms']:.2f} ms)"
-        )
+    for loop_name, loop in loops.items():
+        for name, make in cases.items():
+            alone, beside, copy_ms = [], [], []
+            for _ in range(REPS):
+                torch.cuda.synchronize()
+                alone.append(loop())
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                end = make()
+                beside.append(loop())
+                end()
+                torch.cuda.synchronize()
+                copy_ms.append((time.perf_counter() - t0) * 1e3)
+            row = {
+                "loop": loop_name,
+                "case": name,
+                "alone_ms": statistics.median(alone),
+                "beside_ms": statistics.median(beside),
+                "ratio": statistics.median(beside) / statistics.median(alone),
+                "copy_and_loop_ms": statistics.median(copy_ms),
+            }
+            rows.append(row)
+            print(
+                f"{loop_name:5} {name:15} loop alone {row['alone_ms']:7.3f} ms  beside "
+                f"{row['beside_ms']:7.3f} ms  x{row['ratio']:.3f}  (copy + loop "
+                f"{row['copy_and_loop_ms']:.2f} ms)"
+            )
     for local in locals_.values():
         local.close()
     with open(out_path, "w") as f:
@@ -189,6 +210,8 @@ def main() -> int:
                 "device": torch.cuda.get_device_name(),
                 "date": time.strftime("%Y-%m-%d"),
                 "kernels": KERNELS,
+                "graph_kernels": GRAPH_KERNELS,
+                "replays": REPLAYS,
                 "mib": MIB,
                 "results": rows,
             },

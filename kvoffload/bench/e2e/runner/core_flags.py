@@ -18,8 +18,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "split": {"load_coupled": False},  # a load's scatter on its own streams (before 2026-11-26)
     "most": {"plan_link_GBps": 0.0},  # the most slices the byte rules allow (before 2026-11-25)
 }
-# parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest
-NUMBERED = {"lp": "load_programs", "p": "programs"}
+# parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest,
+# ``msN`` cuts a load into at most N layer slices
+NUMBERED = {"lp": "load_programs", "ms": "max_layer_slices", "p": "programs"}
 
 
 def settings_of(flag: str) -> dict[str, Any] | None:
@@ -38,7 +39,7 @@ def configured(backend: str, flags: list[str]) -> str:
     bad = [f for f in flags if settings_of(f) is None]
     if bad:
         raise ValueError(
-            f"expected engine flags from {sorted(SETTINGS)} or lpN / pN, got {bad} in "
+            f"expected engine flags from {sorted(SETTINGS)} or lpN / msN / pN, got {bad} in "
             f"{'-'.join([backend, *flags])!r}"
         )
     if backend != "staged":
