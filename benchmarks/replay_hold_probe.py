@@ -16,7 +16,11 @@ non-blocking stream of its own; its work eager or one graph; ``gate`` none, ``op
 opened for the load, no waits captured) or ``waits`` (waits captured, the gate opened for the
 load). Bytes are checked after each case (the loaded blocks equal the stored ones).
 
-    python benchmarks/replay_hold_probe.py OUT.json [BLOCKS]   # CUDA only
+    python benchmarks/replay_hold_probe.py OUT.json [BLOCKS] [--quick] [--backend staged-lp64]
+
+``--quick``: the engine on the default stream, one graph, no gate (load or not): the model's
+work beside a load, for a sweep of the core's settings (``--backend staged-FLAG-...``, the flags
+of ``bench e2e --backend``: ``lpN`` scatter programs, ``wN`` warps, ``prio``, ...).
 """
 
 from __future__ import annotations
@@ -41,8 +45,18 @@ REPS = 8
 def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("replay_hold_probe.py: expected a CUDA device, got none")
-    out_path = sys.argv[1]
-    blocks = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    quick = "--quick" in sys.argv
+    backend = "staged"
+    if "--backend" in sys.argv:
+        backend = sys.argv[sys.argv.index("--backend") + 1]
+        args.remove(backend)
+    if backend.startswith("staged-"):
+        from kvoffload.bench.e2e.runner.core_flags import configured
+
+        backend = configured("staged", backend.split("-")[1:])
+    out_path = args[0]
+    blocks = int(args[1]) if len(args) > 1 else 128
     pool = 2 * blocks + 8
     gen = torch.Generator().manual_seed(0)
     tensors, block_dim = engine_tensors(
@@ -53,7 +67,7 @@ def main() -> int:
         lambda s: torch.randint(-100, 100, s, dtype=torch.int16, generator=gen).to("cuda"),
     )
     kv = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
-    local = build_local(kv, OffloadConfig(host_capacity_blocks=2 * blocks, backend="staged"))
+    local = build_local(kv, OffloadConfig(host_capacity_blocks=2 * blocks, backend=backend))
     off, worker = local.offloader, local.worker
     keys = np.random.default_rng(1).integers(0, 256, (blocks, 16), dtype=np.uint8)
     src = np.arange(blocks, dtype=np.int64)
@@ -77,7 +91,7 @@ def main() -> int:
 
     results: list[dict[str, Any]] = []
     step = 0
-    for engine_kind in ("default", "own"):
+    for engine_kind in ("default",) if quick else ("default", "own"):
         engine = (
             torch.cuda.default_stream() if engine_kind == "default" else torch.cuda.Stream()  # type: ignore[no-untyped-call]
         )
@@ -93,8 +107,8 @@ def main() -> int:
                     work(with_waits, side)
                 graphs[with_waits] = g
             torch.cuda.synchronize()
-            for kind in ("eager", "graph"):
-                for gate_mode in ("none", "open", "waits"):
+            for kind in ("graph",) if quick else ("eager", "graph"):
+                for gate_mode in ("none",) if quick else ("none", "open", "waits"):
                     if kind == "eager" and gate_mode == "waits":
                         continue
                     for loaded in (False, True):
@@ -149,7 +163,8 @@ def main() -> int:
                         }
                         results.append(row)
                         print(
-                            f"engine {engine_kind:7} {kind:5} gate {gate_mode:5} load {loaded!s:5}"
+                            f"{backend:16} engine {engine_kind:7} {kind:5} gate {gate_mode:5} "
+                            f"load {loaded!s:5}"
                             f" held {row['held_ms']:7.3f} ms  work {row['work_ms']:7.3f} ms"
                             + (f"  load {row['load_ms']:7.3f} ms" if loads else "")
                         )
@@ -161,6 +176,7 @@ def main() -> int:
                 "device": torch.cuda.get_device_name(),
                 "date": time.strftime("%Y-%m-%d"),
                 "model": MODEL,
+                "backend": backend,
                 "layout": LAYOUT,
                 "blocks": blocks,
                 "block_bytes": kv.slot_bytes,

@@ -19,8 +19,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "most": {"plan_link_GBps": 0.0},  # the most slices the byte rules allow (before 2026-11-25)
 }
 # parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest,
-# ``msN`` cuts a load into at most N layer slices
-NUMBERED = {"lp": "load_programs", "ms": "max_layer_slices", "p": "programs"}
+# ``msN`` cuts a load into at most N layer slices, ``wN`` runs the kernels with N warps
+NUMBERED = {"lp": "load_programs", "ms": "max_layer_slices", "p": "programs", "w": "num_warps"}
 
 
 def settings_of(flag: str) -> dict[str, Any] | None:
@@ -39,7 +39,7 @@ def configured(backend: str, flags: list[str]) -> str:
     bad = [f for f in flags if settings_of(f) is None]
     if bad:
         raise ValueError(
-            f"expected engine flags from {sorted(SETTINGS)} or lpN / msN / pN, got {bad} in "
+            f"expected engine flags from {sorted(SETTINGS)} or lpN / msN / pN / wN, got {bad} in "
             f"{'-'.join([backend, *flags])!r}"
         )
     if backend != "staged":
