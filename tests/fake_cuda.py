@@ -35,6 +35,9 @@ from kvoffload.transfer.layout import KVLayout
 _ids = itertools.count(16)
 
 
+FAKE_SMS = 6  # the fake device's multiprocessors
+
+
 class FakeStream:
     def __init__(self, device: Any = None, priority: int = 0) -> None:
         self.cuda_stream = next(_ids)
@@ -297,7 +300,7 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         slot_ids = list(range(n_blocks)) if identity else int64s(slots + 8 * first, n_blocks)
         copy_pieces(table, ids, slot_ids, host_base, slot_stride, to_host)
         calls.launches += 1
-        calls.log.append(("launch", stream, n_blocks))
+        calls.log.append(("launch", stream, n_blocks, gx))  # gx: the programs
         return 0
 
     def batch(dsts, srcs, sizes, count, attrs, attr_index, n_attrs, fail, stream):
@@ -516,6 +519,9 @@ def faked(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    # a small device: load_programs 0 (one scatter program per SM) launches FAKE_SMS programs
+    props = types.SimpleNamespace(multi_processor_count=FAKE_SMS)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     real_empty, real_to = torch.empty, torch.Tensor.to
 
     def empty(*shape: Any, device: Any = None, pin_memory: bool = False, **kw: Any) -> Any:

@@ -936,3 +936,42 @@ def test_a_stores_chunks_are_paced_one_at_a_time_with_two_dma_streams(
         pair.oracle.copy(store)
         pair.oracle.copy(load)
         pair.check()
+
+
+@needs_core
+@pytest.mark.parametrize("load_programs", [0, 3])
+def test_a_loads_scatter_runs_one_program_per_sm_unless_told(
+    fake_cuda: Calls, load_programs: int
+) -> None:
+    """load_programs 0 (the default): a load of whole pages (pieces > 16 KiB, one per program
+    step) scatters with one program per SM of the device; a number is kept as given. Stores
+    gather with ``programs``. Bytes as the oracle's either way."""
+    from tests.fake_cuda import FAKE_SMS
+
+    with engine_on("llama3-8b", "page", load_programs=load_programs, programs=5) as (
+        pair,
+        backend,
+    ):
+        slots = np.arange(4)
+        start = len(fake_cuda.log)
+        store = [TransferSpec.of("store", np.arange(4), slots)]
+        load = [TransferSpec.of("load", np.arange(4, 8), slots)]
+        assert backend.submit(store).wait(10)
+        stored = len(fake_cuda.log)
+        assert backend.submit(load).wait(10)
+        pair.oracle.copy(store)
+        pair.oracle.copy(load)
+        pair.check()
+        grids = {e[3] for e in fake_cuda.log[start:stored] if e[0] == "launch"}
+        assert grids == {5}
+        grids = {e[3] for e in fake_cuda.log[stored:] if e[0] == "launch"}
+        assert grids == {load_programs or FAKE_SMS}
+
+
+def test_load_programs_is_checked() -> None:
+    from kvoffload.transfer.cuda.staged_config import StagedConfig
+
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="load_programs"):
+            StagedConfig(load_programs=bad)  # type: ignore[arg-type]
+    assert StagedConfig().load_programs == 0 and StagedConfig(load_programs=7).load_programs == 7

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -154,7 +156,7 @@ def test_planned_backend_sees_a_transfer_of_the_other_direction_in_flight():
 class HeldPending(Pending):
     """A transfer that lands only once released; ``wait_on`` records the stream it ordered."""
 
-    def __init__(self, log: list) -> None:
+    def __init__(self, log: list[Any]) -> None:
         self.finished = False
         self.log = log
 
@@ -172,7 +174,7 @@ class HeldPending(Pending):
 
 
 class GateLog(LayerGate):
-    def __init__(self, layers: int, log: list) -> None:
+    def __init__(self, layers: int, log: list[Any]) -> None:
         super().__init__(layers)
         self.log = log
 
@@ -186,7 +188,7 @@ class GateLog(LayerGate):
 class HeldBackend(HostBackend):
     """Moves nothing: each submit is a ``HeldPending``; its gate logs what it is asked."""
 
-    def __init__(self, layout, arena, log: list) -> None:
+    def __init__(self, layout, arena, log: list[Any]) -> None:
         super().__init__(layout, arena)
         self.log = log
 
@@ -199,7 +201,7 @@ class HeldBackend(HostBackend):
 
 def test_the_auto_gate_opens_the_native_engines_loads_layer_by_layer_and_others_whole():
     _, kv, arena = cpu_engine()
-    log: list = []
+    log: list[Any] = []
     routes = table(("staged", "load", 4096, 3, 9.0), ("dma", "load", 4096, 6, 9.0))
     planned = PlannedBackend(kv, arena, Planner(routes), lambda n, lay, a: HeldBackend(lay, a, log))
     try:
@@ -218,7 +220,7 @@ def test_the_auto_gate_opens_the_native_engines_loads_layer_by_layer_and_others_
         # the other backend's load whole first, then the gate opened for the engine's own
         assert log == [("whole", dma, "s"), ("open", [staged], "s")]
         with pytest.raises(ValueError, match="expected transfers"):
-            gate.open("s", [staged, "job"])
+            gate.open("s", [staged, "job"])  # type: ignore[list-item]
         assert len(log) == 2  # refused whole: nothing waited, nothing opened
     finally:
         planned.close()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvoffload.store.arena import HostArena
+from kvoffload.transfer.backend import CopyBackend
 from kvoffload.transfer.cuda.staged import NativeGate, NativeStagedBackend
 from kvoffload.transfer.cuda.staged_config import StagedConfig
 from kvoffload.transfer.layout import KVLayout
@@ -129,6 +130,7 @@ def test_a_gate_inside_a_captured_graph_orders_each_layer_every_step(engine, kin
     tensors, block_dim, kv, arena = engine
     group = kv.groups[0]
     layers = group.num_layers
+    backend: CopyBackend
     if kind == "native":
         backend = NativeStagedBackend(kv, arena, config=fine(kv))
     else:

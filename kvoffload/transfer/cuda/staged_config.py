@@ -30,11 +30,14 @@ class StagedConfig:
     first_chunk_bytes: int = 4 << 20
     # Gather/scatter programs: enough to outrun the link on small pieces, few SMs taken.
     programs: int = 16
-    # Scatter programs for loads of pieces > 16 KiB. A CUDA graph of 100 bf16 4096^3 GEMMs ran
-    # +16% slower beside a 256-block load scattered by 4 programs, +26% by 1, +3% by 16 (a raw
-    # copy of the same bytes: +5%): a short scatter on more SMs delays the model's kernels less
-    # than a long one on few (H100, 2026-11-25; docs/transfer.md, "Scatter programs").
-    load_programs: int = 16
+    # Scatter programs for loads of pieces > 16 KiB; 0: one per SM of the device. A short
+    # scatter on many SMs delays the model's kernels less than a long one on few: on an H100 a
+    # CUDA graph of 100 bf16 4096^3 GEMMs ran +26% slower beside a 256-block load scattered by 1
+    # program, +16% by 4, +3% by 16 (2026-11-25); on an H200, 32 bf16 GEMMs beside a 512 MiB
+    # load lost 0.43-0.56 ms with 16 programs, 0.31-0.34 with 32-64, 0.16 with 132 (one per SM),
+    # and a full-graph restore's forward 1.21-1.27 -> 0.98-1.01 ms against gpu_all's (2026-11-26;
+    # docs/transfer.md, "Scatter programs").
+    load_programs: int = 0
     # Bytes each program moves per loop step (a tile of several small pieces; kernels.tile).
     chunk_bytes: int = 32768
     num_warps: int = 8
@@ -84,7 +87,6 @@ class StagedConfig:
             "staging_bytes",
             "depth",
             "first_chunk_bytes",
-            "load_programs",
             "dma_streams",
             "layer_slice_bytes",
             "max_layer_slices",
@@ -93,6 +95,15 @@ class StagedConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"StagedConfig: expected {name} > 0, got {value!r}")
+        if isinstance(self.load_programs, bool) or not isinstance(self.load_programs, int):
+            raise ValueError(
+                f"StagedConfig: expected load_programs as an int, got {self.load_programs!r}"
+            )
+        if self.load_programs < 0:
+            raise ValueError(
+                f"StagedConfig: expected load_programs >= 0 (0: one per SM), got "
+                f"{self.load_programs}"
+            )
         if not isinstance(self.native_inline_bytes, int) or self.native_inline_bytes < 0:
             raise ValueError(
                 f"StagedConfig: expected native_inline_bytes >= 0, got {self.native_inline_bytes!r}"

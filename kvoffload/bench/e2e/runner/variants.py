@@ -75,7 +75,8 @@ def parse_variant(name: str, backend: str) -> Variant:
     if base not in OFFLOADS or any(f != "poller" and settings_of(f) is None for f in flags):
         raise ValueError(
             f"expected a mode or one of {sorted(OFFLOADS)} with flags from "
-            f"{sorted([*SETTINGS, 'poller'])} or lpN / pN (scatter programs) / msN (load slices), got {name!r}"
+            f"{sorted([*SETTINGS, 'poller'])} or lpN / pN (scatter programs) / msN (load "
+            f"slices) / wN (warps), got {name!r}"
         )
     core_flags = [f for f in flags if f != "poller"]
     if core_flags:
