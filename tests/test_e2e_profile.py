@@ -60,6 +60,7 @@ def test_numbered_core_flags_and_refusals():
     assert settings_of("p32") == {"programs": 32}
     assert settings_of("ms8") == {"max_layer_slices": 8}
     assert settings_of("w16") == {"num_warps": 16}
+    assert settings_of("wide") == {"load_programs": 0}
     assert settings_of("whole") == {"max_layer_slices": 1}  # a flag, not w + "hole"
     assert settings_of("most") == {"plan_link_GBps": 0.0}  # a flag, not ms + "ost"
     assert settings_of("lp0") is None and settings_of("lpx") is None

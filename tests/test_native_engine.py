@@ -943,7 +943,7 @@ def test_a_stores_chunks_are_paced_one_at_a_time_with_two_dma_streams(
 def test_a_loads_scatter_runs_one_program_per_sm_unless_told(
     fake_cuda: Calls, load_programs: int
 ) -> None:
-    """load_programs 0 (the default): a load of whole pages (pieces > 16 KiB, one per program
+    """load_programs 0: a load of whole pages (pieces > 16 KiB, one per program
     step) scatters with one program per SM of the device; a number is kept as given. Stores
     gather with ``programs``. Bytes as the oracle's either way."""
     from tests.fake_cuda import FAKE_SMS
@@ -974,4 +974,4 @@ def test_load_programs_is_checked() -> None:
     for bad in (-1, True, 2.0):
         with pytest.raises(ValueError, match="load_programs"):
             StagedConfig(load_programs=bad)  # type: ignore[arg-type]
-    assert StagedConfig().load_programs == 0 and StagedConfig(load_programs=7).load_programs == 7
+    assert StagedConfig().load_programs == 16 and StagedConfig(load_programs=0).load_programs == 0

@@ -31,13 +31,16 @@ class StagedConfig:
     # Gather/scatter programs: enough to outrun the link on small pieces, few SMs taken.
     programs: int = 16
     # Scatter programs for loads of pieces > 16 KiB; 0: one per SM of the device. A short
-    # scatter on many SMs delays the model's kernels less than a long one on few: on an H100 a
-    # CUDA graph of 100 bf16 4096^3 GEMMs ran +26% slower beside a 256-block load scattered by 1
-    # program, +16% by 4, +3% by 16 (2026-11-25); on an H200, 32 bf16 GEMMs beside a 512 MiB
-    # load lost 0.43-0.56 ms with 16 programs, 0.31-0.34 with 32-64, 0.16 with 132 (one per SM),
-    # and a full-graph restore's forward 1.21-1.27 -> 0.98-1.01 ms against gpu_all's (2026-11-26;
-    # docs/transfer.md, "Scatter programs").
-    load_programs: int = 0
+    # scatter on many SMs delays a GPU-bound model's kernels less than a long one on few: on an
+    # H100 a CUDA graph of 100 bf16 4096^3 GEMMs ran +26% slower beside a 256-block load
+    # scattered by 1 program, +16% by 4, +3% by 16 (2026-11-25); on an H200, 32 bf16 GEMMs beside
+    # a 512 MiB load lost 0.43-0.56 ms with 16 programs, 0.31-0.34 with 32-64, 0.16 with 132 (one
+    # per SM), and a full-graph restore's forward 1.21-1.27 -> 0.98-1.01 ms against gpu_all's.
+    # But an eager step of tiny kernels beside another thread's 1-16-block loads every 2 ms ran
+    # +14.3% with 16 and +21.7% / +23.1% with one per SM (same H200, A/B/A, 2026-11-26): a
+    # scatter on every SM holds the engine's small kernels. 16 stays the default; 0 suits an
+    # engine whose forward is one graph of large kernels (docs/transfer.md, "Scatter programs").
+    load_programs: int = 16
     # Bytes each program moves per loop step (a tile of several small pieces; kernels.tile).
     chunk_bytes: int = 32768
     num_warps: int = 8

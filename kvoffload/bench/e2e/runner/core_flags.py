@@ -17,6 +17,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "coupled": {"load_coupled": True},  # a load's copy and scatter on one DMA stream (default)
     "split": {"load_coupled": False},  # a load's scatter on its own streams (before 2026-11-26)
     "most": {"plan_link_GBps": 0.0},  # the most slices the byte rules allow (before 2026-11-25)
+    "wide": {"load_programs": 0},  # a load's scatter on one program per SM
 }
 # parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest,
 # ``msN`` cuts a load into at most N layer slices, ``wN`` runs the kernels with N warps
