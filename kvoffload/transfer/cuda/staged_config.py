@@ -78,10 +78,10 @@ class StagedConfig:
     # True: a load's chunk is copied and scattered on one DMA stream (its staging area's), with
     # no event between them: fewer driver calls per chunk (its copies and one launch, against
     # four event calls more) and at most ``dma_streams`` chunks in the copy engine's queue.
-    # Needs ``depth`` a multiple of ``dma_streams``. On by default: a scatter stream waiting on
-    # its chunk's copy (False) held the engine's stream behind it in a full-graph forward, whose
-    # replay began only once the whole load had landed (docs/transfer.md, Options,
-    # `load_coupled`; docs/e2e.md, "Fifth round").
+    # Needs ``depth`` a multiple of ``dma_streams``. On by default: an engine uploading its
+    # inputs asynchronously waited 1.4 ms instead of 10 ms (H200, piecewise). The full-graph
+    # stall the fifth round gave to the split pipeline was the ``auto`` backend's plain layer
+    # gate (docs/e2e.md, "Sixth round").
     load_coupled: bool = True
 
     def __post_init__(self) -> None:
