@@ -24,12 +24,11 @@ Each case runs beside two loops: ``eager`` (the kernels launched one by one) and
 its layers' dense parts). The loop is run ``REPS`` times per case, alternating with the loop
 alone; reported: the median host launch time of each and their ratio.
 
-    python benchmarks/launch_beside_copy_probe.py OUT.json   # CUDA only
+    python -m benchmarks.launch_beside_copy_probe OUT.json   # CUDA only
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import threading
@@ -40,8 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvoffload import KVLayout, OffloadConfig, build_local
-from kvoffload.transfer.shapes import MODELS, engine_tensors
+from benchmarks import probe_util
 
 KERNELS = 2000
 GRAPH_KERNELS = 10
@@ -65,25 +63,12 @@ def main() -> int:
 
     blocks = nbytes // (2 << 20)  # Llama-3-8B pages: 2 MiB per block
     pool = 2 * blocks
-    gen = torch.Generator().manual_seed(0)
-    tensors, block_dim = engine_tensors(
-        MODELS["llama3-8b"],
-        "page",
-        pool,
-        16,
-        lambda s: torch.randint(-100, 100, s, dtype=torch.int16, generator=gen).to("cuda"),
-    )
-    kv = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
+    _tensors, _dim, kv = probe_util.engine("llama3-8b", "page", pool)  # kept alive: kv points in
     keys = np.random.default_rng(1).integers(0, 256, (blocks, 16), dtype=np.uint8)
     locals_ = {}
     for backend in ("staged", "dma"):
-        local = build_local(kv, OffloadConfig(host_capacity_blocks=blocks, backend=backend))
-        job = local.offloader.schedule_store("store", keys, np.arange(blocks))
-        assert job is not None
-        local.worker.submit(job)
-        local.worker.wait([job.job_id], 60)
-        local.offloader.complete(local.worker.get_finished())
-        locals_[backend] = local
+        locals_[backend] = probe_util.offload(kv, blocks, backend)
+        probe_util.store(locals_[backend], "store", keys, np.arange(blocks))
     dst = np.arange(blocks, pool)
     step = [0]
     sleep: Any = torch.cuda._sleep
@@ -203,21 +188,15 @@ def main() -> int:
             )
     for local in locals_.values():
         local.close()
-    with open(out_path, "w") as f:
-        json.dump(
-            {
-                "benchmark": "launch_beside_copy_probe",
-                "device": torch.cuda.get_device_name(),
-                "date": time.strftime("%Y-%m-%d"),
-                "kernels": KERNELS,
-                "graph_kernels": GRAPH_KERNELS,
-                "replays": REPLAYS,
-                "mib": MIB,
-                "results": rows,
-            },
-            f,
-            indent=1,
-        )
+    probe_util.dump(
+        out_path,
+        "launch_beside_copy_probe",
+        kernels=KERNELS,
+        graph_kernels=GRAPH_KERNELS,
+        replays=REPLAYS,
+        mib=MIB,
+        results=rows,
+    )
     return 0
 
 

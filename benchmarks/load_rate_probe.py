@@ -8,12 +8,11 @@ through the public API (``staged``), submit to done on the host, for each layout
 the slots' place in the arena (its first or its last blocks), beside a pinned torch copy of the
 same bytes (the link), medians of ``REPS``.
 
-    python benchmarks/load_rate_probe.py OUT.json   # CUDA only
+    python -m benchmarks.load_rate_probe OUT.json   # CUDA only
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -22,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvoffload import KVLayout, OffloadConfig, build_local
+from benchmarks import probe_util
+from kvoffload import KVLayout
 from kvoffload.transfer.shapes import MODELS, engine_tensors
 
 BLOCKS = 128
@@ -74,20 +74,14 @@ def main() -> int:
             link_gbps = nbytes / statistics.median(link) / 1e9
             del dev, pinned
             for arena_blocks in (2 * BLOCKS, 2560):
-                local = build_local(
-                    kv, OffloadConfig(host_capacity_blocks=arena_blocks, backend="staged")
-                )
+                local = probe_util.offload(kv, arena_blocks, "staged")
                 rng = np.random.default_rng(0)
                 try:
                     # fill the arena: the last BLOCKS stores hold the arena's last slots
                     stored = []
                     for i in range(arena_blocks // BLOCKS):
                         keys = rng.integers(0, 256, (BLOCKS, 16), dtype=np.uint8)
-                        job = local.offloader.schedule_store(f"s{i}", keys, np.arange(BLOCKS))
-                        assert job is not None
-                        local.worker.submit(job)
-                        local.worker.wait([job.job_id], 60)
-                        local.offloader.complete(local.worker.get_finished())
+                        probe_util.store(local, f"s{i}", keys, np.arange(BLOCKS))
                         stored.append(keys)
                     for place, keys in (("first", stored[0]), ("last", stored[-1])):
                         dst = np.arange(pool - BLOCKS, pool)
@@ -114,18 +108,7 @@ def main() -> int:
                         )
                 finally:
                     local.close()
-    with open(sys.argv[1], "w") as f:
-        json.dump(
-            {
-                "benchmark": "load_rate_probe",
-                "device": torch.cuda.get_device_name(),
-                "date": time.strftime("%Y-%m-%d"),
-                "blocks": BLOCKS,
-                "results": rows,
-            },
-            f,
-            indent=1,
-        )
+    probe_util.dump(sys.argv[1], "load_rate_probe", blocks=BLOCKS, results=rows)
     return 0
 
 

@@ -16,7 +16,7 @@ non-blocking stream of its own; its work eager or one graph; ``gate`` none, ``op
 opened for the load, no waits captured) or ``waits`` (waits captured, the gate opened for the
 load). Bytes are checked after each case (the loaded blocks equal the stored ones).
 
-    python benchmarks/replay_hold_probe.py OUT.json [BLOCKS] [--quick] [--backend staged-lp64]
+    python -m benchmarks.replay_hold_probe OUT.json [BLOCKS] [--quick] [--backend staged-lp64]
 
 ``--quick``: the engine on the default stream, one graph, no gate (load or not): the model's
 work beside a load, for a sweep of the core's settings (``--backend staged-FLAG-...``, the flags
@@ -25,7 +25,6 @@ of ``bench e2e --backend``: ``lpN`` scatter programs, ``wN`` warps, ``prio``, ..
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -34,8 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvoffload import KVLayout, OffloadConfig, build_local
-from kvoffload.transfer.shapes import MODELS, engine_tensors
+from benchmarks import probe_util
 
 MODEL, LAYOUT = "llama3-8b", "page"
 WORK = 32  # matmul groups (one per "layer")
@@ -58,25 +56,12 @@ def main() -> int:
     out_path = args[0]
     blocks = int(args[1]) if len(args) > 1 else 128
     pool = 2 * blocks + 8
-    gen = torch.Generator().manual_seed(0)
-    tensors, block_dim = engine_tensors(
-        MODELS[MODEL],
-        LAYOUT,
-        pool,
-        16,
-        lambda s: torch.randint(-100, 100, s, dtype=torch.int16, generator=gen).to("cuda"),
-    )
-    kv = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
-    local = build_local(kv, OffloadConfig(host_capacity_blocks=2 * blocks, backend=backend))
+    tensors, block_dim, kv = probe_util.engine(MODEL, LAYOUT, pool)
+    local = probe_util.offload(kv, 2 * blocks, backend)
     off, worker = local.offloader, local.worker
     keys = np.random.default_rng(1).integers(0, 256, (blocks, 16), dtype=np.uint8)
-    src = np.arange(blocks, dtype=np.int64)
     dst = np.arange(pool - blocks, pool, dtype=np.int64)
-    job = off.schedule_store("store", keys, src)
-    assert job is not None
-    worker.submit(job)
-    worker.wait([job.job_id], 60)
-    off.complete(worker.get_finished())
+    probe_util.store(local, "store", keys, np.arange(blocks, dtype=np.int64))
 
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
@@ -169,22 +154,16 @@ def main() -> int:
                             + (f"  load {row['load_ms']:7.3f} ms" if loads else "")
                         )
     local.close()
-    with open(out_path, "w") as f:
-        json.dump(
-            {
-                "benchmark": "replay_hold_probe",
-                "device": torch.cuda.get_device_name(),
-                "date": time.strftime("%Y-%m-%d"),
-                "model": MODEL,
-                "backend": backend,
-                "layout": LAYOUT,
-                "blocks": blocks,
-                "block_bytes": kv.slot_bytes,
-                "results": results,
-            },
-            f,
-            indent=1,
-        )
+    probe_util.dump(
+        out_path,
+        "replay_hold_probe",
+        model=MODEL,
+        backend=backend,
+        layout=LAYOUT,
+        blocks=blocks,
+        block_bytes=kv.slot_bytes,
+        results=results,
+    )
     return 0
 
 

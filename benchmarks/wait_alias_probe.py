@@ -83,6 +83,26 @@ def main() -> int:
     sleep(10_000_000)
     torch.cuda.synchronize()
     hold_cycles = int(10_000_000 * HOLD_MS / 1e3 / (time.perf_counter() - t0))
+
+    def engine_done(engine: Any, seq: int, release: bool) -> float:
+        """ms until a kernel and an event on ``engine`` are done (host-observed); the host flag
+        word takes ``seq`` after the hold (before that only if ``release``)."""
+        t0 = time.perf_counter()
+        with torch.cuda.stream(engine):
+            x.mul_(1)
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record()
+        done = None
+        while time.perf_counter() - t0 < 2 * HOLD_MS / 1e3:
+            if ev.query():  # type: ignore[no-untyped-call]
+                done = (time.perf_counter() - t0) * 1e3
+                break
+            if release and time.perf_counter() - t0 >= HOLD_MS / 1e3:
+                host_word.value = seq
+        host_word.value = seq
+        torch.cuda.synchronize()
+        return done if done is not None else (time.perf_counter() - t0) * 1e3
+
     waiting = [new_stream() for _ in range(max(WAITERS))]
     sleeper = new_stream()
     results = []
@@ -116,21 +136,7 @@ def main() -> int:
                             s.wait_event(ev_release)
                         with torch.cuda.stream(s):
                             x.add_(0)  # work behind the wait, as the gate's writes are
-                    t0 = time.perf_counter()
-                    with torch.cuda.stream(engine):
-                        x.mul_(1)
-                        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                        ev.record()
-                    done = None
-                    while time.perf_counter() - t0 < 2 * HOLD_MS / 1e3:
-                        if ev.query():  # type: ignore[no-untyped-call]
-                            done = (time.perf_counter() - t0) * 1e3
-                            break
-                        if case == "host_flag" and time.perf_counter() - t0 >= HOLD_MS / 1e3:
-                            host_word.value = seq
-                    host_word.value = seq
-                    torch.cuda.synchronize()
-                    done_ms.append(done if done is not None else (time.perf_counter() - t0) * 1e3)
+                    done_ms.append(engine_done(engine, seq, case == "host_flag"))
                 row = {
                     "engine": engine_kind,
                     "case": case,
@@ -161,21 +167,7 @@ def main() -> int:
                         _check(cu.cuStreamWaitValue32(s.cuda_stream, host_dptr, seq, geq))
                         with torch.cuda.stream(s):
                             x.add_(0)
-                    t0 = time.perf_counter()
-                    with torch.cuda.stream(engine):
-                        x.mul_(1)
-                        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                        ev.record()
-                    done = None
-                    while time.perf_counter() - t0 < 2 * HOLD_MS / 1e3:
-                        if ev.query():  # type: ignore[no-untyped-call]
-                            done = (time.perf_counter() - t0) * 1e3
-                            break
-                        if time.perf_counter() - t0 >= HOLD_MS / 1e3:
-                            host_word.value = seq
-                    host_word.value = seq
-                    torch.cuda.synchronize()
-                    done_ms.append(done if done is not None else (time.perf_counter() - t0) * 1e3)
+                    done_ms.append(engine_done(engine, seq, True))
                 held.append(round(statistics.median(done_ms), 3))
             per_stream.append({"engine": engine_kind, "case": case, "engine_done_ms": held})
             print(f"per stream: engine {engine_kind:10s} {case:9s} done ms by stream: {held}")

@@ -1,0 +1,58 @@
+"""Pieces the GPU probes of issue 25 share (``replay_hold_probe``, ``launch_beside_copy_probe``,
+``load_rate_probe``): an engine's KV tensors and a ``LocalOffload`` over them, blocks stored
+through the public API, a result file with the device and the date."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvoffload import KVLayout, LocalOffload, OffloadConfig, build_local
+from kvoffload.transfer.shapes import MODELS, engine_tensors
+
+
+def engine(model: str, layout: str, pool: int, block_size: int = 16) -> tuple[list[Any], int, Any]:
+    """``model``'s KV tensors in ``layout`` on the GPU, ``pool`` blocks of random int16 bytes:
+    (tensors, block_dim, KVLayout)."""
+    gen = torch.Generator().manual_seed(0)
+    tensors, block_dim = engine_tensors(
+        MODELS[model],
+        layout,
+        pool,
+        block_size,
+        lambda s: torch.randint(-100, 100, s, dtype=torch.int16, generator=gen).to("cuda"),
+    )
+    return tensors, block_dim, KVLayout.from_tensors(tensors, block_size, block_dim=block_dim)
+
+
+def offload(kv: Any, slots: int, backend: str) -> LocalOffload:
+    return build_local(kv, OffloadConfig(host_capacity_blocks=slots, backend=backend))
+
+
+def store(local: LocalOffload, req: str, keys: np.ndarray, blocks: np.ndarray) -> None:
+    """Store ``blocks`` under ``keys`` and wait for it (RuntimeError if it failed)."""
+    job = local.offloader.schedule_store(req, keys, blocks)
+    if job is None:
+        raise RuntimeError(f"store {req}: nothing scheduled")
+    local.worker.submit(job)
+    local.worker.wait([job.job_id], 60)
+    results = local.worker.get_finished()
+    local.offloader.complete(results)
+    if not all(r.ok for r in results):
+        raise RuntimeError(f"store {req} failed: {results}")
+
+
+def dump(path: str, benchmark: str, **fields: Any) -> None:
+    """Write ``fields`` as JSON with the benchmark's name, the device and the date."""
+    out = {
+        "benchmark": benchmark,
+        "device": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        **fields,
+    }
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
