@@ -14,6 +14,7 @@ figure typed by hand, or a result file changed without its figure, fails the tes
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import statistics
@@ -45,7 +46,12 @@ MODEL_NAMES = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B"}
 
 @cache
 def result(name: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((RESULTS / name).read_text())
+    """A result file by its name; large ones are kept gzipped (``name.gz``)."""
+    path = RESULTS / name
+    if not path.exists() and (RESULTS / f"{name}.gz").exists():
+        data: dict[str, Any] = json.loads(gzip.decompress((RESULTS / f"{name}.gz").read_bytes()))
+    else:
+        data = json.loads(path.read_text())
     return data
 
 
