@@ -98,14 +98,10 @@ class StagedConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"StagedConfig: expected {name} > 0, got {value!r}")
-        if isinstance(self.load_programs, bool) or not isinstance(self.load_programs, int):
+        lp = self.load_programs
+        if isinstance(lp, bool) or not isinstance(lp, int) or lp < 0:
             raise ValueError(
-                f"StagedConfig: expected load_programs as an int, got {self.load_programs!r}"
-            )
-        if self.load_programs < 0:
-            raise ValueError(
-                f"StagedConfig: expected load_programs >= 0 (0: one per SM), got "
-                f"{self.load_programs}"
+                f"StagedConfig: expected load_programs an int >= 0 (0: one per SM), got {lp!r}"
             )
         if not isinstance(self.native_inline_bytes, int) or self.native_inline_bytes < 0:
             raise ValueError(
