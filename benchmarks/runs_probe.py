@@ -1,12 +1,13 @@
 """What does a load from scattered host slots cost the caller's thread? (issue 25)
 
 A prefix stored at several times comes back from several runs of consecutive host slots. Each
-layer slice of a run is one pitched copy: one ``cuMemcpy2DAsync`` per run and slice, or all of a
-chunk's runs and single slots in one ``cuMemcpy3DBatchAsync`` (``StagedConfig.copy_batch_3d``).
-This loads ``N`` blocks from slots cut into ``R`` equal runs (R = 1 .. N, the last all single
-slots) through the ``staged`` backend with either setting, timing ``submit`` on the host (the
-caller's thread enqueues the whole load) and submit to done, medians of ``REPS``; each pattern's
-bytes are checked against the stored blocks once.
+layer slice of a run is one pitched copy (``cuMemcpy2DAsync``); single slots go as descriptors of
+one ``cuMemcpyBatchAsync`` per chunk. This loads ``N`` blocks from slots cut into ``R`` equal runs
+(R = 1 .. N, the last all single slots) through the ``staged`` backend, timing ``submit`` on the
+host (the caller's thread enqueues the whole load) and submit to done, medians of ``REPS``; each
+pattern's bytes are checked against the stored blocks once. Its first run (commit 8862e28,
+``runs_probe_nvidia-h200_2026-11-26_3d.json``) also tried every chunk's copies in one
+``cuMemcpy3DBatchAsync``: no host time saved, single slots 2.2-2.7x dearer (docs/transfer.md).
 
     python -m benchmarks.runs_probe OUT.json   # CUDA only
 """
@@ -90,25 +91,16 @@ def main() -> int:
         kv = SyntheticKV(model, layout, block_size, 2 * n + 8)
         arena = HostArena(2 * n + 2, kv.kv.slot_bytes, pin=cuda_pin)
         try:
-            backends = {
-                flag: make_staged(kv.kv, arena, StagedConfig(copy_batch_3d=flag))
-                for flag in (True, False)
-            }
-            runs_list = sorted({1, 2, 4, 8, 16, n // 4, n})
-            for runs in runs_list:
-                slots = slots_in_runs(n, runs)
-                for flag in (False, True, False, True):  # interleaved: A B A B
-                    got = measure(backends[flag], kv, n, slots)
-                    row = {"model": model, "layout": layout, "blocks": n, "runs": runs}
-                    row.update(batch_3d=flag, **got)
-                    rows.append(row)
-                    print(
-                        f"{model:10} {layout:8} {n:4} blocks {runs:4} runs 3d={flag!s:5} "
-                        f"slices {got['slices']:2} submit {got['submit_us']:7.1f} us "
-                        f"done {got['done_us']:8.1f} us"
-                    )
-            for b in backends.values():
-                b.close()
+            backend = make_staged(kv.kv, arena, StagedConfig())
+            for runs in sorted({1, 2, 4, 8, 16, n // 4, n}):
+                got = measure(backend, kv, n, slots_in_runs(n, runs))
+                row = {"model": model, "layout": layout, "blocks": n, "runs": runs, **got}
+                rows.append(row)
+                print(
+                    f"{model:10} {layout:8} {n:4} blocks {runs:4} runs slices {got['slices']:2} "
+                    f"submit {got['submit_us']:7.1f} us done {got['done_us']:8.1f} us"
+                )
+            backend.close()
         finally:
             arena.close()
     probe_util.dump(sys.argv[1], "runs_probe", reps=REPS, results=rows)

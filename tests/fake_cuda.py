@@ -411,41 +411,6 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         calls.log.append(("copy2d", stream, height))
         return 0
 
-    def batch3d(count, ops, fail, flags, stream):
-        # CUDA_MEMCPY3D_BATCH_OP, 112 bytes: src operand at 0, dst at 40 (type, pad, ptr,
-        # rowLength, layerHeight, location), extent at 80, srcAccessOrder at 104
-        def u64(at: int) -> int:
-            return int(ctypes.c_uint64.from_address(at).value)
-
-        if flags != 0:
-            raise ValueError(f"expected flags 0, got {flags}")
-        rows = 0
-        for k in range(count):
-            at = ops + 112 * k
-            for side in (at, at + 40):
-                if ctypes.c_int32.from_address(side).value != 1:  # a pointer operand
-                    raise ValueError("expected CU_MEMCPY_OPERAND_TYPE_POINTER operands")
-            if ctypes.c_int32.from_address(at + 104).value != 1:  # in stream order
-                raise ValueError("expected CU_MEMCPY_SRC_ACCESS_ORDER_STREAM")
-            if calls.fail_batch_at == k:
-                ctypes.c_size_t.from_address(fail).value = k
-                return driver.CUDA_ERROR_INVALID_VALUE
-            width, height, depth = u64(at + 80), u64(at + 88), u64(at + 96)
-            pitches = []
-            for side in (at, at + 40):
-                row, layer = u64(side + 16) or width, u64(side + 24) or height
-                pitches.append((u64(side + 8), row, row * layer))
-            (src, src_row, src_layer), (dst, dst_row, dst_layer) = pitches
-            for z in range(depth):
-                for y in range(height):
-                    ctypes.memmove(
-                        dst + z * dst_layer + y * dst_row, src + z * src_layer + y * src_row, width
-                    )
-            rows += height * depth
-        calls.descriptors += count
-        calls.log.append(("batch3d", stream, count, rows))
-        return 0
-
     def host_dptr(out, host, flags):
         ctypes.c_uint64.from_address(out).value = host
         return 0
@@ -494,9 +459,6 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         "host_dptr": ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _U)(guarded(host_dptr)),
         "ctx_sync": ctypes.CFUNCTYPE(ctypes.c_int)(guarded(ctx_sync)),
         "copy2d": ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)(guarded(copy2d)),
-        "batch3d": ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t, _P, _P, ctypes.c_ulonglong, _P)(
-            guarded(batch3d)
-        ),
     }
 
 

@@ -120,6 +120,9 @@ def test_modes_reuse_what_they_should(model, store):
             engine = PagedEngine(model, cache, mode, tier, 64, Offload(store=store), blocks)
             runs = [engine.run(t.prompt, t.answer) for t in turns]
             engine.idle()
+            for r in runs:  # a restore reads one run of host slots or more, one per block at most
+                restored = r.host_hit_tokens // 16
+                assert (r.load_runs == 0) if restored == 0 else (1 <= r.load_runs <= restored)
             hits[mode] = (
                 sum(r.gpu_hit_tokens for r in runs),
                 sum(r.host_hit_tokens for r in runs),
@@ -427,3 +430,17 @@ def test_engine_rejects_bad_input(model):
         engine.run([1, 2], answer=[3], decode=1)
     with pytest.raises(PoolExhausted):
         engine.run(np.zeros(100, dtype=np.int64))
+
+
+def test_slot_runs_counts_runs_of_consecutive_slots_in_slot_order():
+    from kvoffload.bench.e2e.runner.host_tier import slot_runs
+    from kvoffload.transfer.spec import TransferSpec
+
+    def load(slots):
+        return TransferSpec.of("load", list(range(len(slots))), slots)
+
+    assert slot_runs([]) == 0
+    assert slot_runs([load([5])]) == 1
+    assert slot_runs([load([7, 6, 5, 4])]) == 1  # descending: one run in slot order
+    assert slot_runs([load([0, 1, 2, 9, 10, 4])]) == 3
+    assert slot_runs([load([0, 2, 4]), load([1, 2])]) == 4

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import os
 import threading
 from collections.abc import Iterator
@@ -740,7 +739,7 @@ def test_a_coupled_load_scatters_each_chunk_on_its_areas_dma_stream_without_even
             if first:  # a stream's first scatter of the job waits for the caller's record
                 assert log[k] == ("wait", stream, order[2])
                 k -= 1
-            assert log[k][0] in ("copy", "batch", "copy2d", "batch3d") and log[k][1] == stream
+            assert log[k][0] in ("copy", "batch", "copy2d") and log[k][1] == stream
         recorded = {e[2]: e[1] for e in log if e[0] == "record"}
         cross = [e for e in log if e[0] == "wait" and recorded.get(e[2], e[1]) != e[1]]
         waits_on = {e[1] for e in cross}
@@ -810,15 +809,12 @@ def test_jobs_beyond_the_id_buffers_first_capacity_grow_them(fake_cuda: Calls) -
 
 @needs_core
 @pytest.mark.parametrize("layout", ["kv_split", "page", "cross_layer"])
-@pytest.mark.parametrize("batch_3d", [False, True])
-def test_runs_of_consecutive_slots_load_as_pitched_copies(
-    fake_cuda: Calls, layout: str, batch_3d: bool
+def test_runs_of_consecutive_slots_load_as_one_pitched_copy_per_slice(
+    fake_cuda: Calls, layout: str
 ) -> None:
-    """Slots 2..7 ascending (a run), then 12, 0, 1 (a single and a run of two). Without 3D
-    batches each run of a layer slice moves as one 2D copy, the singles by descriptor; with
-    them every chunk is one ``cuMemcpy3DBatchAsync`` (a pitched operation per run, a row per
-    single) or, where a chunk holds one run, one 2D copy. Bytes match the oracle either way."""
-    with engine_on("llama3-70b-tp8-fp8", layout, copy_batch_3d=batch_3d) as (pair, backend):
+    """Slots 2..7 ascending (a run), then 12, 0, 1 (a single and a run of two): each run of a
+    layer slice moves as one 2D copy, the singles by descriptor; bytes match the oracle."""
+    with engine_on("llama3-70b-tp8-fp8", layout) as (pair, backend):
         slots = [2, 3, 4, 5, 6, 7, 12, 0, 1]
         blocks = [20, 3, 9, 14, 1, 17, 8, 22, 5]
         store = [TransferSpec.of("store", blocks, slots)]
@@ -827,47 +823,10 @@ def test_runs_of_consecutive_slots_load_as_pitched_copies(
         start = len(fake_cuda.log)
         pending = backend.submit(load)
         assert pending.wait(10) and pending.error() is None
-        log = fake_cuda.log[start:]
-        copies = [e for e in log if e[0] in ("copy", "batch", "copy2d", "batch3d")]
-        launches = [e for e in log if e[0] == "launch"]
-        if batch_3d:
-            assert len(copies) == len(launches)  # one copy call per chunk
-            ordered, at = sorted(slots), 0  # a spec's pairs move in slot order
-            for launch, copy in zip(launches, copies, strict=True):
-                part = ordered[at : at + launch[2]]
-                at = (at + launch[2]) % len(ordered)
-                runs = 1 + sum(b != a + 1 for a, b in itertools.pairwise(part))
-                if runs > 1:
-                    assert copy[0] == "batch3d" and copy[2:] == (runs, len(part))
-                else:
-                    assert copy[0] == ("copy2d" if len(part) > 1 else "copy")
-        else:
-            rows = [e[2] for e in copies if e[0] == "copy2d"]
-            assert rows and all(2 <= r <= 6 for r in rows)  # runs, cut at chunk boundaries
-            assert not [e for e in copies if e[0] == "batch3d"]
+        rows = [e[2] for e in fake_cuda.log[start:] if e[0] == "copy2d"]
+        assert rows and all(2 <= r <= 6 for r in rows)  # runs, cut at chunk boundaries
         pair.oracle.copy(store)
         pair.oracle.copy(load)
-        pair.check()
-
-
-@needs_core
-def test_a_3d_batch_that_fails_fails_the_load_and_releases_its_waits(fake_cuda: Calls) -> None:
-    """cuMemcpy3DBatchAsync refused at its second operation: the load reports failed (a copy
-    step), every layer's flag word is still written (no wait hangs), and the core goes on."""
-    with engine_on("llama3-8b", "page") as (pair, backend):
-        slots = [0, 1, 2, 5, 6, 9]
-        store = [TransferSpec.of("store", np.arange(6), slots)]
-        assert backend.submit(store).wait(10)
-        fake_cuda.fail_batch_at = 1
-        pending = backend.submit([TransferSpec.of("load", np.arange(10, 16), slots)])
-        assert pending.wait(10)
-        assert isinstance(pending.error(), CudaCopyError)
-        fake_cuda.fail_batch_at = None
-        assert not any(fake_cuda.stream_held(s) for s in list(fake_cuda.held))
-        pair.oracle.copy(store)
-        again = [TransferSpec.of("load", np.arange(10, 16), slots)]
-        assert backend.submit(again).wait(10)
-        pair.oracle.copy(again)
         pair.check()
 
 

@@ -231,6 +231,12 @@ def _print_attribution(kind: str, graph: str, att: dict[str, Any]) -> None:
         f"ms ({'-' if ratio is None else f'{ratio:.2f}x'}); GPU waited {ms(att['gpu_wait_ms_p50'])}"
         f" ms; a per-layer wait call {'-' if wait is None else f'{wait:.1f}'} us"
     )
+    if "load_runs_p50" in att:  # results written before 2026-11-26 have none
+        submit = att["host_ms_p50"].get("load_submit")
+        console.print(
+            f"  load_submit {ms(submit)} ms; host slot runs per load {att['load_runs_p50']:.0f} "
+            f"(most {att['load_runs_max']})"
+        )
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

@@ -57,8 +57,6 @@ class CoreSpec:
     # 1: a load's chunk is copied and scattered on one DMA stream (native/pipeline.c, "coupled
     # loads"); 0: scattered on the kernels' stream after an event
     load_coupled: int
-    # 1: a load slice's copies of one chunk in one cuMemcpy3DBatchAsync where the driver has it
-    copy_batch_3d: int
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
     groups: tuple[GroupSpec, ...]
 
@@ -88,7 +86,6 @@ class CoreSpec:
             *self.enqueue_ns,
             self.link_bytes_per_us,
             self.load_coupled,
-            self.copy_batch_3d,
             *self.bases[0],
             *self.bases[1],
         ]

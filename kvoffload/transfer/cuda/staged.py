@@ -167,7 +167,6 @@ class NativeStagedBackend(CopyBackend):
                 enqueue_ns=config.enqueue_ns,
                 link_bytes_per_us=int(config.plan_link_GBps * 1000),
                 load_coupled=int(config.load_coupled),
-                copy_batch_3d=int(config.copy_batch_3d),
                 bases=(bases["store"], bases["load"]),
                 groups=groups,
             )

@@ -83,12 +83,6 @@ class StagedConfig:
     # stall the fifth round gave to the split pipeline was the ``auto`` backend's plain layer
     # gate (docs/e2e.md, "Sixth round").
     load_coupled: bool = True
-    # True: a load slice's copies of one chunk (each run of consecutive host slots a pitched
-    # operation, each single slot a row) go in one ``cuMemcpy3DBatchAsync`` where the driver has
-    # it (CUDA >= 12.8); False, or a driver without it: one ``cuMemcpy2DAsync`` per run and one
-    # ``cuMemcpyBatchAsync`` for the single slots. A prefix stored at several times comes back as
-    # several runs per slice (docs/transfer.md, "One copy call per chunk").
-    copy_batch_3d: bool = True
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -113,11 +107,10 @@ class StagedConfig:
             raise ValueError(
                 f"StagedConfig: expected native_inline_bytes >= 0, got {self.native_inline_bytes!r}"
             )
-        for flag in ("load_coupled", "copy_batch_3d"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(
-                    f"StagedConfig: expected {flag} as a bool, got {getattr(self, flag)!r}"
-                )
+        if not isinstance(self.load_coupled, bool):
+            raise ValueError(
+                f"StagedConfig: expected load_coupled as a bool, got {self.load_coupled!r}"
+            )
         if self.load_coupled and self.depth % self.dma_streams:
             raise ValueError(
                 f"StagedConfig: expected depth a multiple of dma_streams ({self.dma_streams}) "

@@ -18,7 +18,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "split": {"load_coupled": False},  # a load's scatter on its own streams (before 2026-11-26)
     "most": {"plan_link_GBps": 0.0},  # the most slices the byte rules allow (before 2026-11-25)
     "wide": {"load_programs": 0},  # a load's scatter on one program per SM
-    "no3d": {"copy_batch_3d": False},  # a load slice's runs as one 2D copy each (before 2026-11-26)
 }
 # parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest,
 # ``msN`` cuts a load into at most N layer slices, ``wN`` runs the kernels with N warps

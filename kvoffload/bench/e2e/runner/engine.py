@@ -32,7 +32,7 @@ from kvoffload.bench.e2e.runner.attention import paged_attend
 from kvoffload.bench.e2e.runner.block_pool import BlockKey, BlockPool
 from kvoffload.bench.e2e.runner.calls import total as total_calls
 from kvoffload.bench.e2e.runner.graphs import GraphRunner
-from kvoffload.bench.e2e.runner.host_tier import HostTier, Load
+from kvoffload.bench.e2e.runner.host_tier import HostTier, Load, slot_runs
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
 from kvoffload.bench.e2e.runner.timing import SectionTimer
@@ -93,6 +93,7 @@ class TurnResult:
     load_bytes: int = 0  # bytes restored from host
     kvo_ttft_s: float = 0.0  # host seconds inside kvoffload calls before the first token
     kvo_ttft_calls: dict[str, tuple[float, int]] = field(default_factory=dict)  # those, per call
+    load_runs: int = 0  # runs of consecutive host slots the load read (``slot_runs``)
 
 
 class _HostClock:
@@ -274,6 +275,7 @@ class PagedEngine:
             (loaded - gpu_hit) * self.cache.block_bytes,
             kvo_ttft,
             ttft_calls,
+            slot_runs(load.specs) if load is not None else 0,
         )
 
     def drop_gpu_cache(self) -> int:

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 import kvoffload as kvo
 from kvoffload.bench.e2e.runner.calls import PROBE, CallClock, timed
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
@@ -60,6 +62,18 @@ class Load:
     end: Any = None  # CUDA event on a side stream, once every layer has arrived
     failed: bool = False  # a layer's wait raised: the copy failed
     waiter: Any = None  # TransferWorker.layer_waiter, bound at the first layer's wait
+    specs: tuple[Any, ...] = ()  # the job's TransferSpecs (``slot_runs`` reads their slots)
+
+
+def slot_runs(specs: Sequence[Any]) -> int:
+    """Runs of consecutive host slots a load reads, over its specs: the native core moves each
+    run as one pitched copy per layer slice (benchmarks/runs_probe.py times what each costs)."""
+    runs = 0
+    for spec in specs:
+        slots = np.sort(np.asarray(spec.slots))
+        if len(slots):
+            runs += 1 + int(np.count_nonzero(np.diff(slots) != 1))
+    return runs
 
 
 class HostTier:
@@ -103,7 +117,7 @@ class HostTier:
             start.record()
         self._queued.append(job)
         self.poll()  # the load starts now, with the stores queued before it
-        return Load(req_id, job.job_id, len(keys), time.perf_counter(), start)
+        return Load(req_id, job.job_id, len(keys), time.perf_counter(), start, specs=job.specs)
 
     def wait_layer(self, load: Load, layer: int) -> None:
         """Before layer ``layer``'s attention reads the loaded blocks: on a GPU the current stream

@@ -49,6 +49,7 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
         # enqueued in it, or work ahead of it, shows here): stage, load_submit, prefill, ...
         "device_ms": {k: v * 1e3 for k, v in r.sections.items() if not k.startswith("wait")},
         "load_bytes": r.load_bytes,
+        "load_runs": r.load_runs,
         "launch_ms": r.host.get("launch", 0.0) * 1e3,
         "kvo_ms": {name: s * 1e3 for name, (s, _) in r.kvo_calls.items()},
         "kvo_calls": {name: n for name, (_, n) in r.kvo_calls.items()},
@@ -183,6 +184,9 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
         "launch_vs_gpu_all": launch / ideal_launch if launch and ideal_launch else None,
         "gpu_wait_ms_p50": med([r["load_exposed_ms"] for r in restored]),
         "gate_open_ms_p50": med([r.get("gate_open_ms", 0.0) for r in restored]),
+        # runs of consecutive host slots per load: each costs a pitched copy per layer slice
+        "load_runs_p50": med([r.get("load_runs", 0) for r in restored]),
+        "load_runs_max": max(r.get("load_runs", 0) for r in restored),
         "gpu_wait_ms_per_layer_p50": [
             float(np.median([r["layer_wait_ms"][i] for r in restored])) for i in range(layers)
         ]

@@ -3,8 +3,7 @@
  * and imports on a machine without a GPU). cuMemcpyBatchAsync is asked for at version 12080, the
  * CUDA 12.8 ABI with its failIdx out-parameter (CUDA 13's headers map the name to an entry point
  * without it; 13.x drivers keep serving the 12.8 one); where the driver lacks it the core copies
- * with one cuMemcpyAsync per descriptor. cuMemcpy3DBatchAsync likewise (12.8 ABI, failIdx);
- * without it a load slice's runs go as one cuMemcpy2DAsync each. The stream memory operations are required: a driver
+ * with one cuMemcpyAsync per descriptor. The stream memory operations are required: a driver
  * without them cannot run this core, and the staged backend falls back to dma there. */
 #include <dlfcn.h>
 #include <stdio.h>
@@ -59,8 +58,6 @@ kvo_status kvo_resolve(kvo_driver *d, char *msg) {
         {(void **)&d->host_dptr, "cuMemHostGetDevicePointer", 12000, 1},
         {(void **)&d->ctx_sync, "cuCtxSynchronize", 12000, 1},
         {(void **)&d->copy2d, "cuMemcpy2DAsync", 12000, 1},
-        /* a load slice's pitched runs and single pieces in one call (pipeline.c, copies_3d) */
-        {(void **)&d->batch3d, "cuMemcpy3DBatchAsync", 12080, 0},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         *want[i].slot = lookup(get, want[i].name, want[i].version);

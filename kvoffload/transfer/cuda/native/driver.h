@@ -33,11 +33,9 @@ typedef struct {
     int (*host_dptr)(kvo_dptr *, void *, unsigned);               /* cuMemHostGetDevicePointer */
     int (*ctx_sync)(void);                                        /* cuCtxSynchronize */
     int (*copy2d)(const void *, kvo_stream);                      /* cuMemcpy2DAsync_v2 */
-    int (*batch3d)(size_t, void *, size_t *, unsigned long long,
-                   kvo_stream);                                   /* cuMemcpy3DBatchAsync (12.8 ABI) or NULL */
 } kvo_driver;
 
-#define KVO_DRIVER_FIELDS 24
+#define KVO_DRIVER_FIELDS 23
 
 /* Resolve libcuda.so.1's entry points into d: KVO_OK, or KVO_FAILED and why in msg. */
 kvo_status kvo_resolve(kvo_driver *d, char *msg);

@@ -101,6 +101,5 @@ void kvo_lane_free(kvo_lane *lane, const kvo_pipe *p) {
     free(lane->src);
     free(lane->dst);
     free(lane->len);
-    free(lane->ops3d);
     memset(lane, 0, sizeof *lane);
 }

@@ -25,8 +25,6 @@ typedef struct {
     int64_t index_pos;
     int64_t *sizes, *starts, *src, *dst, *len; /* scratch: chunk plan and one chunk's descriptors */
     int64_t scratch_chunks, scratch_desc;
-    void *ops3d;          /* scratch: one chunk's cuMemcpy3DBatchAsync operations */
-    int64_t scratch_ops3d;
     uint32_t seq;  /* the last sequence number given to a job */
     int64_t parts; /* parts enqueued (stats) */
     unsigned slice_streams; /* coupled loads: bit j, DMA stream j had a chunk of this slice */

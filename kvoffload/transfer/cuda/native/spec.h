@@ -53,10 +53,6 @@ typedef struct {
      * (area % n_dmas; depth is a multiple of n_dmas), with no event between them (pipeline.c,
      * "coupled loads"); 0: DMA on the DMA streams, scatter on the kernels' stream. */
     int64_t load_coupled;
-    /* 1: a load slice's copies of one chunk (pitched runs of consecutive slots and single
-     * pieces) go in one cuMemcpy3DBatchAsync where the driver has it (pipeline.c, copies_3d);
-     * 0: one cuMemcpy2DAsync per run and one cuMemcpyBatchAsync for the singles. */
-    int64_t copy_batch_3d;
     int64_t *bases[2];                 /* per direction: staging area addresses (depth) */
     kvo_group *groups;
 } kvo_spec;
