@@ -43,6 +43,7 @@ def staged(pair: Pair, **config: Any) -> Any:
         "max_layer_slices": 4,
         "layer_slice_transfer_bytes": 1,
         "load_coupled": False,  # the split pipeline (its streams held below); coupled: asked
+        "store_coupled": False,
     }
     fields.update(config)
     return make_staged(pair.kv, pair.arena, StagedConfig(**fields))
@@ -692,14 +693,101 @@ def test_two_layer_groups_in_one_submit_move_the_oracles_bytes(
 @needs_core
 @pytest.mark.parametrize("layout", ["kv_split", "page", "cross_layer"])
 @pytest.mark.parametrize(("dma_streams", "depth"), [(1, 2), (2, 2), (2, 4)])
-def test_coupled_loads_move_the_oracles_bytes(
-    fake_cuda: Calls, layout: str, dma_streams: int, depth: int
+@pytest.mark.parametrize(("loads", "stores"), [(True, False), (False, True), (True, True)])
+def test_coupled_chunks_move_the_oracles_bytes(
+    fake_cuda: Calls, layout: str, dma_streams: int, depth: int, loads: bool, stores: bool
 ) -> None:
-    """StagedConfig(load_coupled=True): stores and loads of several sizes (one block to the
-    whole pool, ids on the host and uploaded) give the host backend's bytes."""
-    config = {"load_coupled": True, "dma_streams": dma_streams, "depth": depth}
-    with engine_on("llama3-8b", layout, **config) as (pair, backend):
+    """StagedConfig(load_coupled=..., store_coupled=...): stores and loads of several sizes (one
+    block to the whole pool, ids on the host and uploaded) give the host backend's bytes."""
+    config = {"load_coupled": loads, "store_coupled": stores}
+    with engine_on("llama3-8b", layout, dma_streams=dma_streams, depth=depth, **config) as (
+        pair,
+        backend,
+    ):
         round_trips(pair, backend, seed=dma_streams * 10 + depth)
+
+
+@needs_core
+@pytest.mark.parametrize("dma_streams", [1, 2])
+def test_a_coupled_store_gathers_and_copies_each_chunk_on_its_areas_dma_stream(
+    fake_cuda: Calls, dma_streams: int
+) -> None:
+    """Every chunk of a coupled store is its gather's launch then its copies on the DMA stream of
+    its staging area, nothing on the kernels' stream (but, with more than 16 blocks, the ids'
+    upload); a stream's first gather of the job waits for the caller's stream; with two DMA
+    streams each chunk's copies wait for the chunk before's (recorded on the other stream) and
+    the job's done word is written after the other stream joined; fewer driver calls than the
+    split store of the same blocks."""
+    calls = {}
+    for coupled in (False, True):
+        with engine_on(
+            "llama3-8b", "page", store_coupled=coupled, dma_streams=dma_streams, depth=2
+        ) as (pair, backend):
+            n = 9  # several chunks: staging holds four blocks, depth 2
+            start = len(fake_cuda.log)
+            pending = backend.submit([TransferSpec.of("store", np.arange(n), np.arange(n))])
+            assert pending.wait(10) and pending.error() is None
+            pair.oracle.copy([TransferSpec.of("store", np.arange(n), np.arange(n))])
+            pair.check()
+            log = fake_cuda.log[start:]
+            calls[coupled] = len(log)
+            if not coupled:
+                continue
+            kernels, dmas = backend.spec.gather[0], list(backend.spec.dmas[0][:dma_streams])
+            order = log[0]
+            assert order[0] == "record" and order[1] not in {kernels, *dmas}
+            assert not [e for e in log if e[1] == kernels]  # 9 blocks: ids read from the host
+            launches = [i for i, e in enumerate(log) if e[0] == "launch"]
+            assert len(launches) > 2 and {log[i][1] for i in launches} == set(dmas)
+            seen: set[int] = set()
+            recorded = {e[2]: e[1] for e in log if e[0] == "record"}
+            for k, i in enumerate(launches):
+                stream = log[i][1]
+                if stream not in seen:  # the stream's first gather waits for the caller
+                    assert log[i - 1] == ("wait", stream, order[2])
+                    seen.add(stream)
+                end = launches[k + 1] if k + 1 < len(launches) else len(log)
+                chunk = log[i + 1 : end]
+                copies = [e for e in chunk if e[0] in ("copy", "batch", "copy2d")]
+                assert copies and all(e[1] == stream for e in copies)
+                if dma_streams == 2 and k > 0:  # paced: waits for the chunk before's copies
+                    first_copy = chunk.index(copies[0])
+                    waits = [e for e in chunk[:first_copy] if e[0] == "wait"]
+                    assert any(recorded.get(e[2]) == log[launches[k - 1]][1] for e in waits)
+            done = [e for e in log if e[0] == "write32"]
+            assert done and done[-1][1] == dmas[0]
+    assert calls[True] < calls[False]
+
+
+@needs_core
+def test_a_coupled_store_that_fails_mid_way_writes_its_done_word_and_reports_failed(
+    fake_cuda: Calls,
+) -> None:
+    """The second gather of a coupled store refused: the job reports failed (no slot it wrote
+    becomes readable to a later load through this job), its done word is written (a wait on the
+    direction never hangs), and the next store of the same blocks lands."""
+    with engine_on("llama3-8b", "page", store_coupled=True, dma_streams=2, depth=2) as (
+        pair,
+        backend,
+    ):
+        launch = fake_cuda_launch(fake_cuda)
+        count = [0]
+
+        def second_fails(*args: Any) -> int:
+            count[0] += 1
+            return 700 if count[0] == 2 else int(launch(*args))
+
+        swap_launch(fake_cuda, second_fails)
+        try:
+            pending = backend.submit([TransferSpec.of("store", np.arange(9), np.arange(9))])
+        finally:
+            swap_launch(fake_cuda, launch)
+        assert pending.wait(10) and "FAKE_ERROR_700" in str(pending.error())
+        assert not any(fake_cuda.held.values())
+        again = [TransferSpec.of("store", np.arange(9), np.arange(9))]
+        assert backend.submit(again).wait(10)
+        pair.oracle.copy(again)
+        pair.check()
 
 
 @needs_core
@@ -758,18 +846,22 @@ def test_a_coupled_load_scatters_each_chunk_on_its_areas_dma_stream_without_even
         assert log[firsts[-1]][1] == kernels
 
 
-def test_coupled_loads_need_a_depth_that_is_a_multiple_of_the_dma_streams() -> None:
+@pytest.mark.parametrize("flag", ["load_coupled", "store_coupled"])
+def test_coupled_chunks_need_a_depth_that_is_a_multiple_of_the_dma_streams(flag: str) -> None:
     from kvoffload.transfer.cuda.staged_config import StagedConfig
 
-    with pytest.raises(ValueError, match="depth a multiple of dma_streams \\(2\\)"):
-        StagedConfig(load_coupled=True, dma_streams=2, depth=3)
-    with pytest.raises(ValueError, match="load_coupled as a bool, got 1"):
-        StagedConfig(load_coupled=1)  # type: ignore[arg-type]
-    assert StagedConfig(load_coupled=True, dma_streams=2, depth=4).load_coupled
-    assert StagedConfig().load_coupled  # the default since it kept full graphs from stalling
+    other = "store_coupled" if flag == "load_coupled" else "load_coupled"
+    with pytest.raises(
+        ValueError, match=f"multiple of dma_streams \\(2\\) for {flag}, got depth 3"
+    ):
+        StagedConfig(**{flag: True, other: False}, dma_streams=2, depth=3)
+    with pytest.raises(ValueError, match=f"{flag} as a bool, got 1"):
+        StagedConfig(**{flag: 1})  # type: ignore[arg-type]
+    assert getattr(StagedConfig(**{flag: True}, dma_streams=2, depth=4), flag)
+    assert getattr(StagedConfig(), flag)  # the default: fewer driver calls per chunk
     with pytest.raises(ValueError, match="multiple of dma_streams"):
-        StagedConfig(depth=3)  # the default couples loads: depth 3 of 2 streams is refused
-    assert not StagedConfig(depth=3, load_coupled=False).load_coupled
+        StagedConfig(depth=3)  # the default couples both: depth 3 of 2 streams is refused
+    assert StagedConfig(depth=3, load_coupled=False, store_coupled=False).depth == 3
 
 
 @needs_core

@@ -57,6 +57,8 @@ class CoreSpec:
     # 1: a load's chunk is copied and scattered on one DMA stream (native/pipeline.c, "coupled
     # loads"); 0: scattered on the kernels' stream after an event
     load_coupled: int
+    # 1: a store's chunk is gathered and copied out on one DMA stream ("coupled stores")
+    store_coupled: int
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
     groups: tuple[GroupSpec, ...]
 
@@ -86,6 +88,7 @@ class CoreSpec:
             *self.enqueue_ns,
             self.link_bytes_per_us,
             self.load_coupled,
+            self.store_coupled,
             *self.bases[0],
             *self.bases[1],
         ]

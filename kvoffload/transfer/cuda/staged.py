@@ -167,6 +167,7 @@ class NativeStagedBackend(CopyBackend):
                 enqueue_ns=config.enqueue_ns,
                 link_bytes_per_us=int(config.plan_link_GBps * 1000),
                 load_coupled=int(config.load_coupled),
+                store_coupled=int(config.store_coupled),
                 bases=(bases["store"], bases["load"]),
                 groups=groups,
             )

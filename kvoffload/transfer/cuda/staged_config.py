@@ -83,6 +83,11 @@ class StagedConfig:
     # stall the fifth round gave to the split pipeline was the ``auto`` backend's plain layer
     # gate (docs/e2e.md, "Sixth round").
     load_coupled: bool = True
+    # True: a store's chunk is gathered into its staging area and copied out of it on one DMA
+    # stream (the area's), with no event between them: per chunk one launch, its copies and the
+    # pacing wait and record, where False (the gather on a stream of its own) adds three event
+    # calls. Needs ``depth`` a multiple of ``dma_streams`` (docs/transfer.md, "Coupled stores").
+    store_coupled: bool = True
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -107,15 +112,15 @@ class StagedConfig:
             raise ValueError(
                 f"StagedConfig: expected native_inline_bytes >= 0, got {self.native_inline_bytes!r}"
             )
-        if not isinstance(self.load_coupled, bool):
-            raise ValueError(
-                f"StagedConfig: expected load_coupled as a bool, got {self.load_coupled!r}"
-            )
-        if self.load_coupled and self.depth % self.dma_streams:
-            raise ValueError(
-                f"StagedConfig: expected depth a multiple of dma_streams ({self.dma_streams}) "
-                f"for load_coupled, got depth {self.depth}"
-            )
+        for flag in ("load_coupled", "store_coupled"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                raise ValueError(f"StagedConfig: expected {flag} as a bool, got {value!r}")
+            if value and self.depth % self.dma_streams:
+                raise ValueError(
+                    f"StagedConfig: expected depth a multiple of dma_streams "
+                    f"({self.dma_streams}) for {flag}, got depth {self.depth}"
+                )
         if isinstance(self.copy_priority, bool) or not isinstance(self.copy_priority, int):
             raise ValueError(
                 f"StagedConfig: expected copy_priority as an int, got {self.copy_priority!r}"

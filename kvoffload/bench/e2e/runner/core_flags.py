@@ -16,6 +16,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "whole": {"max_layer_slices": 1},
     "coupled": {"load_coupled": True},  # a load's copy and scatter on one DMA stream (default)
     "split": {"load_coupled": False},  # a load's scatter on its own streams (before 2026-11-26)
+    # a store's gather on the kernels' stream, its copies after an event (before 2026-11-26)
+    "ssplit": {"store_coupled": False},
     "most": {"plan_link_GBps": 0.0},  # the most slices the byte rules allow (before 2026-11-25)
     "wide": {"load_programs": 0},  # a load's scatter on one program per SM
 }

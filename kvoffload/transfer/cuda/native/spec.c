@@ -6,7 +6,7 @@
 
 #include "spec.h"
 
-#define HEAD 28 /* fields before the staging bases */
+#define HEAD 29 /* fields before the staging bases */
 
 typedef struct {
     const int64_t *p;
@@ -33,7 +33,7 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     cursor c = {packed, n, 0};
     int64_t head[HEAD];
     memset(s, 0, sizeof *s);
-    if (take(&c, head, HEAD) != 0) return "expected a core spec of at least 28 fields";
+    if (take(&c, head, HEAD) != 0) return "expected a core spec of at least 29 fields";
     if (head[0] != KVO_ABI) return "expected a core spec of this build's ABI (a stale build)";
     s->n_groups = head[1];
     s->num_slots = head[2];
@@ -60,6 +60,9 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     s->load_coupled = head[27];
     if (s->load_coupled != 0 && s->load_coupled != 1)
         return "expected load_coupled 0 or 1 in the core spec";
+    s->store_coupled = head[28];
+    if (s->store_coupled != 0 && s->store_coupled != 1)
+        return "expected store_coupled 0 or 1 in the core spec";
     for (int j = 22; j < 27; j++)
         if (head[j] < 0) return "expected enqueue costs and a link rate >= 0 in the core spec";
     if (s->n_groups < 1 || s->num_slots < 1 || s->arena_slot_bytes < 1 || s->depth < 1 ||
@@ -67,8 +70,8 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
         s->min_slice_transfer_bytes < 1 || s->n_dmas < 1 || s->n_dmas > KVO_MAX_DMAS)
         return "expected groups, slots, slot bytes, 1 <= depth <= 64, area bytes, chunk bytes, "
                "slice bytes >= 1 and 1 <= DMA streams <= 4 in the core spec";
-    if (s->load_coupled && s->depth % s->n_dmas != 0)
-        return "expected a depth that is a multiple of the DMA streams for coupled loads";
+    if ((s->load_coupled || s->store_coupled) && s->depth % s->n_dmas != 0)
+        return "expected a depth that is a multiple of the DMA streams for coupled chunks";
     for (int d = 0; d < 2; d++)
         if ((s->bases[d] = take_array(&c, s->depth)) == NULL) return "truncated core spec";
     s->groups = calloc((size_t)s->n_groups, sizeof(kvo_group));

@@ -53,6 +53,9 @@ typedef struct {
      * (area % n_dmas; depth is a multiple of n_dmas), with no event between them (pipeline.c,
      * "coupled loads"); 0: DMA on the DMA streams, scatter on the kernels' stream. */
     int64_t load_coupled;
+    /* 1: a store's chunk is gathered and copied out on one DMA stream, its staging area's
+     * (pipeline.c, "coupled stores"); 0: gathered on the kernels' stream, copied after an event. */
+    int64_t store_coupled;
     int64_t *bases[2];                 /* per direction: staging area addresses (depth) */
     kvo_group *groups;
 } kvo_spec;
