@@ -1,4 +1,4 @@
-"""The host section of ``kvoffload bench transfer`` for native-core variants side by side (issue 25).
+"""``kvoffload bench transfer``'s host section for native-core variants side by side (issue 25).
 
 ``bench transfer --sections host`` measures the registry's backends; this also runs ``staged-FLAGS``
 variants (``kvoffload/bench/e2e/runner/core_flags.py``: e.g. ``staged-ssplit``, stores gathered on
@@ -7,7 +7,7 @@ order given, so an A/B/A/B order shows the run's own drift. Each method's rows a
 section's: submit and submit-to-done times, a sleeping thread's GIL lateness, and an eager step of
 200 small kernels alone, storing 1/4/16 blocks inline, and beside another thread's transfers.
 
-    python -m benchmarks.host_ab OUT.json staged,staged-ssplit,staged,staged-ssplit,vllm-triton [BUDGET_S]
+    python -m benchmarks.host_ab OUT.json staged,staged-ssplit,staged,vllm-triton [BUDGET_S]
 """
 
 from __future__ import annotations

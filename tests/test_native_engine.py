@@ -854,10 +854,10 @@ def test_coupled_chunks_need_a_depth_that_is_a_multiple_of_the_dma_streams(flag:
     with pytest.raises(
         ValueError, match=f"multiple of dma_streams \\(2\\) for {flag}, got depth 3"
     ):
-        StagedConfig(**{flag: True, other: False}, dma_streams=2, depth=3)
+        StagedConfig(**{flag: True, other: False}, dma_streams=2, depth=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=f"{flag} as a bool, got 1"):
         StagedConfig(**{flag: 1})  # type: ignore[arg-type]
-    assert getattr(StagedConfig(**{flag: True}, dma_streams=2, depth=4), flag)
+    assert getattr(StagedConfig(**{flag: True}, dma_streams=2, depth=4), flag)  # type: ignore[arg-type]
     assert getattr(StagedConfig(), flag)  # the default: fewer driver calls per chunk
     with pytest.raises(ValueError, match="multiple of dma_streams"):
         StagedConfig(depth=3)  # the default couples both: depth 3 of 2 streams is refused
