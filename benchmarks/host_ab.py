@@ -35,7 +35,8 @@ def main() -> int:
     out = host_time.run(torch.cuda.current_device(), methods, budget)
     for line in out["table"]:
         print(line)
-    probe_util.dump(sys.argv[1], "host_ab", **{k: v for k, v in out.items() if k != "device"})
+    skip = ("device", "benchmark")
+    probe_util.dump(sys.argv[1], "host_ab", **{k: v for k, v in out.items() if k not in skip})
     return 0
 
 

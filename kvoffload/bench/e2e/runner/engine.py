@@ -221,8 +221,7 @@ class PagedEngine:
             if layered and load is not None:
                 self.host.time_load(load)
             self._store_ahead()  # host work while the device computes
-        # The first token, then the load's result: the forward waited for every layer of the
-        # load, so once it is done the load is too, and checking it costs no host polling.
+        # The first token, then the load's result (the forward waited for all of it: no polling)
         first = int(logits.argmax())
         if layered and load is not None and not self._finish_load(load):
             blocks, loaded = self._recompute_instead(req, blocks, gpu_hit, loaded)
