@@ -709,21 +709,22 @@ def test_coupled_chunks_move_the_oracles_bytes(
 
 @needs_core
 @pytest.mark.parametrize("dma_streams", [1, 2])
+@pytest.mark.parametrize("n", [9, 20])
 def test_a_coupled_store_gathers_and_copies_each_chunk_on_its_areas_dma_stream(
-    fake_cuda: Calls, dma_streams: int
+    fake_cuda: Calls, dma_streams: int, n: int
 ) -> None:
     """Every chunk of a coupled store is its gather's launch then its copies on the DMA stream of
     its staging area, nothing on the kernels' stream (but, with more than 16 blocks, the ids'
     upload); a stream's first gather of the job waits for the caller's stream; with two DMA
     streams each chunk's copies wait for the chunk before's (recorded on the other stream) and
     the job's done word is written after the other stream joined; fewer driver calls than the
-    split store of the same blocks."""
+    split store of the same blocks. With 20 blocks the ids go up on the kernels' stream and each
+    DMA stream's first gather also waits for that upload."""
     calls = {}
     for coupled in (False, True):
         with engine_on(
             "llama3-8b", "page", store_coupled=coupled, dma_streams=dma_streams, depth=2
         ) as (pair, backend):
-            n = 9  # several chunks: staging holds four blocks, depth 2
             start = len(fake_cuda.log)
             pending = backend.submit([TransferSpec.of("store", np.arange(n), np.arange(n))])
             assert pending.wait(10) and pending.error() is None
@@ -736,15 +737,21 @@ def test_a_coupled_store_gathers_and_copies_each_chunk_on_its_areas_dma_stream(
             kernels, dmas = backend.spec.gather[0], list(backend.spec.dmas[0][:dma_streams])
             order = log[0]
             assert order[0] == "record" and order[1] not in {kernels, *dmas}
-            assert not [e for e in log if e[1] == kernels]  # 9 blocks: ids read from the host
+            on_kernels = [e for e in log if e[1] == kernels]
+            if n <= 16:  # the kernels read the ids from pinned host memory
+                assert on_kernels == []
+            else:  # the ids' upload, marked
+                assert [e[0] for e in on_kernels] == ["copy", "record"]
+            firsts = [("wait", order[2])] + ([("record", on_kernels[1][2])] if n > 16 else [])
             launches = [i for i, e in enumerate(log) if e[0] == "launch"]
             assert len(launches) > 2 and {log[i][1] for i in launches} == set(dmas)
             seen: set[int] = set()
             recorded = {e[2]: e[1] for e in log if e[0] == "record"}
             for k, i in enumerate(launches):
                 stream = log[i][1]
-                if stream not in seen:  # the stream's first gather waits for the caller
-                    assert log[i - 1] == ("wait", stream, order[2])
+                if stream not in seen:  # its first gather waits for the caller (and the ids)
+                    before = log[i - len(firsts) : i]
+                    assert before == [("wait", stream, event) for _, event in firsts]
                     seen.add(stream)
                 end = launches[k + 1] if k + 1 < len(launches) else len(log)
                 chunk = log[i + 1 : end]
