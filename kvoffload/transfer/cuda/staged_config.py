@@ -86,7 +86,7 @@ class StagedConfig:
     # True: a store's chunk is gathered into its staging area and copied out of it on one DMA
     # stream (the area's), with no event between them: per chunk one launch, its copies and the
     # pacing wait and record, where False (the gather on a stream of its own) adds three event
-    # calls. Needs ``depth`` a multiple of ``dma_streams`` (docs/transfer.md, "Coupled stores").
+    # calls. Needs ``depth`` a multiple of ``dma_streams`` (docs/transfer.md, Options).
     store_coupled: bool = True
 
     def __post_init__(self) -> None:

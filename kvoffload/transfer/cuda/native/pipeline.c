@@ -233,28 +233,6 @@ static int gather(part_run *r, int64_t c) {
     return 0;
 }
 
-/* Coupled stores (spec->store_coupled): chunk c is gathered into its staging area and copied
- * out of it on one DMA stream, the area's own, so no event passes between gather and copy and
- * the area's next use (the same stream) is ordered by the stream. Per chunk that is one launch,
- * its copies, and the pacing (pace_store) where the default path adds three event calls more:
- * with the fake driver a Llama-3-8B store of 1, 16 and 256 blocks took 13, 34 and 140 driver
- * calls split, 8, 23 and 87 coupled (a stream the job did not use is not joined at its end). */
-static int pace_store(part_run *r, int64_t c, kvo_stream dma);
-
-static int coupled_store_chunk(part_run *r, int64_t c) {
-    const kvo_pipe *p = r->p;
-    kvo_job *job = r->job;
-    kvo_stream st = area_stream(r, c);
-    int err = order_once(r, c, st, (int)(area_of(r, c) % p->spec->n_dmas));
-    if (!err) err = launch_on(r, c, st);
-    if (!err) err = pace_store(r, c, st);
-    if (!err) err = copies(r, c, st);
-    if (!err && p->spec->n_dmas > 1) /* the next chunk's copies wait for these */
-        TRY(p->d->record(r->lane->freed[area_of(r, c)], st), STEP_RECORD, c);
-    if (!err) r->lane->slice_streams |= 1u << (area_of(r, c) % p->spec->n_dmas);
-    return err;
-}
-
 /* A store's chunks go to the copy engine one at a time: with two or more DMA streams, a chunk's
  * copies wait (a cross-stream event wait) for the copies of the chunk before it (that area's
  * `freed` event). A copy engine serves its queue in order, so a copy the engine enqueues after
@@ -274,6 +252,27 @@ static int pace_store(part_run *r, int64_t c, kvo_stream dma) {
     if (p->spec->n_dmas < 2) return 0;
     TRY(p->d->wait(dma, r->lane->freed[area_of(r, c + r->depth - 1)], 0), STEP_WAIT, c);
     return 0;
+}
+
+/* Coupled stores (spec->store_coupled): chunk c is gathered into its staging area and copied
+ * out of it on one DMA stream, the area's own, so no event passes between gather and copy and
+ * the area's next use (the same stream) is ordered by the stream. Per chunk that is one launch,
+ * its copies, and the pacing (pace_store) where the default path adds three event calls more:
+ * with the fake driver a Llama-3-8B store of 1, 16 and 256 blocks took 13, 34 and 140 driver
+ * calls split, 8, 23 and 87 coupled (a stream the job did not use is not joined at its end). */
+static int coupled_store_chunk(part_run *r, int64_t c) {
+    const kvo_pipe *p = r->p;
+    kvo_job *job = r->job;
+    kvo_stream st = area_stream(r, c);
+    int j = (int)(area_of(r, c) % p->spec->n_dmas);
+    int err = order_once(r, c, st, j);
+    if (!err) err = launch_on(r, c, st);
+    if (!err) err = pace_store(r, c, st);
+    if (!err) err = copies(r, c, st);
+    if (!err && p->spec->n_dmas > 1) /* the next chunk's copies wait for these */
+        TRY(p->d->record(r->lane->freed[area_of(r, c)], st), STEP_RECORD, c);
+    if (!err) r->lane->slice_streams |= 1u << j;
+    return err;
 }
 
 /* A load's chunk: once its area is free, DMA the slots into it, mark it filled. */
