@@ -116,6 +116,8 @@ class ModelIndex:
         slots = np.sort(self._pop_free(fit))  # ascending, as the native index hands them
         self._writing.update(zip(new, slots.tolist(), strict=True))
         skipped = len(keys) - len(new) - dropped
+        if len(positions) < len(keys):  # keys held already count as used
+            self.touch(keys)
         chosen = np.asarray(positions[:fit], dtype=np.int64)
         return StorePlan(new, slots, evicted, skipped, dropped, chosen)
 
@@ -142,7 +144,7 @@ class ModelIndex:
         slots = [self._writing.pop(k) for k in keys]
         if success:
             self._readable.update(zip(keys, slots, strict=True))
-            for key in keys:
+            for key in reversed(keys):  # last key first: a prefix's head is the most recent
                 self.policy.insert(key)
             self.stats.stores += len(keys)
             self.stats.bytes_in += len(keys) * self.slot_bytes
@@ -155,7 +157,7 @@ class ModelIndex:
     def prepare_load(self, keys: Sequence[BlockKey]) -> np.ndarray:
         """Pin READABLE ``keys`` against eviction and return their slots (int64)."""
         self._acquire(keys, "prepare_load")
-        for key in keys:
+        for key in reversed(keys):
             self.policy.touch(key)
         return np.fromiter((self._readable[k] for k in keys), dtype=np.int64, count=len(keys))
 
@@ -207,7 +209,7 @@ class ModelIndex:
                 del self._readers[key]
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
-        for key in keys:
+        for key in reversed(list(keys)):
             if key in self._readable:
                 self.policy.touch(key)
 

@@ -444,3 +444,27 @@ def test_slot_runs_counts_runs_of_consecutive_slots_in_slot_order():
     assert slot_runs([load([7, 6, 5, 4])]) == 1  # descending: one run in slot order
     assert slot_runs([load([0, 1, 2, 9, 10, 4])]) == 3
     assert slot_runs([load([0, 2, 4]), load([1, 2])]) == 4
+
+
+@pytest.mark.parametrize("store", ["evict", "behind"])
+def test_the_first_reader_of_a_shared_prefix_is_stored_once_a_second_one_comes(model, store):
+    """Documents behind one system prompt: the first request shares nothing yet and is not
+    admitted; the second shares the system prompt and is. The first document, still on the GPU
+    then, goes to host too, so its next reader hits it there after the GPU has dropped it."""
+    cache = PagedKVCache(MICRO, 32, 16, torch.device("cpu"))
+    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=32))
+    try:
+        engine = PagedEngine(model, cache, "kvoffload", host, 64, Offload(store=store))
+        rng = np.random.default_rng(7)
+        system = rng.integers(0, MICRO.vocab, 16)
+        doc1, doc2 = (np.concatenate([system, rng.integers(0, MICRO.vocab, 48)]) for _ in "12")
+        engine.run(doc1)  # shares nothing: not admitted
+        engine.idle()
+        assert host.stats.stores == 0
+        second = engine.run(doc2)  # shares the system prompt: admitted, and doc1 with it
+        assert second.gpu_hit_tokens == 16
+        engine.drop_gpu_cache()
+        again = engine.run(np.concatenate([doc1, rng.integers(0, MICRO.vocab, 8)]))
+        assert again.gpu_hit_tokens == 0 and again.host_hit_tokens == 64
+    finally:
+        host.close()

@@ -34,9 +34,11 @@ def test_every_key_form_round_trips(form):
     assert plan.keys == keys[:8] and plan.skipped_full == 4
     ix.complete_store(plan.keys)
     assert ix.lookup(keys) == 8 and ix.state(keys[3]) == READABLE
-    plan = ix.prepare_store(keys[8:])  # evicts the 4 oldest: their keys come back as given
-    assert plan.evicted == keys[:4]
-    assert ix.evict(2) == keys[4:6] and ix.remove([keys[6]]) == [keys[6]]
+    # evicts the 4 oldest, their keys as given: one store's keys go in last key first, so its
+    # tail is the oldest (a prefix's head outlives it)
+    plan = ix.prepare_store(keys[8:])
+    assert plan.evicted == keys[7:3:-1]
+    assert ix.evict(2) == [keys[3], keys[2]] and ix.remove([keys[1]]) == [keys[1]]
     ix.check_invariants()
 
 
@@ -64,7 +66,8 @@ def test_an_array_of_keys_is_the_list_of_its_rows():
     assert a.lookup(arr.reshape(-1)) == 32  # a flat buffer of 16-byte keys
     assert np.array_equal(a.prepare_load(arr[:5]), b.prepare_load(as_list[:5]))
     a.complete_load(arr[:5])
-    assert a.policy_state()[0][-5:] == as_list[:5]  # loads are uses: newest in T2
+    # loads are uses, last key first: newest in T2, the first key the most recent
+    assert a.policy_state()[0][-5:] == as_list[4::-1]
     assert a.stats.loads == 5 and a.stats.hits == 64
 
 
@@ -222,8 +225,41 @@ def test_slots_freed_together_come_back_as_the_same_ascending_run() -> None:
     plan = index.prepare_store(first)
     assert list(plan.slots) == list(range(8))
     index.complete_store(first)
-    assert index.evict(8) == first  # least recent first
+    assert index.evict(8) == first[::-1]  # least recent first: one store's tail
     again = [bytes([100 + i]) * 16 for i in range(12)]
     plan = index.prepare_store(again)
     assert list(plan.slots[:8]) == list(range(8))  # the freed run, ascending
     assert list(plan.slots[8:]) == list(range(8, 12))
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_under_pressure_a_prefix_loses_its_tail_first_and_keeps_its_head(policy):
+    """A stored prefix goes in last key first, and a load touches it last key first: the head,
+    which every longer prefix needs, is the most recent, so eviction shortens a hit from its end
+    instead of cutting it to nothing."""
+    twin = TwinIndex(8, 64, policy)
+    prefix = [bytes([1, i]) * 8 for i in range(8)]
+    twin.complete_store(twin.prepare_store(prefix).keys)
+    twin.complete_store(twin.prepare_store([b"new-1", b"new-2"]).keys)
+    assert twin.lookup(prefix) == 6  # blocks 6 and 7 went
+    twin.complete_load(prefix[:6], True, twin.prepare_load(prefix[:6]))
+    twin.complete_store(twin.prepare_store([b"new-3"]).keys)
+    assert twin.lookup(prefix) == 6  # a new key's first victim is not the loaded prefix
+    twin.assert_same([*prefix, b"new-1", b"new-2", b"new-3"])
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_keys_offered_again_count_as_used(policy):
+    """A store that offers keys held already refreshes them: a block in the middle of a prefix
+    stored long ago by another request does not go before the new blocks around it (a hole there
+    would stop every later hit; bench e2e docs)."""
+    twin = TwinIndex(8, 64, policy)
+    old = [bytes([2, i]) * 8 for i in range(4)]
+    newer = [bytes([3, i]) * 8 for i in range(4)]
+    twin.complete_store(twin.prepare_store(old).keys)
+    twin.complete_store(twin.prepare_store(newer).keys)
+    plan = twin.prepare_store(old)  # all held: nothing to write, but they were used
+    assert plan.skipped_present == 4 and plan.keys == []
+    twin.complete_store(twin.prepare_store([bytes([4, i]) * 8 for i in range(4)]).keys)
+    assert twin.lookup(old) == 4 and twin.lookup(newer) == 0
+    twin.assert_same([*old, *newer])

@@ -83,5 +83,7 @@ def test_reserve_is_prepare_store_as_a_tuple() -> None:
     got = twin.reserve(keys(5, 1))  # 1 and 2 are held; 3, 4, 5 fit, then the index is full
     assert got[0] == keys(3, 3) and got[2] is not None and got[2].tolist() == [2, 3, 4]
     assert (got[4], got[5]) == (2, 0)
-    plan = twin.prepare_store(keys(2, 10))  # full: the oldest unpinned readable are evicted
-    assert plan.positions.tolist() == [0, 1] and plan.evicted == keys(2)
+    # full: the oldest unpinned readable are evicted. 0..2 went in tail first (2 oldest); 1 and 2,
+    # offered again, count as used (last key first): 0 is the oldest, then 2
+    plan = twin.prepare_store(keys(2, 10))
+    assert plan.positions.tolist() == [0, 1] and plan.evicted == [keys(3)[0], keys(3)[2]]

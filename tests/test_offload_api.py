@@ -193,10 +193,12 @@ def test_wait_on_orders_after_a_host_copy_and_touch_refreshes_recency(engine):
     off.complete(worker.get_finished())
     worker.wait_on(job.job_id)  # already reported: nothing to wait for
 
-    off.touch(keys[1:2])  # block 1 is now the most recent of blocks 1..7
+    # one store's blocks go tail first (the prefix's head is the most recent): 7 is the oldest;
+    # touched, it is the most recent of blocks 1..7
+    off.touch(keys[7:8])
     off.touch([b"unknown"])
     run(local, off.schedule_store("c", prefix_block_keys(np.arange(1000, 1016), BS), [9]))
-    assert off.lookup(keys[1:2]) == 1 and off.lookup(keys[2:3]) == 0  # 2 went first, not 1
+    assert off.lookup(keys[7:8]) == 1 and off.lookup(keys[6:7]) == 0  # 6 went first, not 7
 
 
 def _state(off):

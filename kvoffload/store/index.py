@@ -19,6 +19,12 @@ Lifecycle of a block (the one place it is written down)::
   ``unpin``) is never evicted. ``pin`` is for copies out of a host slot that are not engine loads
   (a lower tier writing the block down): it counts no load and does not touch the policy.
 - A failed store (``complete_store(success=False)``) leaves nothing readable and frees its slots.
+- Recency is kept per call, last key first: ``complete_store`` makes its keys readable, and
+  ``prepare_load`` and ``touch`` mark them used, from the last key to the first, so of a prefix
+  the head (which every longer prefix needs) is the most recent and the tail is evicted first, as
+  in vLLM's offloading managers. ``prepare_store`` marks the keys it finds READABLE used too (the
+  engine has just offered them again): a block stored long ago in the middle of a prefix stored
+  now would otherwise be evicted before the blocks around it and cut every later hit there.
 - ``reset`` drops the unpinned READABLE blocks in the policy's victim order.
 
 The per-block work is native (``kvoffload/store/native/``, the extension

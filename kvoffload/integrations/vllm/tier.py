@@ -59,10 +59,9 @@ class HostTier:
         return HIT if self.index.lookup([key]) else MISS  # counts the hit or the miss
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> np.ndarray:
-        """Pin ``keys`` (all readable) and return their host chunks, in order."""
-        chunks = self.index.prepare_load(keys)
-        self.index.touch(reversed(keys))
-        return chunks
+        """Pin ``keys`` (all readable) and return their host chunks, in order. The index touches
+        them last key first: of a prefix the head is the most recent, the tail goes first."""
+        return self.index.prepare_load(keys)
 
     def complete_load(self, keys: Collection[BlockKey], success: bool = True) -> None:
         self.index.complete_load(keys, success)
@@ -76,7 +75,7 @@ class HostTier:
         self.index.unpin(keys)
 
     def touch(self, keys: Collection[BlockKey]) -> None:
-        self.index.touch(reversed(list(keys)))
+        self.index.touch(keys)  # last key first (the index's rule)
 
     def prepare_store(self, keys: Sequence[BlockKey]) -> StorePlan | None:
         plan = self.index.prepare_store(keys)
@@ -90,11 +89,11 @@ class HostTier:
 
     def complete_store(self, keys: Collection[BlockKey], success: bool = True) -> None:
         order = self._store_order
-        ordered = sorted(keys, key=lambda k: order.get(k, -1), reverse=True)  # tail first
+        # in prepare order: the index makes them readable last key first (the tail oldest)
+        ordered = sorted(keys, key=lambda k: order.get(k, -1))
         self.index.complete_store(ordered, success)
         for key in ordered:
             del order[key]
-        ordered.reverse()
         self._record(TierEvent(ordered, removed=not success, metadata_only=not success))
 
     def drop(self, keys: Collection[BlockKey]) -> list[BlockKey]:

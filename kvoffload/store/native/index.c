@@ -238,10 +238,17 @@ ix_status ix_prepare_store(ix_index *ix, const ix_key *keys, int64_t n, ix_plan 
     plan->pos = malloc((size_t)(n ? n : 1) * sizeof *plan->pos);
     plan->slots = malloc((size_t)(n ? n : 1) * sizeof *plan->slots);
     uint8_t **copies = calloc((size_t)(n ? n : 1), sizeof *copies);
-    if (plan->pos == NULL || plan->slots == NULL || copies == NULL) st = IX_NOMEM;
-    int64_t fresh = 0;
-    for (int64_t i = 0; i < n && st == IX_OK; i++)
-        if (ix_find_at(ix, keys, n, i) == IX_NIL) plan->pos[fresh++] = i;
+    uint32_t *held = malloc((size_t)(n ? n : 1) * sizeof *held); /* slots of keys present */
+    if (plan->pos == NULL || plan->slots == NULL || copies == NULL || held == NULL)
+        st = IX_NOMEM;
+    int64_t fresh = 0, n_held = 0;
+    for (int64_t i = 0; i < n && st == IX_OK; i++) {
+        uint32_t s = ix_find_at(ix, keys, n, i);
+        if (s == IX_NIL)
+            plan->pos[fresh++] = i;
+        else
+            held[n_held++] = s;
+    }
     int64_t short_by = fresh > ix->num_free ? fresh - ix->num_free : 0;
     if (st == IX_OK) st = copy_long(ix, keys, plan->pos, fresh, copies);
     if (st == IX_OK) st = out_alloc(plan, short_by);
@@ -276,6 +283,13 @@ ix_status ix_prepare_store(ix_index *ix, const ix_key *keys, int64_t n, ix_plan 
     }
     for (int64_t r = fit - 1; r >= j && st != IX_OK; r--) /* taken, not given: back on the stack */
         ix->free[ix->num_free++] = (uint32_t)plan->slots[r];
+    /* Keys held already count as used, last key first (ix_acquire): the engine has just offered
+     * them again. Left old, a block in the middle of a stored prefix would go before the blocks
+     * around it, and a later hit would stop there (benchmarks/host_hits_sim.py). Marked above,
+     * none was evicted; a WRITING one is not in the policy's lists yet. */
+    for (int64_t h = n_held - 1; h >= 0 && st == IX_OK; h--)
+        if (readable(ix, held[h])) ix_policy_touch(ix, held[h]);
+    free(held);
     for (int64_t j = 0; j < fresh && copies; j++) free(copies[j]);
     free(copies);
     plan->n = fit;
@@ -302,16 +316,19 @@ static int all_distinct_in(ix_index *ix, const ix_key *keys, int64_t n, int stat
 /* A store's end for slots found WRITING and distinct: readable, or back to free. */
 static ix_status finish_store(ix_index *ix, const uint32_t *slots, int64_t n, int success) {
     ix_status st = IX_OK;
+    if (success) { /* last key first: a prefix's head ends up the most recent (ix_acquire) */
+        for (int64_t i = n - 1; i >= 0 && st == IX_OK; i--) {
+            ix->num_writing--;
+            ix->e[slots[i]].state = IX_READABLE;
+            ix->num_readable++;
+            st = ix_policy_insert(ix, slots[i]);
+        }
+        return st;
+    }
     uint32_t from = ix->num_free;
-    for (int64_t i = 0; i < n && st == IX_OK; i++) {
+    for (int64_t i = 0; i < n; i++) {
         uint32_t s = slots[i];
         ix->num_writing--;
-        if (success) {
-            ix->e[s].state = IX_READABLE;
-            ix->num_readable++;
-            st = ix_policy_insert(ix, s);
-            continue;
-        }
         ix_table_del(&ix->table, ix_key_hash(ix->e[s].b, ix->e[s].tag), s);
         if (ix->full) {
             free(ix->full[s]);
@@ -390,8 +407,9 @@ ix_status ix_acquire(ix_index *ix, const ix_key *keys, int64_t n, int touch, int
     if (why->count) return IX_NOT_READABLE;
     for (int64_t i = 0; i < n; i++)
         if (ix->e[slots[i]].readers++ == 0) ix->num_pinned++;
-    if (touch)
-        for (int64_t i = 0; i < n; i++) ix_policy_touch(ix, (uint32_t)slots[i]);
+    if (touch) /* last key first: of a prefix the head, which every longer prefix needs, is
+                * the most recent and the tail goes first (as vLLM's offloading managers) */
+        for (int64_t i = n - 1; i >= 0; i--) ix_policy_touch(ix, (uint32_t)slots[i]);
     return IX_OK;
 }
 
@@ -462,7 +480,7 @@ ix_status ix_release_slots(ix_index *ix, const int64_t *given, int64_t n, ix_ref
 }
 
 void ix_touch(ix_index *ix, const ix_key *keys, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = n - 1; i >= 0; i--) { /* last key first (ix_acquire) */
         uint32_t s = ix_find_at(ix, keys, n, i);
         if (readable(ix, s)) ix_policy_touch(ix, s);
     }

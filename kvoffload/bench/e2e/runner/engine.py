@@ -52,8 +52,9 @@ class Offload:
     """How the engine uses kvoffload's host tier (mode ``kvoffload``)."""
 
     # Which requests' blocks go to host: "all"; "reuse": only a request that reused something (a
-    # GPU or host hit, or a first block it shares with an earlier request that was not stored),
-    # so a stream of unrelated prompts copies nothing; "none": nothing (lookups only).
+    # GPU or host hit, or a first block it shares with an earlier request that was not stored,
+    # and then that earlier request's blocks still on the GPU too), so a stream of unrelated
+    # prompts copies nothing; "none": nothing (lookups only).
     admission: str = "reuse"
     # When they go: "evict": once they come within ``store_lead`` times the most blocks one request
     # has allocated of the head of the GPU pool's free queue (the next to be evicted), so nothing
@@ -151,6 +152,9 @@ class PagedEngine:
         self.timer = SectionTimer(model.device)
         self.late_stores = 0  # blocks stored only when the pool was about to reuse them
         self._ghosts: OrderedDict[BlockKey, None] = OrderedDict()
+        # of the latest requests not stored, by first key: (block, key) of their full blocks
+        self._ghost_blocks: OrderedDict[BlockKey, list[tuple[int, BlockKey]]] = OrderedDict()
+        self._ghost_count = 0  # pairs in _ghost_blocks (at most the pool's blocks)
         self._held: dict[str, list[int]] = {}  # finished requests' blocks, until their jobs end
         self._unstored: dict[int, BlockKey] = {}  # "evict": admitted blocks not stored yet
         self._storing: dict[str, list[int]] = {}  # "evict": store job -> the blocks it reads
@@ -325,9 +329,10 @@ class PagedEngine:
         admission = self.offload.admission
         if self.host is None or admission == "none":
             return False
-        if admission == "all" or reused or not keys:
+        if not keys:
             return True
-        if keys[0] in self._ghosts:
+        if admission == "all" or reused or keys[0] in self._ghosts:
+            self._promote(self._ghost_blocks.pop(keys[0], []))
             return True
         self._ghosts[keys[0]] = None
         if len(self._ghosts) > GHOSTS:
@@ -356,6 +361,8 @@ class PagedEngine:
         if hi <= loaded:
             return
         self.pool.cache(blocks[loaded:hi], keys[loaded:hi])
+        if self.host is not None and not store and self.offload.admission == "reuse":
+            self._remember_ghost(keys[0], list(zip(blocks[:hi], keys[:hi], strict=True)))
         if self.host is None or not store:
             return
         if self.offload.store == "behind":
@@ -364,6 +371,27 @@ class PagedEngine:
         for i in itertools.chain(range(gpu_hit), range(loaded, hi)):
             if self.pool.key_of(blocks[i]) == keys[i]:  # the block that caches this key
                 self._unstored[blocks[i]] = keys[i]
+
+    def _remember_ghost(self, first: BlockKey, pairs: list[tuple[int, BlockKey]]) -> None:
+        """A request not stored: its blocks, in case a later one shares its first block while
+        they are still cached (``_promote``). Only the latest are kept: at most as many blocks as
+        the pool holds, older ones are overwritten by then."""
+        self._ghost_count += len(pairs) - len(self._ghost_blocks.pop(first, []))
+        self._ghost_blocks[first] = pairs
+        while self._ghost_count > self.pool.num_blocks:
+            self._ghost_count -= len(self._ghost_blocks.popitem(last=False)[1])
+
+    def _promote(self, pairs: list[tuple[int, BlockKey]]) -> None:
+        """A request not stored turned out to share its prefix: its blocks the pool still caches
+        go to host as an admitted request's would (a document's first reader was not stored, its
+        second arrives after the document has left the GPU: it would miss on host too)."""
+        self._ghost_count -= len(pairs)
+        cached = [(b, k) for b, k in pairs if self.pool.key_of(b) == k]
+        if not cached or self.host is None:
+            return
+        self._unstored.update(cached)
+        if self.offload.store == "behind":  # now, tracked as the stores before an eviction are
+            self._store_now([b for b, _ in cached])
 
     def _store_ahead(self) -> None:
         """``store == "evict"``: store admitted blocks near the head of the free queue."""
