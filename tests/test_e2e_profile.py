@@ -117,3 +117,17 @@ def test_first_events_interleave_host_calls_and_device_work_from_the_first_devic
     assert [(e["kind"], e["correlation"]) for e in events] == [("api", 9), ("device", 9)]
     assert events[0]["start"] == pytest.approx(-0.005) and events[1]["start"] == 0.0
     assert events[1]["stream"] == 7 and events[1]["ms"] == pytest.approx(0.02)
+
+
+def test_api_totals_split_host_calls_by_name_with_their_threads():
+    """kvoffload's driver calls (``cu*``) and torch's runtime calls add up apart, by name."""
+    calls = [
+        {"cat": "cuda_driver", "name": "cuMemcpy2DAsync_v2", "ts": 0, "dur": 2, "tid": 1},
+        {"cat": "cuda_driver", "name": "cuMemcpy2DAsync_v2", "ts": 5, "dur": 3, "tid": 1},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 9, "dur": 4, "tid": 1},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 20, "dur": 4, "tid": 2},
+    ]
+    api = summarize_trace([*calls, _k("gemm", 0, 10)])["api_ms"]
+    assert list(api) == ["cudaLaunchKernel", "cuMemcpy2DAsync_v2"]  # largest total first
+    assert api["cuMemcpy2DAsync_v2"] == {"count": 2, "ms": pytest.approx(0.005), "threads": 1}
+    assert api["cudaLaunchKernel"]["threads"] == 2

@@ -128,6 +128,7 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         "timeline_ms": _timeline(model, ours, htod, dtoh),
         "small_copies_ms": _small(small, model, ours, htod, dtoh),
         "first_events": _first_events(api, device, _t0(model, ours, htod, dtoh)),
+        "api_ms": _api_totals(api),
         "top": [
             {
                 "name": n[:120],
@@ -138,6 +139,23 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             for n, d in top
         ],
     }
+
+
+def _api_totals(api: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Host time of the trace's CUDA calls by name: count, total ms and the thread that made most
+    of them. kvoffload's native core calls the driver API (``cu*``); torch calls the runtime
+    (``cuda*``), so the split tells whose calls a restored request's host time went to."""
+    out: dict[str, dict[str, Any]] = {}
+    threads: dict[str, dict[Any, int]] = defaultdict(lambda: defaultdict(int))
+    for ev in api:
+        name = str(ev.get("name", ""))[:60]
+        row = out.setdefault(name, {"count": 0, "ms": 0.0})
+        row["count"] += 1
+        row["ms"] += float(ev["dur"]) / 1e3
+        threads[name][ev.get("tid")] += 1
+    for name, row in out.items():
+        row["threads"] = len(threads[name])
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
 
 
 def _t0(*kinds: list[tuple[float, float]]) -> float:
