@@ -104,3 +104,19 @@ def test_call_clock_sums_per_call_and_leaves_probes_out_of_the_total():
     assert got["worker.submit"][1] == 2 and got["probe:worker.wait_on"][1] == 1
     assert calls.total(got) == pytest.approx(got["worker.submit"][0])
     assert clock.take() == got and clock.take() == {}
+
+
+def test_a_turn_that_computes_more_than_gpu_all_is_a_prefix_lost():
+    """The docs p99 of the seventh round: a turn restoring 1792 of 4096 tokens computed 2432
+    where gpu_all computed 128. It shows as a count, not only as a slow percentile."""
+    run = _run("eager")
+    modes = run["workloads"]["chat"]["modes"]
+    modes["gpu_all"]["records"] = [_rec(0, 20.0, computed_tokens=128), _rec(1, 20.0)]
+    modes["kvoffload"]["records"][0]["computed_tokens"] = 2432
+    got = {t["name"]: t for t in targets(run)}["chat: turns finding gpu_all's prefix"]
+    assert (got["measured"], got["target"], got["met"]) == (1.0, 2.0, False)
+    modes["kvoffload"]["records"][0]["computed_tokens"] = 128
+    got = {t["name"]: t for t in targets(run)}["chat: turns finding gpu_all's prefix"]
+    assert (got["measured"], got["met"]) == (2.0, True)
+    line = Target(**{k: v for k, v in got.items() if k != "met"}).line()
+    assert line == "chat: turns finding gpu_all's prefix: 2/2 (target all): met"
