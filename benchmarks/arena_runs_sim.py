@@ -34,18 +34,27 @@ ARGS = "--workloads chat,docs --modes kvoffload --conversations 8 --documents 16
 ARGS += " --zero-reuse-rounds 0 --verify 0 --device cpu"
 
 
-def main() -> int:
+def cpu_setup(args: str, compute: str | None = None) -> tuple[Any, Model, PagedKVCache, HostTier]:
+    """``bench e2e`` parsed from ``args`` on a CPU: (config, model, KV cache, one host tier as
+    large as the largest workload's). ``compute``: the model whose shapes compute (default: the
+    config's), e.g. ``micro`` under a GPU model's token sizes."""
     parser = argparse.ArgumentParser()
     e2e_args.add_arguments(parser)
-    cfg = e2e_args.build_config(parser.parse_args(ARGS.split()), False, "float32")
+    cfg = e2e_args.build_config(parser.parse_args(args.split()), False, "float32")
     torch.set_num_threads(1)
-    mc = model_config(cfg.model)
+    mc = model_config(compute or cfg.model)
     model = Model(mc, cfg.device, cfg.seed, cfg.dtype)
     cache = PagedKVCache(
         mc, cfg.cache_blocks() + 1, cfg.block_size, torch.device("cpu"), torch.float32
     )
     capacity = max(r.host_blocks for r in cfg.workloads)
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=capacity, backend=cfg.backend))
+    return cfg, model, cache, host
+
+
+def main() -> int:
+    cfg, model, cache, host = cpu_setup(ARGS)
+    capacity = host.capacity_blocks
     rows: list[dict[str, Any]] = []
     try:
         for i in range(PASSES):

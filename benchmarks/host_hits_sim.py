@@ -15,7 +15,6 @@ turns' runs of host slots per load.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import platform
@@ -24,15 +23,9 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 
-import kvoffload as kvo
-from kvoffload.bench.e2e import args as e2e_args
+from benchmarks.arena_runs_sim import cpu_setup
 from kvoffload.bench.e2e.runner import bench
-from kvoffload.bench.e2e.runner.config import model_config
-from kvoffload.bench.e2e.runner.host_tier import HostTier
-from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
-from kvoffload.bench.e2e.runner.model import Model
 
 PASSES = 3
 ARGS = "--model llama3-8b --workloads chat,docs --modes gpu_all,kvoffload --conversations 8"
@@ -81,17 +74,8 @@ def pass_rows(i: int, out: dict[str, Any], evictions: int) -> list[dict[str, Any
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    e2e_args.add_arguments(parser)
-    cfg = e2e_args.build_config(parser.parse_args(ARGS.split()), False, "float32")
-    torch.set_num_threads(1)
-    mc = model_config("micro")
-    model = Model(mc, cfg.device, cfg.seed, cfg.dtype)
-    cache = PagedKVCache(
-        mc, cfg.cache_blocks() + 1, cfg.block_size, torch.device("cpu"), torch.float32
-    )
-    capacity = max(r.host_blocks for r in cfg.workloads)
-    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=capacity, backend=cfg.backend))
+    cfg, model, cache, host = cpu_setup(ARGS, "micro")
+    capacity = host.capacity_blocks
     rows: list[dict[str, Any]] = []
     try:
         for i in range(PASSES):
