@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 
 from kvoffload import prefix_block_keys
+from kvoffload.bench.e2e.runner.admission import Admission, Pairs
 from kvoffload.bench.e2e.runner.attention import paged_attend
 from kvoffload.bench.e2e.runner.block_pool import BlockKey, BlockPool
 from kvoffload.bench.e2e.runner.calls import total as total_calls
@@ -35,7 +35,7 @@ from kvoffload.bench.e2e.runner.graphs import GraphRunner
 from kvoffload.bench.e2e.runner.host_tier import HostTier, Load, slot_runs
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
-from kvoffload.bench.e2e.runner.timing import SectionTimer
+from kvoffload.bench.e2e.runner.timing import HostClock, SectionTimer
 
 MODES = ("recompute", "gpu", "gpu_all", "kvoffload")
 # a prefill chunk's inputs uploaded ahead: (tokens, positions, block table) in eager mode, ()
@@ -44,7 +44,6 @@ Staged = tuple[torch.Tensor, ...]
 ADMISSIONS = ("all", "reuse", "none")
 STORES = ("behind", "evict")
 LOADS = ("layered", "blocking")
-GHOSTS = 1 << 16  # first-block keys remembered of requests not stored
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ class TurnResult:
     computed_tokens: int  # prompt tokens prefilled
     load_seconds: float | None  # the host-tier load's device time; None: not timed (a CPU)
     layer_waits: list[float]  # per layer: how long its attention waited for its blocks (exposed)
-    host: dict[str, float]  # host seconds inside TTFT per step (``_HostClock``)
+    host: dict[str, float]  # host seconds inside TTFT per step (``HostClock``)
     sections: dict[str, float] = field(default_factory=dict)  # device time inside TTFT
     blocks: list[int] = field(default_factory=list)  # the request's block table, in order
     graph: str = "eager"  # how the forward ran: eager, piecewise or full (``graphs.py``)
@@ -95,19 +94,6 @@ class TurnResult:
     kvo_ttft_s: float = 0.0  # host seconds inside kvoffload calls before the first token
     kvo_ttft_calls: dict[str, tuple[float, int]] = field(default_factory=dict)  # those, per call
     load_runs: int = 0  # runs of consecutive host slots the load read (``slot_runs``)
-
-
-class _HostClock:
-    """Host seconds per step of a request, from its start: ``mark(step)`` ends a step."""
-
-    def __init__(self, start: float) -> None:
-        self.last = start
-        self.seconds: dict[str, float] = {}
-
-    def mark(self, step: str) -> None:
-        now = time.perf_counter()
-        self.seconds[step] = self.seconds.get(step, 0.0) + now - self.last
-        self.last = now
 
 
 class PagedEngine:
@@ -151,10 +137,7 @@ class PagedEngine:
         self.pool = BlockPool(pool_blocks, first_block)
         self.timer = SectionTimer(model.device)
         self.late_stores = 0  # blocks stored only when the pool was about to reuse them
-        self._ghosts: OrderedDict[BlockKey, None] = OrderedDict()
-        # of the latest requests not stored, by first key: (block, key) of their full blocks
-        self._ghost_blocks: OrderedDict[BlockKey, list[tuple[int, BlockKey]]] = OrderedDict()
-        self._ghost_count = 0  # pairs in _ghost_blocks (at most the pool's blocks)
+        self.admission = Admission(self.offload.admission, pool_blocks)
         self._held: dict[str, list[int]] = {}  # finished requests' blocks, until their jobs end
         self._unstored: dict[int, BlockKey] = {}  # "evict": admitted blocks not stored yet
         self._storing: dict[str, list[int]] = {}  # "evict": store job -> the blocks it reads
@@ -178,7 +161,7 @@ class PagedEngine:
         if len(answer) and decode:
             raise ValueError("expected answer tokens or decode steps, got both")
         req = f"req{next(self._ids)}"
-        host_time = _HostClock(t0)
+        host_time = HostClock(t0)
         if self.host is not None:
             self.host.calls.take()  # from here on, this request's kvoffload calls
         self._allocated = 0
@@ -323,21 +306,13 @@ class PagedEngine:
     # -- stores --------------------------------------------------------------------------------
 
     def _admit(self, keys: Sequence[BlockKey], reused: int) -> bool:
-        """Whether this request's blocks go to host (see ``Offload.admission``). Keys chain from
-        the first block, so a request sharing any prefix with an earlier one shares its first
-        key."""
-        admission = self.offload.admission
-        if self.host is None or admission == "none":
+        """Whether this request's blocks go to host (``admission.py``); an earlier request not
+        stored that it admits goes too."""
+        if self.host is None:
             return False
-        if not keys:
-            return True
-        if admission == "all" or reused or keys[0] in self._ghosts:
-            self._promote(self._ghost_blocks.pop(keys[0], []))
-            return True
-        self._ghosts[keys[0]] = None
-        if len(self._ghosts) > GHOSTS:
-            self._ghosts.popitem(last=False)
-        return False
+        admitted, earlier = self.admission.admit(keys, reused)
+        self._promote(earlier)
+        return admitted
 
     def _publish(
         self,
@@ -361,8 +336,8 @@ class PagedEngine:
         if hi <= loaded:
             return
         self.pool.cache(blocks[loaded:hi], keys[loaded:hi])
-        if self.host is not None and not store and self.offload.admission == "reuse":
-            self._remember_ghost(keys[0], list(zip(blocks[:hi], keys[:hi], strict=True)))
+        if self.host is not None and not store:
+            self.admission.remember(keys[0], list(zip(blocks[:hi], keys[:hi], strict=True)))
         if self.host is None or not store:
             return
         if self.offload.store == "behind":
@@ -372,20 +347,9 @@ class PagedEngine:
             if self.pool.key_of(blocks[i]) == keys[i]:  # the block that caches this key
                 self._unstored[blocks[i]] = keys[i]
 
-    def _remember_ghost(self, first: BlockKey, pairs: list[tuple[int, BlockKey]]) -> None:
-        """A request not stored: its blocks, in case a later one shares its first block while
-        they are still cached (``_promote``). Only the latest are kept: at most as many blocks as
-        the pool holds, older ones are overwritten by then."""
-        self._ghost_count += len(pairs) - len(self._ghost_blocks.pop(first, []))
-        self._ghost_blocks[first] = pairs
-        while self._ghost_count > self.pool.num_blocks:
-            self._ghost_count -= len(self._ghost_blocks.popitem(last=False)[1])
-
-    def _promote(self, pairs: list[tuple[int, BlockKey]]) -> None:
-        """A request not stored turned out to share its prefix: its blocks the pool still caches
-        go to host as an admitted request's would (a document's first reader was not stored, its
-        second arrives after the document has left the GPU: it would miss on host too)."""
-        self._ghost_count -= len(pairs)
+    def _promote(self, pairs: Pairs) -> None:
+        """An earlier request not stored was admitted after all: its blocks the pool still caches
+        go to host as an admitted request's would."""
         cached = [(b, k) for b, k in pairs if self.pool.key_of(b) == k]
         if not cached or self.host is None:
             return

@@ -55,3 +55,16 @@ class SectionTimer:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class HostClock:
+    """Host seconds per step of a request, from its start: ``mark(step)`` ends a step."""
+
+    def __init__(self, start: float) -> None:
+        self.last = start
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, step: str) -> None:
+        now = time.perf_counter()
+        self.seconds[step] = self.seconds.get(step, 0.0) + now - self.last
+        self.last = now
