@@ -131,3 +131,20 @@ def test_api_totals_split_host_calls_by_name_with_their_threads():
     assert list(api) == ["cudaLaunchKernel", "cuMemcpy2DAsync_v2"]  # largest total first
     assert api["cuMemcpy2DAsync_v2"] == {"count": 2, "ms": pytest.approx(0.005), "threads": 1}
     assert api["cudaLaunchKernel"]["threads"] == 2
+
+
+def test_host_events_count_the_collections_inside_the_block():
+    import gc
+
+    import torch
+
+    from kvoffload.bench.e2e.runner.timing import HostEvents
+
+    with HostEvents(torch.device("cpu")) as events:
+        gc.collect()
+        gc.collect()
+    assert events.counts["gc_collections"] >= 2 and events.counts["gc_ms"] > 0
+    assert events.counts["num_alloc_retries"] == 0  # no CUDA: nothing counted
+    assert events._on_gc not in gc.callbacks  # removed on exit
+    gc.collect()
+    assert events.counts["gc_collections"] >= 2

@@ -42,7 +42,7 @@ from kvoffload.bench.e2e.runner.model import Model
 from kvoffload.bench.e2e.runner.profile import compare, traced
 from kvoffload.bench.e2e.runner.results import attribution, pool_rounds, record, summarize
 from kvoffload.bench.e2e.runner.targets import targets
-from kvoffload.bench.e2e.runner.timing import sync
+from kvoffload.bench.e2e.runner.timing import HostEvents, sync
 from kvoffload.bench.e2e.runner.verify import verify_samples
 from kvoffload.bench.e2e.runner.workload import Turn, unique_turns
 
@@ -286,12 +286,14 @@ def run_paired(
             sync(device)
             t0 = time.perf_counter()
             with traced(trace) if traced_now else contextlib.nullcontext():
-                r = engine.run(turn.prompt, turn.answer)
+                with HostEvents(device) as events:
+                    r = engine.run(turn.prompt, turn.answer)
                 engine.idle()
                 sync(device)
             spent[name] += time.perf_counter() - t0
             tiers[name] = _sum(tiers[name], tier_delta(host.stats, before))
             records[name].append(record(turn, r, round_))
+            records[name][-1]["host_events"] = events.counts
             if traced_now:
                 records[name][-1]["profile"] = trace
             advance(f"{label} {name}")

@@ -3,6 +3,7 @@ with the wall clock (CPU ops run synchronously)."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -68,3 +69,41 @@ class HostClock:
         now = time.perf_counter()
         self.seconds[step] = self.seconds.get(step, 0.0) + now - self.last
         self.last = now
+
+
+class HostEvents:
+    """What may stall the host during a request besides the engine's own work, counted while
+    the ``with`` block runs: garbage collections (how many, and their ms, through
+    ``gc.callbacks``) and, on CUDA, the caching allocator's device allocations and frees and its
+    retries (a retry frees cached blocks, and ``cudaFree`` waits for the device). ``counts`` is
+    the dict a record keeps."""
+
+    _ALLOC = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.counts: dict[str, float] = {}
+        self._gc_start = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.counts["gc_ms"] += (time.perf_counter() - self._gc_start) * 1e3
+            self.counts["gc_collections"] += 1
+
+    def _alloc(self) -> dict[str, int]:
+        stats = torch.cuda.memory_stats() if self.cuda else {}
+        return {k: int(stats.get(k, 0)) for k in self._ALLOC}
+
+    def __enter__(self) -> HostEvents:
+        self.counts = {"gc_ms": 0.0, "gc_collections": 0}
+        self._before = self._alloc()
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+        after = self._alloc()
+        for k in self._ALLOC:
+            self.counts[k] = after[k] - self._before[k]
