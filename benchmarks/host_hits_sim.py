@@ -26,6 +26,7 @@ import numpy as np
 
 from benchmarks.arena_runs_sim import cpu_setup
 from kvoffload.bench.e2e.runner import bench
+from kvoffload.bench.e2e.runner.targets import prefix_lost
 
 PASSES = 3
 ARGS = "--model llama3-8b --workloads chat,docs --modes gpu_all,kvoffload --conversations 8"
@@ -36,16 +37,8 @@ ARGS += " --dtype float32"
 def pass_rows(i: int, out: dict[str, Any], evictions: int) -> list[dict[str, Any]]:
     rows = []
     for kind, run in out["workloads"].items():
-        ideal = {
-            (r["round"], r["conversation"], r["turn"]): r["computed_tokens"]
-            for r in run["modes"]["gpu_all"]["records"]
-        }
         records = run["modes"]["kvoffload"]["records"]
-        short = [
-            (r, r["computed_tokens"] - ideal[(r["round"], r["conversation"], r["turn"])])
-            for r in records
-        ]
-        short = [(r, lost) for r, lost in short if lost > 0]
+        short = [(r, lost) for r, lost in prefix_lost(run["modes"]) or [] if lost > 0]
         runs = [r["load_runs"] for r in records if r["host_hit_tokens"] > 0]
         rows.append(
             {

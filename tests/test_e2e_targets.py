@@ -7,8 +7,9 @@ from kvoffload.bench.e2e.runner import calls
 from kvoffload.bench.e2e.runner.targets import Target, restored_vs_gpu_all, targets
 
 
-def _rec(conv, ttft, host=0, load_bytes=0, prefill=0.0, launch=0.0, **extra):
+def _rec(conv, ttft, host=0, load_bytes=0, prefill=0.0, launch=0.0, computed_tokens=0, **extra):
     return {
+        "computed_tokens": computed_tokens,
         "round": 0,
         "conversation": conv,
         "turn": 2,

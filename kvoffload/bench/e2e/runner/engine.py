@@ -351,7 +351,7 @@ class PagedEngine:
         """An earlier request not stored was admitted after all: its blocks the pool still caches
         go to host as an admitted request's would."""
         cached = [(b, k) for b, k in pairs if self.pool.key_of(b) == k]
-        if not cached or self.host is None:
+        if not cached:
             return
         self._unstored.update(cached)
         if self.offload.store == "behind":  # now, tracked as the stores before an eviction are

@@ -142,8 +142,8 @@ def summarize_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _api_totals(api: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Host time of the trace's CUDA calls by name: count, total ms and the thread that made most
-    of them. kvoffload's native core calls the driver API (``cu*``); torch calls the runtime
+    """Host time of the trace's CUDA calls by name: count, total ms and how many threads made
+    them. kvoffload's native core calls the driver API (``cu*``); torch calls the runtime
     (``cuda*``), so the split tells whose calls a restored request's host time went to."""
     out: dict[str, dict[str, Any]] = {}
     threads: dict[str, dict[Any, int]] = defaultdict(lambda: defaultdict(int))

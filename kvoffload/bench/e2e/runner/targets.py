@@ -165,15 +165,27 @@ def targets(
     return [t.as_dict() for t in out]
 
 
+def prefix_lost(modes: dict[str, Any]) -> list[tuple[dict[str, Any], int]] | None:
+    """Each kvoffload record paired with a ``gpu_all`` one (same round, conversation, turn), with
+    how many more tokens it computed than that one (0: it found as much prefix); None without
+    both modes."""
+    if "kvoffload" not in modes or "gpu_all" not in modes:
+        return None
+    ideal = {request_key(r): r["computed_tokens"] for r in modes["gpu_all"]["records"]}
+    return [
+        (r, max(0, r["computed_tokens"] - ideal[request_key(r)]))
+        for r in modes["kvoffload"]["records"]
+        if request_key(r) in ideal
+    ]
+
+
 def prefix_kept(modes: dict[str, Any]) -> tuple[int, int] | None:
     """(kvoffload turns that computed no more tokens than the same turn in ``gpu_all``, turns
     paired); None without both modes."""
-    if "kvoffload" not in modes or "gpu_all" not in modes:
+    paired = prefix_lost(modes)
+    if paired is None:
         return None
-    ideal = {request_key(r): r.get("computed_tokens", 0) for r in modes["gpu_all"]["records"]}
-    paired = [r for r in modes["kvoffload"]["records"] if request_key(r) in ideal]
-    kept = sum(r.get("computed_tokens", 0) <= ideal[request_key(r)] for r in paired)
-    return kept, len(paired)
+    return sum(lost == 0 for _, lost in paired), len(paired)
 
 
 def restored_vs_gpu_all(
