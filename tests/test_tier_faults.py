@@ -17,6 +17,7 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,8 +162,21 @@ class Harness:
         self.local.close()
 
 
+def fault_kinds(rng: random.Random) -> Iterator[str]:
+    """The server's faults in order: a kill, then a freeze, then kills 70% of the time.
+
+    Its own generator, so that how many requests ran between two faults (which varies with the
+    machine) never changes which fault comes next, and a short run still sees both kinds.
+    """
+    yield "kill"
+    yield "freeze"
+    while True:
+        yield "kill" if rng.random() < 0.7 else "freeze"
+
+
 def test_faults_never_give_wrong_bytes_or_exceptions(tmp_path):
     rng = random.Random(1234)
+    faults = fault_kinds(random.Random(4321))
     with running_server() as server:
         h = Harness(tmp_path, server.url)
         tier = tier_of(h.local, "valkey")
@@ -186,7 +200,7 @@ def test_faults_never_give_wrong_bytes_or_exceptions(tmp_path):
                 paused_until = 0.0
             server_ok = not down_until and not paused_until
             if server_ok and now > next_kill:
-                if rng.random() < 0.7:
+                if next(faults) == "kill":
                     server.kill()
                     down_until = now + rng.uniform(*DOWN_S)
                     h.counts["server_kills"] += 1
@@ -215,7 +229,13 @@ def test_faults_never_give_wrong_bytes_or_exceptions(tmp_path):
     if os.environ.get("KVOFFLOAD_FAULT_REPORT"):
         Path(os.environ["KVOFFLOAD_FAULT_REPORT"]).write_text(json.dumps(report, indent=1))
     assert h.problems == []
-    for fault in ("server_kills", "engine_restarts", "slab_bytes_flipped", "value_bytes_flipped"):
+    for fault in (
+        "server_kills",
+        "server_freezes",
+        "engine_restarts",
+        "slab_bytes_flipped",
+        "value_bytes_flipped",
+    ):
         assert h.counts[fault] >= 1, f"no {fault} in {DURATION_S} s"
     totals = h.tier_totals
     assert totals["disk.gets"] > 0 and totals["valkey.gets"] > 0 and totals["flow.promoted"] > 0
