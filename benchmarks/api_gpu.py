@@ -13,13 +13,19 @@ targets with ``met`` (``kvoffload.bench.store.api.TARGETS``, as ``kvoffload benc
 
     python benchmarks/api_gpu.py OUT.json            # CUDA: backend 'staged' (native)
     python benchmarks/api_gpu.py OUT.json --cpu      # a smoke run on CPU tensors (host backend)
+    python benchmarks/api_gpu.py OUT.json --backends staged,staged-wide-ds1 --shapes llama3-8b:page
+
+``--backends``: the native core's variants side by side (``staged-FLAG-...``, flags of
+``kvoffload.bench.e2e.runner.core_flags``), run in turn per shape, ``--rounds`` times, each
+round starting one backend later (the first run of a shape read slower host phases on an H100,
+2026-11-26); ``--shapes``: model:layout pairs of the sweep to run (default: all).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -27,6 +33,8 @@ import numpy as np
 import torch
 
 from kvoffload import KVLayout, OffloadConfig, build_local
+from kvoffload.bench.e2e.command import _device
+from kvoffload.bench.e2e.runner.core_flags import configured
 from kvoffload.bench.store.api import TARGETS, line, met
 from kvoffload.transfer.shapes import MODELS, engine_tensors
 
@@ -106,12 +114,13 @@ def fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (model, layout, keys, direction): lines over the job sizes with ``met``."""
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["layout"], r["keys"], r["direction"]), []).append(r)
+        key = (r["backend"], r["model"], r["layout"], r["keys"], r["direction"])
+        groups.setdefault(key, []).append(r)
     out = []
-    for (model, layout, keys, direction), rs in groups.items():
+    for (backend, model, layout, keys, direction), rs in groups.items():
         blocks = [r["blocks"] for r in rs]
         phases = rs[0]["phases_us"]
-        fit: dict[str, Any] = {"model": model, "layout": layout, "keys": keys}
+        fit: dict[str, Any] = {"backend": backend, "model": model, "layout": layout, "keys": keys}
         fit["direction"] = direction
         fit["api"] = met(line(blocks, [r["phases_us"]["api"] for r in rs]), TARGETS["per_block_us"])
         fit["phases"] = {
@@ -126,7 +135,8 @@ def fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(fit)
         api = fit["api"]
         print(
-            f"{model:22} {layout:9} {keys:5} {direction:5} fit {api['per_call_us']:8.1f} + "
+            f"{backend:16} {model:22} {layout:9} {keys:5} {direction:5} fit "
+            f"{api['per_call_us']:8.1f} + "
             f"{api['per_block_us']:.3f}/block met {api['met']}"
             + (
                 f"  lookup {fit['lookup']['per_block_us']:.4f}/block"
@@ -138,7 +148,7 @@ def fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def shape(model: str, layout: str, device: str) -> list[dict[str, Any]]:
+def shape(model: str, layout: str, device: str, backend: str) -> list[dict[str, Any]]:
     counts = COUNTS if device != "cpu" else (1, 37, 100)  # a CPU smoke run stays small
     pool = 2 * max(counts) + 8
     gen = torch.Generator().manual_seed(0)
@@ -151,7 +161,6 @@ def shape(model: str, layout: str, device: str) -> list[dict[str, Any]]:
         lambda s: torch.randint(-100, 100, s, dtype=dtype, generator=gen).to(device),
     )
     kv = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
-    backend = "host" if device == "cpu" else "staged"
     slots = 3 * max(counts)  # stores evict the oldest keys; a load's keys were just stored
     local = build_local(kv, OffloadConfig(host_capacity_blocks=slots, backend=backend))
     off, worker = local.offloader, local.worker
@@ -182,6 +191,7 @@ def shape(model: str, layout: str, device: str) -> list[dict[str, Any]]:
                     frac = wire[d] / med["total"] if device != "cpu" else None
                     rows.append(
                         {
+                            "backend": backend,
                             "model": model,
                             "layout": layout,
                             "keys": kind,
@@ -194,7 +204,7 @@ def shape(model: str, layout: str, device: str) -> list[dict[str, Any]]:
                         }
                     )
                     print(
-                        f"{model:22} {layout:9} {kind:5} {d:5} {n:5}  "
+                        f"{backend:16} {model:22} {layout:9} {kind:5} {d:5} {n:5}  "
                         + "  ".join(f"{p} {v:8.1f}" for p, v in med.items())
                         + (f"  wire {wire[d]:8.1f}  link {frac:.2f}" if frac else "")
                     )
@@ -204,15 +214,35 @@ def shape(model: str, layout: str, device: str) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    out = sys.argv[1]
-    device = "cpu" if "--cpu" in sys.argv or not torch.cuda.is_available() else "cuda"
-    rows = [r for m, lay in SWEEP for r in shape(m, lay, device)]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="the JSON file to write")
+    ap.add_argument("--cpu", action="store_true", help="CPU tensors, backend 'host'")
+    ap.add_argument("--backends", default="staged", help="comma-separated staged[-FLAG...]")
+    ap.add_argument("--shapes", default="", help="comma-separated model:layout (default: all)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each backend per shape")
+    args = ap.parse_args()
+    device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
+    backends = ["host"] if device == "cpu" else [b for b in args.backends.split(",") if b]
+    names = [
+        b if b in ("host", "staged") else configured("staged", b.split("-")[1:]) for b in backends
+    ]
+    sweep = [tuple(s.split(":")) for s in args.shapes.split(",") if s] or list(SWEEP)
+    unknown = [s for s in sweep if s not in SWEEP]
+    if unknown:
+        raise ValueError(f"expected shapes from {SWEEP}, got {unknown}")
+    rows = []
+    for m, lay in sweep:
+        for k in range(args.rounds):  # each round starts one backend later: none always first
+            for b in names[k % len(names) :] + names[: k % len(names)]:
+                rows += [{**r, "round": k} for r in shape(m, lay, device, b)]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    with open(out, "w") as f:
+    with open(args.out, "w") as f:
         json.dump(
             {
                 "benchmark": "api_gpu",
                 "device": name,
+                "host": _device(device),
+                "backends": names,
                 "date": time.strftime("%Y-%m-%d"),
                 "targets": TARGETS,
                 "fits": fits(rows),

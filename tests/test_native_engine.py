@@ -1044,13 +1044,12 @@ def test_a_loads_scatter_runs_one_program_per_sm_unless_told(
 ) -> None:
     """load_programs 0: a load of whole pages (pieces > 16 KiB, one per program
     step) scatters with one program per SM of the device; a number is kept as given. Stores
-    gather with ``programs``. Bytes as the oracle's either way."""
+    gather with ``programs``. Bytes as the oracle's either way. (The exposed chunk's wider
+    kernel is off here: tests/test_native_exposed.py.)"""
     from tests.fake_cuda import FAKE_SMS
 
-    with engine_on("llama3-8b", "page", load_programs=load_programs, programs=5) as (
-        pair,
-        backend,
-    ):
+    config = {"load_programs": load_programs, "programs": 5, "exposed_programs": 0}
+    with engine_on("llama3-8b", "page", **config) as (pair, backend):
         slots = np.arange(4)
         start = len(fake_cuda.log)
         store = [TransferSpec.of("store", np.arange(4), slots)]

@@ -221,12 +221,22 @@ static int by_slot(const void *a, const void *b) {
  * wherever free slots are adjacent, and a load moves a run as one 2D copy per layer slice where
  * scattered slots cost a copy descriptor each (kvoffload/transfer/cuda/native/pipeline.c). */
 static void take_ascending(ix_index *ix, int64_t *out, int64_t n) {
-    int sorted = 1;
+    int up = 1, down = 1;
     for (int64_t j = 0; j < n; j++) {
         out[j] = ix->free[--ix->num_free];
-        if (j && out[j] < out[j - 1]) sorted = 0;
+        if (j && out[j] < out[j - 1]) up = 0;
+        if (j && out[j] > out[j - 1]) down = 0;
     }
-    if (!sorted) qsort(out, (size_t)n, sizeof *out, by_slot);
+    if (up) return;
+    if (down) { /* slots evicted tail first (the policy's order) come back descending */
+        for (int64_t a = 0, b = n - 1; a < b; a++, b--) {
+            int64_t t = out[a];
+            out[a] = out[b];
+            out[b] = t;
+        }
+        return;
+    }
+    qsort(out, (size_t)n, sizeof *out, by_slot);
 }
 
 ix_status ix_prepare_store(ix_index *ix, const ix_key *keys, int64_t n, ix_plan *plan,
@@ -253,16 +263,10 @@ ix_status ix_prepare_store(ix_index *ix, const ix_key *keys, int64_t n, ix_plan 
     if (st == IX_OK) st = copy_long(ix, keys, plan->pos, fresh, copies);
     if (st == IX_OK) st = out_alloc(plan, short_by);
     if (st == IX_OK && short_by) { /* never evict a block of this same call */
-        uint32_t *marked = malloc((size_t)(n ? n : 1) * sizeof *marked);
-        int64_t m = 0;
-        st = marked ? IX_OK : IX_NOMEM;
-        for (int64_t i = 0; i < n && st == IX_OK; i++) {
-            uint32_t s = ix_find(ix, &keys[i]);
-            if (readable(ix, s)) ix->e[marked[m++] = s].mark = 1;
-        }
-        if (st == IX_OK) st = evict(ix, short_by, 1, plan);
-        for (int64_t j = 0; j < m; j++) ix->e[marked[j]].mark = 0;
-        free(marked);
+        for (int64_t h = 0; h < n_held; h++) /* the slots the lookup above found */
+            if (readable(ix, held[h])) ix->e[held[h]].mark = 1;
+        st = evict(ix, short_by, 1, plan);
+        for (int64_t h = 0; h < n_held; h++) ix->e[held[h]].mark = 0;
     }
     int64_t fit = fresh < ix->num_free ? fresh : ix->num_free, j = 0;
     if (st == IX_OK) take_ascending(ix, plan->slots, fit);

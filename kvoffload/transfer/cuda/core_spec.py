@@ -59,6 +59,9 @@ class CoreSpec:
     load_coupled: int
     # 1: a store's chunk is gathered and copied out on one DMA stream ("coupled stores")
     store_coupled: int
+    # > 0: the kernel of a job's exposed chunk (a store's first, a load's last) runs on at least
+    # this many programs (native/pipeline.c, launch_on); 0: on its kernel's own count
+    exposed_programs: int
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
     groups: tuple[GroupSpec, ...]
 
@@ -89,6 +92,7 @@ class CoreSpec:
             self.link_bytes_per_us,
             self.load_coupled,
             self.store_coupled,
+            self.exposed_programs,
             *self.bases[0],
             *self.bases[1],
         ]

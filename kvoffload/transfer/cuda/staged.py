@@ -168,6 +168,7 @@ class NativeStagedBackend(CopyBackend):
                 link_bytes_per_us=int(config.plan_link_GBps * 1000),
                 load_coupled=int(config.load_coupled),
                 store_coupled=int(config.store_coupled),
+                exposed_programs=config.exposed_programs,
                 bases=(bases["store"], bases["load"]),
                 groups=groups,
             )

@@ -22,18 +22,28 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "wide": {"load_programs": 0},  # a load's scatter on one program per SM
 }
 # parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest,
-# ``msN`` cuts a load into at most N layer slices, ``wN`` runs the kernels with N warps
-NUMBERED = {"lp": "load_programs", "ms": "max_layer_slices", "p": "programs", "w": "num_warps"}
+# ``msN`` cuts a load into at most N layer slices, ``wN`` runs the kernels with N warps, ``dsN``
+# copies on N DMA streams per direction, ``fcN`` starts a store's chunks at N KiB, ``xpN`` runs
+# the exposed chunk's kernel (a store's first, a load's last) on at least N programs
+NUMBERED = {
+    "lp": ("load_programs", 1),
+    "ms": ("max_layer_slices", 1),
+    "p": ("programs", 1),
+    "w": ("num_warps", 1),
+    "ds": ("dma_streams", 1),
+    "fc": ("first_chunk_bytes", 1024),
+    "xp": ("exposed_programs", 1),
+}
 
 
 def settings_of(flag: str) -> dict[str, Any] | None:
     """The StagedConfig fields a variant flag sets; None for a flag that is not one."""
     if flag in SETTINGS:
         return SETTINGS[flag]
-    for prefix, field in NUMBERED.items():
+    for prefix, (field, unit) in NUMBERED.items():
         rest = flag[len(prefix) :]
         if flag.startswith(prefix) and rest.isdigit() and int(rest) > 0:
-            return {field: int(rest)}
+            return {field: int(rest) * unit}
     return None
 
 
@@ -42,8 +52,8 @@ def configured(backend: str, flags: list[str]) -> str:
     bad = [f for f in flags if settings_of(f) is None]
     if bad:
         raise ValueError(
-            f"expected engine flags from {sorted(SETTINGS)} or lpN / msN / pN / wN, got {bad} in "
-            f"{'-'.join([backend, *flags])!r}"
+            f"expected engine flags from {sorted(SETTINGS)} or lpN / msN / pN / wN / dsN / "
+            f"fcN / xpN, got {bad} in {'-'.join([backend, *flags])!r}"
         )
     if backend != "staged":
         raise ValueError(

@@ -76,7 +76,8 @@ def parse_variant(name: str, backend: str) -> Variant:
         raise ValueError(
             f"expected a mode or one of {sorted(OFFLOADS)} with flags from "
             f"{sorted([*SETTINGS, 'poller'])} or lpN / pN (scatter programs) / msN (load "
-            f"slices) / wN (warps), got {name!r}"
+            f"slices) / wN (warps) / dsN (DMA streams) / fcN (a store's first chunk, KiB) / "
+            f"xpN (exposed kernel programs), got {name!r}"
         )
     core_flags = [f for f in flags if f != "poller"]
     if core_flags:

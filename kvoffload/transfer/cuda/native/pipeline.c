@@ -49,6 +49,7 @@ typedef struct {
     kvo_dptr blocks;
     int64_t n_chunks, depth, position, descs_before;
     int whole; /* whole host slots move: consecutive slots merge into one descriptor */
+    int exposed; /* a store's first part / a load's last slice: launch_on widens its edge */
 } part_run;
 
 static int64_t area_of(const part_run *r, int64_t c) { return (r->position + c) % r->depth; }
@@ -159,18 +160,19 @@ static int launch_on(part_run *r, int64_t c, kvo_stream stream) {
     arg[1].ptr = r->blocks; /* slots: unused, the staging area is indexed by position */
     arg[2].ptr = (uint64_t)r->part->regions;
     for (int j = 0; j < 5; j++) {
-        if (k->wide >> j & 1) {
-            arg[3 + j].i64 = ints[j];
-        } else {
-            if (!fits32(ints[j]))
-                return kvo_job_fail(job, p->d, 1, STEP_ARG, c, -1,
+        if (!(k->wide >> j & 1) && !fits32(ints[j]))
+            return kvo_job_fail(job, p->d, 1, STEP_ARG, c, -1,
                                 "a copy-kernel argument does not fit the compiled variant's i32");
-            arg[3 + j].i32 = (int32_t)ints[j];
-        }
+        if (k->wide >> j & 1) arg[3 + j].i64 = ints[j];
+        else arg[3 + j].i32 = (int32_t)ints[j];
     }
     for (int j = 0; j < 8; j++) params[j] = &arg[j];
     for (int j = 8; j < 16; j++) params[j] = &none;
-    int err = p->d->launch((void *)k->function, (unsigned)k->grid, 1, 1, (unsigned)k->block, 1, 1,
+    /* a store's first gather / a load's last scatter has no copy beside it (spec.h) */
+    int64_t grid = k->grid;
+    int edge = job->dir == KVO_STORE ? c == 0 : c == r->n_chunks - 1;
+    if (r->exposed && edge && p->spec->exposed_grid > grid) grid = p->spec->exposed_grid;
+    int err = p->d->launch((void *)k->function, (unsigned)grid, 1, 1, (unsigned)k->block, 1, 1,
                           (unsigned)k->shared, stream, params, NULL);
     return err ? kvo_job_fail(job, p->d, err, STEP_LAUNCH, c, -1, NULL) : 0;
 }
@@ -325,7 +327,7 @@ static int plan_chunks(const kvo_pipe *p, kvo_lane *lane, int64_t n, int64_t uni
 
 /* Every chunk of one spec's part: the chunk loop of the staged path. */
 static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t s,
-                        const kvo_part *part, kvo_dptr blocks) {
+                        const kvo_part *part, kvo_dptr blocks, int exposed) {
     int64_t n = job->count[s];
     if (n == 0) return 0;
     const kvo_group *g = &p->spec->groups[job->group[s]];
@@ -341,7 +343,7 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
     lane->len = desc[2];
     part_run r = {p, job, lane, part, &g->kernel[job->dir], job->ids + job->at[s] + n, blocks,
                   m, p->spec->depth, lane->position, 0,
-                  part->offset == 0 && part->unit == p->spec->arena_slot_bytes};
+                  part->offset == 0 && part->unit == p->spec->arena_slot_bytes, exposed};
     lane->position = (lane->position + m) % p->spec->depth;
     int64_t ahead = p->spec->depth < m ? p->spec->depth : m;
     int err;
@@ -407,7 +409,7 @@ static int run_parts(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, kvo_dptr i
         kvo_dptr at = ids;
         for (int64_t s = 0; s < job->n_specs; s++) {
             const kvo_group *g = &p->spec->groups[job->group[s]];
-            if ((err = enqueue_part(p, lane, job, s, &g->parts[0], at))) return err;
+            if ((err = enqueue_part(p, lane, job, s, &g->parts[0], at, s == 0))) return err;
             at += (kvo_dptr)job->count[s] * 8;
         }
         return 0;
@@ -417,7 +419,8 @@ static int run_parts(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, kvo_dptr i
         for (int64_t s = 0; s < job->n_specs; s++) {
             const kvo_group *g = &p->spec->groups[job->group[s]];
             if (k < job->plan_count[s] &&
-                (err = enqueue_part(p, lane, job, s, &g->parts[job->plan_first[s] + k], at)))
+                (err = enqueue_part(p, lane, job, s, &g->parts[job->plan_first[s] + k], at,
+                                    k == job->n_slices - 1)))
                 return err;
             at += (kvo_dptr)job->count[s] * 8;
         }

@@ -53,6 +53,11 @@ typedef struct {
      * (area % n_dmas; depth is a multiple of n_dmas), with no event between them (pipeline.c,
      * "coupled loads"); 0: DMA on the DMA streams, scatter on the kernels' stream. */
     int64_t load_coupled;
+    /* > 0: the kernel of a job's exposed chunk (a store's first, a load's last: no copy of the
+     * job runs beside it) runs on at least this many programs (pipeline.c, launch_on); 0: on its
+     * kernel's own count. The kernel strides over its pieces by its program count, so any count
+     * moves the same bytes. */
+    int64_t exposed_grid;
     /* 1: a store's chunk is gathered and copied out on one DMA stream, its staging area's
      * (pipeline.c, "coupled stores"); 0: gathered on the kernels' stream, copied after an event. */
     int64_t store_coupled;
