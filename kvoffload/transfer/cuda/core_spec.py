@@ -62,6 +62,8 @@ class CoreSpec:
     # > 0: the kernel of a job's exposed chunk (a store's first, a load's last) runs on at least
     # this many programs (native/pipeline.c, launch_on); 0: on its kernel's own count
     exposed_programs: int
+    host_ids: int  # jobs of at most this many blocks: the kernels read their ids from host memory
+    poll_max_us: int  # the completion thread's longest pause between reads of the done words
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
     groups: tuple[GroupSpec, ...]
 
@@ -93,6 +95,8 @@ class CoreSpec:
             self.load_coupled,
             self.store_coupled,
             self.exposed_programs,
+            self.host_ids,
+            self.poll_max_us * 1000,
             *self.bases[0],
             *self.bases[1],
         ]

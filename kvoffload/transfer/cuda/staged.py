@@ -169,6 +169,8 @@ class NativeStagedBackend(CopyBackend):
                 load_coupled=int(config.load_coupled),
                 store_coupled=int(config.store_coupled),
                 exposed_programs=config.exposed_programs,
+                host_ids=config.host_ids,
+                poll_max_us=config.completion_poll_us,
                 bases=(bases["store"], bases["load"]),
                 groups=groups,
             )

@@ -24,7 +24,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 # parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest,
 # ``msN`` cuts a load into at most N layer slices, ``wN`` runs the kernels with N warps, ``dsN``
 # copies on N DMA streams per direction, ``fcN`` starts a store's chunks at N KiB, ``xpN`` runs
-# the exposed chunk's kernel (a store's first, a load's last) on at least N programs
+# the exposed chunk's kernel (a store's first, a load's last) on at least N programs, ``hiN``
+# reads the ids of jobs up to N blocks from host memory, ``cpN`` polls completion every <= N us
 NUMBERED = {
     "lp": ("load_programs", 1),
     "ms": ("max_layer_slices", 1),
@@ -33,6 +34,8 @@ NUMBERED = {
     "ds": ("dma_streams", 1),
     "fc": ("first_chunk_bytes", 1024),
     "xp": ("exposed_programs", 1),
+    "hi": ("host_ids", 1),
+    "cp": ("completion_poll_us", 1),
 }
 
 
@@ -53,7 +56,7 @@ def configured(backend: str, flags: list[str]) -> str:
     if bad:
         raise ValueError(
             f"expected engine flags from {sorted(SETTINGS)} or lpN / msN / pN / wN / dsN / "
-            f"fcN / xpN, got {bad} in {'-'.join([backend, *flags])!r}"
+            f"fcN / xpN / hiN / cpN, got {bad} in {'-'.join([backend, *flags])!r}"
         )
     if backend != "staged":
         raise ValueError(

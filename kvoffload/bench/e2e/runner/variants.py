@@ -77,7 +77,8 @@ def parse_variant(name: str, backend: str) -> Variant:
             f"expected a mode or one of {sorted(OFFLOADS)} with flags from "
             f"{sorted([*SETTINGS, 'poller'])} or lpN / pN (scatter programs) / msN (load "
             f"slices) / wN (warps) / dsN (DMA streams) / fcN (a store's first chunk, KiB) / "
-            f"xpN (exposed kernel programs), got {name!r}"
+            f"xpN (exposed kernel programs) / hiN (host ids) / cpN (completion poll us), got "
+            f"{name!r}"
         )
     core_flags = [f for f in flags if f != "poller"]
     if core_flags:

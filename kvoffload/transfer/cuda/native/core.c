@@ -21,7 +21,6 @@
 #define FINISHED_FIRST 256       /* finished-id buffer's first capacity */
 #define COMPLETER_BATCH 256      /* in-flight jobs looked at per pass */
 #define KVO_ERROR_POLL_S 0.05    /* a job in flight this long gets a driver query this often */
-#define POLL_MAX_S 100e-6        /* the completion thread's longest pause between reads */
 #define SPIN_BELOW_S 10e-6       /* shorter pauses spin (a sleep that short overshoots) */
 #define EVENT_NO_TIMING 2        /* CU_EVENT_DISABLE_TIMING */
 
@@ -352,9 +351,9 @@ static void *completer(void *p) {
             kvo_unref(e, j);
         }
         pthread_mutex_unlock(&e->mu);
-        if (!any) { /* read again after ~1/16 of the youngest job's age, at most POLL_MAX_S */
-            double pause = youngest / 16;
-            if (pause > POLL_MAX_S) pause = POLL_MAX_S;
+        if (!any) { /* read again after ~1/16 of the youngest job's age, at most poll_max_ns */
+            double pause = youngest / 16, most = (double)e->spec.poll_max_ns * 1e-9;
+            if (pause > most) pause = most;
             if (pause < SPIN_BELOW_S) {
                 double until = kvo_now() + pause;
                 while (kvo_now() < until) CPU_RELAX();

@@ -53,7 +53,7 @@ int kvo_upload_ids(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, kvo_dptr *de
         memcpy(host + at, job->ids + job->at[s], (size_t)job->count[s] * 8);
         at += job->count[s];
     }
-    if (at <= KVO_HOST_IDS) {
+    if (at <= p->spec->host_ids) {
         *dev = (kvo_dptr)(uintptr_t)host;
         return 0;
     }

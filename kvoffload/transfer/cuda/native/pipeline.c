@@ -202,7 +202,7 @@ static int order_once(part_run *r, int64_t c, kvo_stream st, int j) {
     kvo_lane *lane = r->lane;
     if (!(lane->unordered >> j & 1u)) return 0;
     if (job->order != NULL) TRY(p->d->wait(st, job->order, 0), STEP_WAIT, c);
-    if (job->total > KVO_HOST_IDS) TRY(p->d->wait(st, lane->joins[0], 0), STEP_WAIT, c);
+    if (job->total > p->spec->host_ids) TRY(p->d->wait(st, lane->joins[0], 0), STEP_WAIT, c);
     lane->unordered &= ~(1u << j);
     return 0;
 }
@@ -488,7 +488,7 @@ int kvo_pipeline_run(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
     lane->slice_streams = 0;
     lane->unordered = coupled ? (1u << p->spec->n_dmas) - 1 : 0;
     if (!err) err = kvo_upload_ids(p, lane, job, &ids);
-    if (!err && coupled && job->total > KVO_HOST_IDS) { /* up on the kernels' stream: marked */
+    if (!err && coupled && job->total > p->spec->host_ids) { /* up on the kernels' stream: marked */
         err = p->d->record(lane->joins[0], stream_of(p, job->dir, 0));
         if (err) kvo_job_fail(job, p->d, err, STEP_RECORD, -1, -1, "the block ids' upload");
     }

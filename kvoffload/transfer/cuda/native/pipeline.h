@@ -8,7 +8,6 @@
 #include "job.h"
 
 #define KVO_INDEX_RING 32    /* block-id buffers per direction (jobs in flight before reuse waits) */
-#define KVO_HOST_IDS 16      /* jobs of at most this many blocks: the kernels read ids from host */
 #define KVO_INDEX_FIRST 4096 /* block ids each index buffer holds from the start */
 #define KVO_REUSE_WAIT_S 30.0 /* at most this long for an index buffer still in use */
 
@@ -51,7 +50,7 @@ void kvo_lane_free(kvo_lane *lane, const kvo_pipe *p);
  * and none is released before the work ahead of it. */
 int kvo_pipeline_run(const kvo_pipe *p, kvo_lane *lane, kvo_job *job);
 /* lane.c: a buffer of the job's block ids for the kernels (*dev): pinned host memory for at most
- * KVO_HOST_IDS ids, else a device buffer filled by one copy on the kernels' stream; 0 or the
+ * spec->host_ids ids, else a device buffer filled by one copy on the kernels' stream; 0 or the
  * CUresult (details in the job). */
 int kvo_upload_ids(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, kvo_dptr *dev);
 

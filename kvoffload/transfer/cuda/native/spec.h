@@ -58,6 +58,11 @@ typedef struct {
      * kernel's own count. The kernel strides over its pieces by its program count, so any count
      * moves the same bytes. */
     int64_t exposed_grid;
+    /* jobs of at most this many blocks: the kernels read the block ids from pinned host memory;
+     * larger ones upload them with one copy first (lane.c) */
+    int64_t host_ids;
+    /* the completion thread's longest pause between two reads of the done words (core.c) */
+    int64_t poll_max_ns;
     /* 1: a store's chunk is gathered and copied out on one DMA stream, its staging area's
      * (pipeline.c, "coupled stores"); 0: gathered on the kernels' stream, copied after an event. */
     int64_t store_coupled;
