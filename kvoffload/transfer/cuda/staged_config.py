@@ -94,7 +94,7 @@ class StagedConfig:
     # blocks through the public API with 132 against 0: Llama-3-70B fp8 TP8 stores 0.72 of the
     # link against 0.65, DeepSeek-V2-Lite latent loads 0.86 against 0.79; an eager step beside
     # another thread's 1-16-block transfers every 2 ms +12.8 / +16.7% against +14.0 / +17.9%
-    # (docs/transfer.md, "Exposed chunk").
+    # (docs/transfer.md, "ninth round").
     exposed_programs: int = 128
     # Jobs of at most this many blocks: the kernels read the block ids from pinned host memory;
     # larger ones upload them with one copy first (a copy, an event and a wait per DMA stream).
