@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvoffload import KVLayout, OffloadConfig, build_local
-from kvoffload.bench.e2e.command import _device
+from kvoffload.bench.e2e.command import device_info
 from kvoffload.bench.e2e.runner.core_flags import configured
 from kvoffload.bench.store.api import TARGETS, line, met
 from kvoffload.transfer.shapes import MODELS, engine_tensors
@@ -241,7 +241,7 @@ def main() -> int:
             {
                 "benchmark": "api_gpu",
                 "device": name,
-                "host": _device(device),
+                "host": device_info(device),
                 "backends": names,
                 "date": time.strftime("%Y-%m-%d"),
                 "targets": TARGETS,

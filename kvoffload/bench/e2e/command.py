@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         if threads <= 0:
             raise SystemExit(f"--threads: expected a positive count, got {threads}")
         torch.set_num_threads(threads)
-    device = _device(cfg.device)
+    device = device_info(cfg.device)
     console.print(_describe(cfg))
     with progress() as bar:
         task = bar.add_task("e2e", total=cfg.steps())
@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device(name: str) -> dict[str, Any]:
+def device_info(name: str) -> dict[str, Any]:
+    """The run's torch version and device: name, CUDA and driver on a GPU; the CPU's name and
+    torch's threads elsewhere."""
     import torch
 
     from kvoffload.bench.common import cpu_name

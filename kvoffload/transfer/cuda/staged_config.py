@@ -139,12 +139,11 @@ class StagedConfig:
                     f"StagedConfig: expected depth a multiple of dma_streams "
                     f"({self.dma_streams}) for {flag}, got depth {self.depth}"
                 )
-        xp = self.exposed_programs
-        if isinstance(xp, bool) or not isinstance(xp, int) or not 0 <= xp <= 65535:
-            raise ValueError(
-                f"StagedConfig: expected exposed_programs an int in [0, 65535] (0: off), got {xp!r}"
-            )
-        for name, low, high in (("host_ids", 0, 1 << 20), ("completion_poll_us", 1, 100_000)):
+        for name, low, high in (
+            ("exposed_programs", 0, 65535),
+            ("host_ids", 0, 1 << 20),
+            ("completion_poll_us", 1, 100_000),
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
                 raise ValueError(
