@@ -15,7 +15,8 @@ targets with ``met`` (``kvoffload.bench.store.api.TARGETS``, as ``kvoffload benc
     python benchmarks/api_gpu.py OUT.json --cpu      # a smoke run on CPU tensors (host backend)
     python benchmarks/api_gpu.py OUT.json --backends staged,staged-wide-ds1 --shapes llama3-8b:page
 
-``--backends``: the native core's variants side by side (``staged-FLAG-...``, flags of
+``--wait block,poll``: each transfer waited for both ways, alternated (``one``). ``--backends``:
+the native core's variants side by side (``staged-FLAG-...``, flags of
 ``kvoffload.bench.e2e.runner.core_flags``), run in turn per shape, ``--rounds`` times, each
 round starting one backend later (the first run of a shape read slower host phases on an H100,
 2026-11-26); ``--shapes``: model:layout pairs of the sweep to run (default: all).
@@ -68,10 +69,13 @@ def link_us(nbytes: int, device: str) -> dict[str, float]:
 
 
 def one(
-    off: Any, worker: Any, direction: str, req: str, keys: Any, ids: Any, layers: int
+    off: Any, worker: Any, direction: str, req: str, keys: Any, ids: Any, layers: int, wait: str
 ) -> dict[str, float]:
     """One transfer, each phase timed (µs); a load's ``layers`` waits too (µs per layer, as the
-    engine makes them: bound once, then one call per layer on the current stream)."""
+    engine makes them: bound once, then one call per layer on the current stream). ``wait``:
+    "block" sleeps in ``worker.wait``, then ``get_finished``; "poll" calls ``get_finished`` until
+    it has the job, as an engine's step loop does, so the thread never sleeps (its ``complete`` is
+    that last call and ``Offloader.complete``)."""
     out: dict[str, float] = {}
     if direction == "load":
         t0 = time.perf_counter()
@@ -89,9 +93,17 @@ def one(
             waiter(layer)
         out["layer_wait"] = (time.perf_counter() - t2) / layers * 1e6
     t2w = time.perf_counter()
-    worker.wait([job.job_id], 60)
-    t3 = time.perf_counter()
-    results = worker.get_finished()
+    if wait == "block":
+        worker.wait([job.job_id], 60)
+        t3 = time.perf_counter()
+        results = worker.get_finished()
+    else:
+        deadline = t2w + 60
+        while True:
+            t3 = time.perf_counter()
+            results = worker.get_finished()
+            if results or t3 > deadline:
+                break
     off.complete(results)
     t4 = time.perf_counter()
     if not all(r.ok for r in results) or not off.is_settled(req):
@@ -114,14 +126,14 @@ def fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (model, layout, keys, direction): lines over the job sizes with ``met``."""
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for r in rows:
-        key = (r["backend"], r["model"], r["layout"], r["keys"], r["direction"])
+        key = (r["backend"], r["model"], r["layout"], r["keys"], r["direction"], r["wait"])
         groups.setdefault(key, []).append(r)
     out = []
-    for (backend, model, layout, keys, direction), rs in groups.items():
+    for (backend, model, layout, keys, direction, wait), rs in groups.items():
         blocks = [r["blocks"] for r in rs]
         phases = rs[0]["phases_us"]
         fit: dict[str, Any] = {"backend": backend, "model": model, "layout": layout, "keys": keys}
-        fit["direction"] = direction
+        fit["direction"], fit["wait"] = direction, wait
         fit["api"] = met(line(blocks, [r["phases_us"]["api"] for r in rs]), TARGETS["per_block_us"])
         fit["phases"] = {
             p: line(blocks, [r["phases_us"][p] for r in rs])
@@ -130,12 +142,15 @@ def fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "lookup" in phases:
             lookup = line(blocks, [r["phases_us"]["lookup"] for r in rs])
             fit["lookup"] = met(lookup, TARGETS["lookup_per_block_us"], per_call=False)
-            wait = statistics.median(r["phases_us"]["layer_wait"] for r in rs)
-            fit["layer_wait_us"] = {"per_call_us": wait, "met": wait <= TARGETS["layer_wait_us"]}
+            per_layer = statistics.median(r["phases_us"]["layer_wait"] for r in rs)
+            fit["layer_wait_us"] = {
+                "per_call_us": per_layer,
+                "met": per_layer <= TARGETS["layer_wait_us"],
+            }
         out.append(fit)
         api = fit["api"]
         print(
-            f"{backend:16} {model:22} {layout:9} {keys:5} {direction:5} fit "
+            f"{backend:16} {model:22} {layout:9} {keys:5} {direction:5} {wait:5} fit "
             f"{api['per_call_us']:8.1f} + "
             f"{api['per_block_us']:.3f}/block met {api['met']}"
             + (
@@ -148,7 +163,9 @@ def fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def shape(model: str, layout: str, device: str, backend: str) -> list[dict[str, Any]]:
+def shape(
+    model: str, layout: str, device: str, backend: str, waits: list[str]
+) -> list[dict[str, Any]]:
     counts = COUNTS if device != "cpu" else (1, 37, 100)  # a CPU smoke run stays small
     pool = 2 * max(counts) + 8
     gen = torch.Generator().manual_seed(0)
@@ -172,13 +189,15 @@ def shape(model: str, layout: str, device: str, backend: str) -> list[dict[str, 
                 src = np.arange(n, dtype=np.int64)
                 dst = np.arange(pool - n, pool, dtype=np.int64)
                 ids = (src, dst) if kind == "array" else (src.tolist(), dst.tolist())
-                runs: dict[str, list[dict[str, float]]] = {"store": [], "load": []}
+                runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+                layers = kv.groups[0].num_layers
                 for r in range(REPS + 1):
-                    arr = rng.integers(0, 256, (n, 16), dtype=np.uint8)
-                    keys = arr if kind == "array" else arr.view("V16").ravel().tolist()
-                    layers = kv.groups[0].num_layers
-                    runs["store"].append(one(off, worker, "store", f"s{r}", keys, ids[0], layers))
-                    runs["load"].append(one(off, worker, "load", f"l{r}", keys, ids[1], layers))
+                    for w in waits[r % len(waits) :] + waits[: r % len(waits)]:  # alternated
+                        arr = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+                        keys = arr if kind == "array" else arr.view("V16").ravel().tolist()
+                        for d, i in (("store", 0), ("load", 1)):
+                            got = one(off, worker, d, f"{d}{w}{r}", keys, ids[i], layers, w)
+                            runs.setdefault((w, d), []).append(got)
                 for t in tensors:  # the last load brought back exactly what was stored
                     a, b = (
                         (t[:n], t[pool - n :]) if block_dim == 0 else (t[:, :n], t[:, pool - n :])
@@ -186,7 +205,7 @@ def shape(model: str, layout: str, device: str, backend: str) -> list[dict[str, 
                     if not torch.equal(a, b):
                         raise RuntimeError(f"{model} {layout} {n}: loaded bytes differ")
                 wire = link_us(n * kv.slot_bytes, device)
-                for d, rs in runs.items():
+                for (w, d), rs in runs.items():
                     med = {p: statistics.median(x[p] for x in rs[1:]) for p in rs[0]}
                     frac = wire[d] / med["total"] if device != "cpu" else None
                     rows.append(
@@ -197,6 +216,7 @@ def shape(model: str, layout: str, device: str, backend: str) -> list[dict[str, 
                             "keys": kind,
                             "blocks": n,
                             "direction": d,
+                            "wait": w,
                             "slot_bytes": kv.slot_bytes,
                             "phases_us": med,
                             "wire_us": wire[d],
@@ -204,7 +224,7 @@ def shape(model: str, layout: str, device: str, backend: str) -> list[dict[str, 
                         }
                     )
                     print(
-                        f"{backend:16} {model:22} {layout:9} {kind:5} {d:5} {n:5}  "
+                        f"{backend:16} {model:22} {layout:9} {kind:5} {d:5} {w:5} {n:5}  "
                         + "  ".join(f"{p} {v:8.1f}" for p, v in med.items())
                         + (f"  wire {wire[d]:8.1f}  link {frac:.2f}" if frac else "")
                     )
@@ -220,7 +240,15 @@ def main() -> int:
     ap.add_argument("--backends", default="staged", help="comma-separated staged[-FLAG...]")
     ap.add_argument("--shapes", default="", help="comma-separated model:layout (default: all)")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each backend per shape")
+    ap.add_argument(
+        "--wait",
+        default="block",
+        help="comma-separated: block (sleep in worker.wait) and/or poll (get_finished until done)",
+    )
     args = ap.parse_args()
+    waits = [w for w in args.wait.split(",") if w]
+    if not waits or any(w not in ("block", "poll") for w in waits):
+        raise ValueError(f"expected --wait of block and/or poll, got {args.wait!r}")
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     backends = ["host"] if device == "cpu" else [b for b in args.backends.split(",") if b]
     names = [
@@ -234,7 +262,7 @@ def main() -> int:
     for m, lay in sweep:
         for k in range(args.rounds):  # each round starts one backend later: none always first
             for b in names[k % len(names) :] + names[: k % len(names)]:
-                rows += [{**r, "round": k} for r in shape(m, lay, device, b)]
+                rows += [{**r, "round": k} for r in shape(m, lay, device, b, waits)]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     with open(args.out, "w") as f:
         json.dump(
@@ -243,6 +271,7 @@ def main() -> int:
                 "device": name,
                 "host": device_info(device),
                 "backends": names,
+                "waits": waits,
                 "date": time.strftime("%Y-%m-%d"),
                 "targets": TARGETS,
                 "fits": fits(rows),

@@ -1073,3 +1073,35 @@ def test_load_programs_is_checked() -> None:
         with pytest.raises(ValueError, match="load_programs"):
             StagedConfig(load_programs=bad)  # type: ignore[arg-type]
     assert StagedConfig().load_programs == 16 and StagedConfig(load_programs=0).load_programs == 0
+
+
+@needs_core
+@pytest.mark.parametrize("max_slices", [1, 4])
+def test_a_layer_waiter_makes_one_flag_wait_per_slice(fake_cuda: Calls, max_slices: int) -> None:
+    """The load's streams held (a GPU still busy): a waiter called for every layer in order
+    enqueues one flag wait per layer slice (the later layers of a slice land with its first), a
+    waiter on another stream its own; the engine's streams go on only once the copy lands, and
+    every layer's bytes are the host backend's."""
+    with engine_on("llama3-8b", "kv_split", max_layer_slices=max_slices) as (pair, backend):
+        slots = np.arange(8)
+        assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
+        release = hold_stream(fake_cuda, backend.spec.gather[1])
+        pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
+        layer_slice = list(pending.layer_slice)
+        assert len(set(layer_slice)) == max_slices
+        before = fake_cuda.memops
+        waiter = pending.layer_waiter(125)
+        for layer in range(len(layer_slice)):
+            waiter(layer)
+        assert fake_cuda.memops == before + max_slices
+        waiter(0)  # another slice than the last one waited for: waited again
+        assert fake_cuda.memops == before + max_slices + (max_slices > 1)
+        other = pending.layer_waiter(126)
+        other(len(layer_slice) - 1)
+        assert fake_cuda.stream_held(125) and fake_cuda.stream_held(126)
+        release()
+        assert not fake_cuda.stream_held(125) and not fake_cuda.stream_held(126)
+        assert pending.wait(10) and pending.error() is None
+        pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])
+        pair.oracle.copy([TransferSpec.of("load", np.arange(8, 16), slots)])
+        pair.check()

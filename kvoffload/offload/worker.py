@@ -249,7 +249,9 @@ class TransferWorker:
         as ``wait_on`` raises it). The job, the stream and the layer count are resolved here and
         the waiter is the backend's own (``Pending.layer_waiter``), so a call is one Python call
         that checks ``layer``: against the job's groups while its Offloader has it in flight,
-        against the largest group once it was completed (nothing is left to wait for)."""
+        against the largest group once it was completed (nothing is left to wait for). On the
+        native core a waiter enqueues one GPU-side wait per layer slice of the load: the other
+        layers of a slice return without a driver call."""
         with self._lock:
             run = self._running.get(job_id)
         if run is None and not self._ledger.handed_out(job_id):

@@ -346,8 +346,9 @@ class NativePending(Pending):
                 raise _exception(j.error())
 
     def layer_waiter(self, stream: object = None, layers: int | None = None) -> LayerWaiter:
-        """One native wait per call (per load job: one for a submit of loads), everything else
-        resolved here: the stream's handle, the job's bound ``wait_on``, the timeout."""
+        """At most one native wait per call (per load job: one for a submit of loads), and for
+        one load job one per layer slice; everything else resolved here: the stream's handle,
+        the job's bound ``wait_on``, its layers' slices, the timeout."""
         handle, timeout = _handle(stream), ENQUEUE_TIMEOUT
         loads = [j for j in self.jobs if j.direction == "load"]
         whole = [j for j in self.jobs if j.direction != "load"]
@@ -366,12 +367,22 @@ class NativePending(Pending):
             return wait_each
         job = loads[0]
         wait_on = job.wait_on
+        # A layer's slice, fixed at submit. One wait per slice is enough on one stream: a slice's
+        # flag words are written together once all of its layers landed (pipeline.c,
+        # mark_slice), so the layers after the first of a slice need no driver call (a load in
+        # one slice: one call for all layers instead of one per layer).
+        owner = job.layer_slice
+        waited = [-1]  # the slice this stream already waits for
 
         def wait(layer: int) -> None:
             if layers is not None and (type(layer) is not int or not 0 <= layer < layers):
                 check_layer(layer, layers)
+            k = owner[layer] if type(layer) is int and 0 <= layer < len(owner) else -1
+            if k >= 0 and k == waited[0]:
+                return
             if not wait_on(handle, layer, timeout):
                 raise _exception(job.error())
+            waited[0] = k
 
         return wait
 

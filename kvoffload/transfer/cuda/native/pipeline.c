@@ -290,8 +290,9 @@ static int send(part_run *r, int64_t c) {
     return 0;
 }
 
-/* Chunk sizes. A store's double from the first chunk's bytes up to one staging area
- * (kvoffload.transfer.cuda.chunks.chunk_blocks), so its one exposed gather is short. A load's
+/* Chunk sizes. A store's double from the first chunk's bytes up to one staging area, so its one
+ * exposed gather is short; a tail shorter than the first chunk joins the chunk before it where
+ * they fit an area (a chunk costs four driver calls: its launch, pacing, copies, record). A load's
  * slice is cut into the fewest equal chunks that fit an area: each chunk costs the caller's
  * thread a kernel launch and four event calls (~8 us), and the slices' scatters already overlap
  * the next slice's copy (measured: a 256-block Llama-3-8B load enqueued in 0.32 ms instead of
@@ -313,6 +314,7 @@ static int plan_chunks(const kvo_pipe *p, kvo_lane *lane, int64_t n, int64_t uni
     }
     while (left > 0) {
         int64_t t = size < left ? size : left;
+        if (left - t < first && left <= largest) t = left; /* 12+24+1 blocks -> 12+25 */
         lane->sizes[m++] = t;
         left -= t;
         size = size * 2 < largest ? size * 2 : largest;
