@@ -15,8 +15,10 @@ targets with ``met`` (``kvoffload.bench.store.api.TARGETS``, as ``kvoffload benc
     python benchmarks/api_gpu.py OUT.json --cpu      # a smoke run on CPU tensors (host backend)
     python benchmarks/api_gpu.py OUT.json --backends staged,staged-wide-ds1 --shapes llama3-8b:page
 
-``--wait block,poll``: each transfer waited for both ways, alternated (``one``). ``--backends``:
-the native core's variants side by side (``staged-FLAG-...``, flags of
+``--wait block,poll``: each transfer waited for both ways, alternated (``one``).
+``--driver-times``: the native core's driver calls timed in the caller's thread
+(``KVOFFLOAD_DRIVER_TIMES``): ``submit_driver`` (us) and ``submit_driver_calls`` per submit.
+``--backends``: the native core's variants side by side (``staged-FLAG-...``, flags of
 ``kvoffload.bench.e2e.runner.core_flags``), run in turn per shape, ``--rounds`` times, each
 round starting one backend later (the first run of a shape read slower host phases on an H100,
 2026-11-26); ``--shapes``: model:layout pairs of the sweep to run (default: all).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -37,6 +40,7 @@ from kvoffload import KVLayout, OffloadConfig, build_local
 from kvoffload.bench.e2e.command import device_info
 from kvoffload.bench.e2e.runner.core_flags import configured
 from kvoffload.bench.store.api import TARGETS, line, met
+from kvoffload.transfer.cuda.extension import driver_times
 from kvoffload.transfer.shapes import MODELS, engine_tensors
 
 SWEEP = (  # (model, layout): bf16 pages, K/V split, fp8 2 KiB pieces, a K-only latent
@@ -85,13 +89,21 @@ def one(
     sched = off.schedule_store if direction == "store" else off.schedule_load
     job = sched(req, keys, ids)
     t1 = time.perf_counter()
+    driver_times(reset=True)
     worker.submit(job)
     t2 = time.perf_counter()
+    spent = driver_times(reset=True)  # {} unless --driver-times
+    if spent:
+        out["submit_driver"] = sum(us for _, us in spent.values())
+        out["submit_driver_calls"] = sum(c for c, _ in spent.values())
     if direction == "load":
         waiter = worker.layer_waiter(job.job_id)
         for layer in range(layers):
             waiter(layer)
         out["layer_wait"] = (time.perf_counter() - t2) / layers * 1e6
+        spent = driver_times(reset=True)
+        if spent:
+            out["layer_wait_driver_calls"] = sum(c for c, _ in spent.values())
     t2w = time.perf_counter()
     if wait == "block":
         worker.wait([job.job_id], 60)
@@ -241,11 +253,18 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="comma-separated model:layout (default: all)")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each backend per shape")
     ap.add_argument(
+        "--driver-times",
+        action="store_true",
+        help="time the native core's driver calls (KVOFFLOAD_DRIVER_TIMES=1): submit_driver us",
+    )
+    ap.add_argument(
         "--wait",
         default="block",
         help="comma-separated: block (sleep in worker.wait) and/or poll (get_finished until done)",
     )
     args = ap.parse_args()
+    if args.driver_times:
+        os.environ["KVOFFLOAD_DRIVER_TIMES"] = "1"
     waits = [w for w in args.wait.split(",") if w]
     if not waits or any(w not in ("block", "poll") for w in waits):
         raise ValueError(f"expected --wait of block and/or poll, got {args.wait!r}")

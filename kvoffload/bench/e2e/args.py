@@ -224,6 +224,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "device time per kernel, kvoffload's copies beside the model's (for attribution: "
         "tracing slows those requests)",
     )
+    r.add_argument(
+        "--driver-times",
+        action="store_true",
+        help="time the native core's CUDA driver calls in the engine's thread "
+        "(KVOFFLOAD_DRIVER_TIMES=1): each kvoffload call's driver share as driver:<call> in "
+        "kvo_ms (for attribution: the timing adds ~2 us to each call)",
+    )
     r.add_argument("--seed", type=int, default=0, help="seed of the workloads and the weights")
     r.add_argument(
         "--out",

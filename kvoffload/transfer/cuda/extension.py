@@ -63,6 +63,22 @@ def unavailable() -> str | None:
     return _load()[1]
 
 
+def driver_timed() -> bool:
+    """``KVOFFLOAD_DRIVER_TIMES=1``: cores opened from now on call the driver through a timed
+    table (``driver_times``), at ~50 ns per call; a diagnostic for benchmarks."""
+    return os.environ.get("KVOFFLOAD_DRIVER_TIMES", "0").strip() == "1"
+
+
+def driver_times(reset: bool = False) -> dict[str, tuple[int, float]]:
+    """This thread's driver calls through a timed table since the last reset: ``{entry point:
+    (calls, microseconds)}`` for those called (empty without the extension or timing)."""
+    core = module()
+    if core is None:
+        return {}
+    rows = core.driver_times(reset)
+    return {n: (c, ns / 1e3) for n, (c, ns) in zip(DRIVER_FIELDS, rows, strict=True) if c}
+
+
 def reset() -> None:
     """Forget the cached answer (tests toggle ``KVOFFLOAD_NATIVE``)."""
     _load.cache_clear()

@@ -177,7 +177,10 @@ class NativeStagedBackend(CopyBackend):
             for ss in self._streams.values():  # the warm-up launches and the uploads are done
                 for s in ss:
                     s.synchronize()
-            self._core = core.Core(driver_table or _driver_table(), self.spec.pack())
+            table = driver_table or _driver_table()
+            if extension.driver_timed():  # the calls counted and timed (extension.driver_times)
+                table = int(core.timed_driver(table))
+            self._core = core.Core(table, self.spec.pack())
 
     def _group(self, g: LayerGroup, launcher: Any, area0: int) -> GroupSpec:
         """The group's parts (whole slot, then every load slice of every schedule), its region

@@ -5,6 +5,9 @@ proxies, so every public call the runner makes is wrapped with ``perf_counter`` 
 call name (``worker.step``, ``offloader.lookup``, ...) in one ``CallClock``. The engine takes the
 sums at the end of each request (``take``). Names starting with ``probe:`` are calls the benchmark
 makes only to time a load (a side stream waiting for it): reported, left out of ``total``.
+With ``KVOFFLOAD_DRIVER_TIMES=1`` (``bench e2e --driver-times``) the CUDA driver's share of each
+call, in the engine's thread, is summed too as ``driver:<name>`` (its count: driver calls), also
+left out of ``total``: it is part of the call's own time.
 """
 
 from __future__ import annotations
@@ -13,22 +16,33 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+from kvoffload.transfer.cuda import extension
+
 T = TypeVar("T")
 PROBE = "probe:"
+DRIVER = "driver:"
 
 
 class CallClock:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self.driver = extension.driver_timed()
 
     def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.driver:
+            extension.driver_times(reset=True)
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
             self.counts[name] = self.counts.get(name, 0) + 1
+            if self.driver:
+                spent = extension.driver_times(reset=True).values()
+                key = DRIVER + name
+                self.seconds[key] = self.seconds.get(key, 0.0) + sum(us for _, us in spent) / 1e6
+                self.counts[key] = self.counts.get(key, 0) + sum(c for c, _ in spent)
 
     def peek(self) -> dict[str, tuple[float, int]]:
         """Seconds and call count per name since the last ``take``."""
@@ -42,8 +56,8 @@ class CallClock:
 
 
 def total(calls: dict[str, tuple[float, int]]) -> float:
-    """Seconds of every call but the benchmark's own probes."""
-    return sum(s for name, (s, _) in calls.items() if not name.startswith(PROBE))
+    """Seconds of every call but the benchmark's own probes (driver shares are inside)."""
+    return sum(s for name, (s, _) in calls.items() if not name.startswith((PROBE, DRIVER)))
 
 
 class _Timed:

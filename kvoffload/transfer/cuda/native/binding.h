@@ -11,6 +11,7 @@
 typedef struct {
     PyObject_HEAD
     kvo_core *e;
+    const kvo_driver *table; /* the driver table it was opened on */
 } CoreObject;
 
 typedef struct {

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "binding.h"
+#include "drvtime.h"
 
 static kvo_driver cuda_table;
 static int cuda_resolved;
@@ -96,6 +97,8 @@ static int core_init(CoreObject *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     self->e = e;
+    self->table = table;
+    kvo_timed_use(table, 1);
     return 0;
 }
 
@@ -104,6 +107,7 @@ static void core_dealloc(CoreObject *self) {
         kvo_core *e = self->e;
         Py_BEGIN_ALLOW_THREADS kvo_core_free(e);
         Py_END_ALLOW_THREADS self->e = NULL;
+        kvo_timed_use(self->table, -1);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -371,9 +375,42 @@ PyTypeObject CoreType = {
     .tp_methods = core_methods,
 };
 
+/* timed_driver(address): a timed table over the driver table at address (drvtime.h). */
+static PyObject *timed_driver(PyObject *self, PyObject *arg) {
+    (void)self;
+    unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    const kvo_driver *t = addr ? kvo_timed_driver((const kvo_driver *)(uintptr_t)addr) : NULL;
+    if (t == NULL) {
+        PyErr_SetString(PyExc_ValueError, "timed_driver: expected the address of the driver table "
+                                          "already timed or none in use, got another");
+        return NULL;
+    }
+    return PyLong_FromVoidPtr((void *)t);
+}
+
+/* driver_times(reset): [(calls, ns)] per driver entry point, this thread, through a timed table. */
+static PyObject *driver_times(PyObject *self, PyObject *arg) {
+    (void)self;
+    int reset = PyObject_IsTrue(arg);
+    if (reset < 0) return NULL;
+    int64_t calls[KVO_DRIVER_FIELDS], ns[KVO_DRIVER_FIELDS];
+    kvo_driver_times(calls, ns, reset);
+    PyObject *out = PyList_New(KVO_DRIVER_FIELDS);
+    for (int i = 0; out != NULL && i < KVO_DRIVER_FIELDS; i++) {
+        PyObject *pair = Py_BuildValue("(LL)", (long long)calls[i], (long long)ns[i]);
+        if (pair == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, pair);
+    }
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"cuda_driver", resolve_cuda, METH_NOARGS,
      "address of the driver table resolved from libcuda.so.1 (RuntimeError saying why not)"},
+    {"timed_driver", timed_driver, METH_O, "timed_driver(address) -> a timed table's address"},
+    {"driver_times", driver_times, METH_O,
+     "driver_times(reset) -> [(calls, ns)] per driver entry point in this thread"},
     {NULL, NULL, 0, NULL},
 };
 
