@@ -50,6 +50,7 @@ SWEEP = (  # (model, layout): bf16 pages, K/V split, fp8 2 KiB pieces, a K-only 
     ("deepseek-v2-lite-mla", "page"),
 )
 COUNTS = (1, 37, 1000)
+TIMED = ("launch", "copy", "copy2d", "record", "wait", "memops", "ctx_get", "ctx_set")
 REPS = 15
 
 
@@ -96,6 +97,8 @@ def one(
     if spent:
         out["submit_driver"] = sum(us for _, us in spent.values())
         out["submit_driver_calls"] = sum(c for c, _ in spent.values())
+        for name in TIMED:  # per entry point: us, calls
+            out[f"submit_{name}"], out[f"submit_{name}_calls"] = spent.get(name, (0, 0.0))[::-1]
     if direction == "load":
         waiter = worker.layer_waiter(job.job_id)
         for layer in range(layers):
