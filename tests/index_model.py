@@ -121,12 +121,14 @@ class ModelIndex:
         chosen = np.asarray(positions[:fit], dtype=np.int64)
         return StorePlan(new, slots, evicted, skipped, dropped, chosen)
 
-    def reserve(self, keys: Sequence[BlockKey]) -> tuple[object, ...]:
-        """``prepare_store`` as ``BlockIndex.reserve`` returns it (positions None: all)."""
+    def reserve(self, keys: Sequence[BlockKey], evicted_keys: bool = True) -> tuple[object, ...]:
+        """``prepare_store`` as ``BlockIndex.reserve`` returns it (positions None: all; no
+        evicted keys unless asked for, the evictions counted all the same)."""
         plan = self.prepare_store(keys)
         present, full = plan.skipped_present, plan.skipped_full
         positions = None if not present and not full else plan.positions
-        return plan.keys, plan.slots, positions, plan.evicted, present, full
+        evicted = plan.evicted if evicted_keys else []
+        return plan.keys, plan.slots, positions, evicted, present, full
 
     def complete_store(
         self, keys: Iterable[BlockKey], success: bool = True, slots: object = None

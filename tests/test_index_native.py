@@ -263,3 +263,24 @@ def test_keys_offered_again_count_as_used(policy):
     twin.complete_store(twin.prepare_store([bytes([4, i]) * 8 for i in range(4)]).keys)
     assert twin.lookup(old) == 4 and twin.lookup(newer) == 0
     twin.assert_same([*old, *newer])
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_a_store_that_wants_no_evicted_keys_still_evicts_and_counts_them(as_array):
+    """``reserve(keys, evicted_keys=False)``: the same plan and the same evictions as with the
+    keys asked for (two indexes side by side), only ``evicted`` is empty; stats count them."""
+    a, b = BlockIndex(8, 64), BlockIndex(8, 64)
+    for step in range(5):
+        batch = rows(5, seed=step)
+        keys: Any = batch if as_array else [bytes(r) for r in batch]
+        plan_a = a.reserve(keys)
+        plan_b = b.reserve(keys, evicted_keys=False)
+        assert plan_b[3] == []
+        assert np.array_equal(plan_a[1], plan_b[1])  # the same slots
+        for plan, ix in ((plan_a, a), (plan_b, b)):
+            ix.complete_store(plan[0], True, plan[1])
+        assert a.stats.evictions == b.stats.evictions
+    assert a.stats.evictions == 5 * 5 - 8
+    assert a.candidates() == b.candidates()  # the same keys held, in the same eviction order
+    a.check_invariants()
+    b.check_invariants()

@@ -169,13 +169,14 @@ class Offloader:
             if self._closed:
                 self._check_open("schedule_store")
             keys, blocks_arr = self._checked(req_id, keys, blocks, group, "store")
+            want = self.lower is not None  # the lower tiers take the evicted keys
             try:
-                plan_keys, slots, positions, evicted, _, _ = self.index.reserve(keys)
+                plan_keys, slots, positions, evicted, _, _ = self.index.reserve(keys, want)
             except ValueError:
                 scanned = self._scanned(keys, "schedule_store")
                 if scanned is None:
                     raise
-                plan_keys, slots, positions, evicted, _, _ = self.index.reserve(scanned)
+                plan_keys, slots, positions, evicted, _, _ = self.index.reserve(scanned, want)
             if self.lower is not None:
                 self.lower.evicted(evicted)
             if not len(slots):

@@ -197,18 +197,23 @@ class BlockIndex:
             self._ix.complete_store(plan_keys, False)
             raise
 
-    def reserve(self, keys: Keys) -> Reserved:
+    def reserve(self, keys: Keys, evicted_keys: bool = True) -> Reserved:
         """``prepare_store``'s plan as a tuple, for a caller that makes one per store (the
         Offloader): (keys, slots, positions, evicted, skipped_present, skipped_full), positions
-        None where every key got a slot, in order."""
+        None where every key got a slot, in order. ``evicted_keys=False``: ``evicted`` is empty
+        (the evictions still counted in ``stats``), for a caller no lower tier takes them from:
+        no key object is made per evicted block (1,000 evictions: 146 -> 132 us p10, this VM)."""
         keys = _sequence(keys)
         try:
-            result = self._ix.prepare_store(keys)
+            result = self._ix.prepare_store(keys, evicted_keys)
         except self._refused as refusal:
             raise self._refusal("prepare_store", keys, refusal) from None
         try:
             new, pos, slots, evicted, present, full = result
-            if evicted:
+            if isinstance(evicted, int):  # its count: the keys were not asked for
+                self.stats.evictions += evicted
+                evicted = []
+            elif evicted:
                 self.stats.evictions += len(evicted)
             positions = None if not present and not full else _ids(pos)
             plan_keys = new

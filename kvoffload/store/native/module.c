@@ -189,7 +189,12 @@ static PyObject *index_counts(IndexObject *self, PyObject *noargs) {
     return Py_BuildValue("(IIII)", c[0], c[1], c[2], c[3]);
 }
 
-static PyObject *index_prepare_store(IndexObject *self, PyObject *obj) {
+/* prepare_store(keys, evicted_keys=True): evicted_keys False gives the count of the keys
+ * evicted, not the keys (no bytes object made per evicted key, where no lower tier wants them). */
+static PyObject *index_prepare_store(IndexObject *self, PyObject *args) {
+    PyObject *obj;
+    int want = 1;
+    if (!PyArg_ParseTuple(args, "O|p", &obj, &want)) return NULL;
     call_keys c;
     KEYS_OR_NULL(obj, &c);
     ix_plan plan;
@@ -209,7 +214,8 @@ static PyObject *index_prepare_store(IndexObject *self, PyObject *obj) {
         }
         if (keys != NULL)
             out = Py_BuildValue("(NNNNLL)", keys, ix_bind_int64s(plan.pos, plan.n), ix_bind_int64s(plan.slots, plan.n),
-                                dropped_keys(&plan), (long long)plan.skipped_present,
+                                want ? dropped_keys(&plan) : PyLong_FromLongLong(plan.n_evicted),
+                                (long long)plan.skipped_present,
                                 (long long)plan.skipped_full);
         /* out of memory for the result: the reserved slots go back to free (one key per call,
          * so the rollback allocates nothing); the blocks evicted for them stay evicted */
@@ -351,8 +357,9 @@ static PyMethodDef index_methods[] = {
     {"lookup", (PyCFunction)index_lookup, METH_O, "(leading READABLE keys, keys)"},
     {"find", (PyCFunction)index_find, METH_O, "(state, slot or -1, readers) of one key"},
     {"counts", (PyCFunction)index_counts, METH_NOARGS, "(free, writing, readable, pinned)"},
-    {"prepare_store", (PyCFunction)index_prepare_store, METH_O,
-     "(keys or None for a buffer, positions, slots, evicted, skipped_present, skipped_full)"},
+    {"prepare_store", (PyCFunction)index_prepare_store, METH_VARARGS,
+     "(keys[, evicted_keys]) -> (keys or None for a buffer, positions, slots, evicted (keys, or "
+     "their count), skipped_present, skipped_full)"},
     {"complete_store", (PyCFunction)index_complete_store, METH_VARARGS, "(keys, success): keys"},
     {"complete_store_slots", (PyCFunction)ix_bind_complete_slots, METH_VARARGS,
      "(slots, success): complete_store by the slots prepare_store gave"},
