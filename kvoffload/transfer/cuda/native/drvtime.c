@@ -52,21 +52,18 @@ const kvo_driver *kvo_timed_driver(const kvo_driver *d) {
     if (d == &timed) return d;
     if (wrapped && memcmp(&inner, d, sizeof inner) == 0) return &timed;
     if (users > 0) return NULL; /* a core still calls the wrapped one */
-    inner = timed = *d;
-    timed.launch = t_launch;
-    if (inner.batch != NULL) timed.batch = t_batch;
-    timed.copy = t_copy;
-    timed.record = t_record;
-    timed.wait = t_wait;
-    timed.event_create = t_event_create;
-    timed.event_destroy = t_event_destroy;
-    timed.event_query = t_event_query;
-    timed.ctx_get = t_ctx_get;
-    timed.ctx_set = t_ctx_set;
-    timed.write32 = t_write32;
-    timed.wait32 = t_wait32;
-    timed.memops = t_memops;
-    timed.copy2d = t_copy2d;
+    inner = *d;
+    timed = (kvo_driver){ /* every field named: a new entry point is timed or passed on here */
+        .launch = t_launch, .batch = inner.batch != NULL ? t_batch : NULL, .copy = t_copy,
+        .record = t_record, .wait = t_wait, .event_create = t_event_create,
+        .event_destroy = t_event_destroy, .event_query = t_event_query,
+        .event_sync = inner.event_sync, .ctx_get = t_ctx_get, .ctx_set = t_ctx_set,
+        .mem_alloc = inner.mem_alloc, .mem_free = inner.mem_free, .host_alloc = inner.host_alloc,
+        .host_free = inner.host_free, .stream_sync = inner.stream_sync,
+        .error_name = inner.error_name, .write32 = t_write32, .wait32 = t_wait32,
+        .memops = t_memops, .host_dptr = inner.host_dptr, .ctx_sync = inner.ctx_sync,
+        .copy2d = t_copy2d,
+    };
     wrapped = 1;
     return &timed;
 }
