@@ -14,7 +14,7 @@ This file is the integration example of ``docs/e2e.md``. The engine calls:
 Jobs reach the worker in one call per engine step, ``TransferWorker.step(jobs)``, which submits
 them and returns the jobs finished since the last step: ``store`` queues its job, ``poll`` (and
 ``start_load``, which must not wait) hands the queue over. A load's per-layer waits go through one
-``TransferWorker.layer_waiter`` bound at its first wait (one native wait per layer after that);
+``TransferWorker.layer_waiter`` bound at its first wait (a native wait per layer slice after that);
 a forward captured whole in a CUDA graph waits through ``layer_gate`` instead. Every kvoffload
 call goes through a ``calls.timed`` proxy, so ``calls`` holds the host time the engine's thread
 spent inside them (``LAYER_WAIT`` names the per-layer wait).
