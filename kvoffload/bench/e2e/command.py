@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from kvoffload.bench.e2e.runner import dtype as dtypes
     from kvoffload.bench.e2e.runner.bench import run_bench
 
-    if getattr(args, "driver_times", False):  # before any native core opens (calls.py)
+    if args.driver_times:  # before any native core opens (calls.py)
         os.environ["KVOFFLOAD_DRIVER_TIMES"] = "1"
     cuda = bool(torch.cuda.is_available())
     if args.device.startswith("cuda") and not cuda:
