@@ -102,10 +102,11 @@ class StagedConfig:
     # against 0.64 (a scatter reading ids over PCIe is slower; docs/transfer.md, "ninth round").
     host_ids: int = 16
     # The completion thread's longest pause (us) between reads of the done words (host memory,
-    # no driver call): a job is seen done within ~1/16 of its age, at most this much later. On
-    # an H100 20 against 100: 37-block fp8 stores 0.69 of the link against 0.64, latent stores
-    # 0.75 against 0.70, 1,000-block latent stores 0.93 against 0.91 ("ninth round").
-    completion_poll_us: int = 20
+    # no driver call), which it takes at ~1/16 of the youngest job's age. It finishes jobs
+    # nobody asks about and reports copies that failed on the device: a job's done() and wait()
+    # read its done word themselves, so this pace delays neither (docs/transfer.md, "eleventh
+    # round"). 1000: no thread of ours wakes every few microseconds beside the engine's forward.
+    completion_poll_us: int = 1000
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)

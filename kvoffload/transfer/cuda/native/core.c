@@ -4,8 +4,11 @@
  * Quiet beside the engine's forward: a job is enqueued whole at submit by the caller's thread
  * when its direction is idle (the GIL released), so no thread of ours makes a driver call while
  * the engine launches its forward afterwards; completion is found by reading the flag words the
- * GPU writes (flags.h), not by driver queries. A driver query (cuEventQuery) is made only for a
- * job in flight longer than KVO_ERROR_POLL_S, to report a copy that failed on the device. */
+ * GPU writes (flags.h), not by driver queries, and by whoever asks (a job's done() and wait()
+ * read its done word and finish it, waits.c): the completion thread only finishes jobs nobody
+ * asks about, sleeping ~1/16 of the youngest job's age (at most poll_max_ns), so no thread of
+ * ours polls fast beside the forward. A driver query (cuEventQuery) is made only for a job in
+ * flight longer than KVO_ERROR_POLL_S, to report a copy that failed on the device. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
@@ -21,7 +24,7 @@
 #define FINISHED_FIRST 256       /* finished-id buffer's first capacity */
 #define COMPLETER_BATCH 256      /* in-flight jobs looked at per pass */
 #define KVO_ERROR_POLL_S 0.05    /* a job in flight this long gets a driver query this often */
-#define SPIN_BELOW_S 10e-6       /* shorter pauses spin (a sleep that short overshoots) */
+#define PAUSE_MIN_S 10e-6        /* the completion thread's shortest sleep (it never spins) */
 #define EVENT_NO_TIMING 2        /* CU_EVENT_DISABLE_TIMING */
 
 void *kvo_ctx_enter(kvo_core *e) {
@@ -339,28 +342,21 @@ static void *completer(void *p) {
         pthread_mutex_lock(&e->mu);
         for (int i = 0; i < n; i++) {
             kvo_job *j = batch[i];
-            if (ended[i]) {
+            if (ended[i] && j->state == KVO_INFLIGHT) { /* not finished by an asker since */
                 if (codes[i] != 0)
                     kvo_job_fail(j, &e->d, codes[i], STEP_QUERY, -1, -1, "the copy failed on the device");
-                kvo_job **pp = &e->inflight;
-                while (*pp != j) pp = &(*pp)->next;
-                *pp = j->next;
-                j->next = NULL;
-                kvo_finish(e, j);
+                kvo_end_locked(e, j);
             }
             kvo_unref(e, j);
         }
         pthread_mutex_unlock(&e->mu);
-        if (!any) { /* read again after ~1/16 of the youngest job's age, at most poll_max_ns */
+        if (!any) { /* read again after ~1/16 of the youngest job's age, in [PAUSE_MIN_S,
+                     * poll_max_ns]: askers (done, wait) read the words themselves */
             double pause = youngest / 16, most = (double)e->spec.poll_max_ns * 1e-9;
             if (pause > most) pause = most;
-            if (pause < SPIN_BELOW_S) {
-                double until = kvo_now() + pause;
-                while (kvo_now() < until) CPU_RELAX();
-            } else {
-                struct timespec ts = {0, (long)(pause * 1e9)};
-                nanosleep(&ts, NULL);
-            }
+            if (pause < PAUSE_MIN_S) pause = PAUSE_MIN_S;
+            struct timespec ts = {(time_t)pause, (long)((pause - (double)(time_t)pause) * 1e9)};
+            nanosleep(&ts, NULL);
         }
     }
 }

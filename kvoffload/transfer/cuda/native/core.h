@@ -11,6 +11,7 @@ typedef struct kvo_core kvo_core;
 
 typedef struct {
     int64_t submitted, completed, failed, parts, queued, in_flight;
+    int64_t reaped; /* of `completed`: finished by a done() or wait() that read the done word */
     int closed, batch_copies;
 } kvo_stats;
 

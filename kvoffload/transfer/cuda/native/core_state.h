@@ -33,7 +33,7 @@ struct kvo_core {
     int64_t *finished; /* ids finished since the last drain (when tracking) */
     int64_t finished_n, finished_cap;
     int track_finished;
-    int64_t submitted, completed, failures;
+    int64_t submitted, completed, failures, reaped;
     int64_t gates, gate_layers[KVO_MAX_GATES];
     kvo_event gate_event[KVO_MAX_GATES];
 };
@@ -44,5 +44,6 @@ void kvo_unref(kvo_core *e, kvo_job *job); /* mu held */
 /* mu held: sleep on `changed` until deadline (absolute kvo_now() seconds; <= 0: no limit). */
 int kvo_timed_wait(kvo_core *e, double deadline);
 void kvo_finish(kvo_core *e, kvo_job *job); /* mu held; drops the core's reference */
+void kvo_end_locked(kvo_core *e, kvo_job *job); /* mu held: out of `inflight`, kvo_finish */
 
 #endif

@@ -15,6 +15,8 @@
 /* A waiter spins this long on a job in flight before it sleeps: a condition-variable wake-up
  * costs ~20 us (H100 VM), more than a small transfer's remaining time. */
 #define SPIN_S 100e-6
+#define WAIT_PAUSE_MIN_S 10e-6
+#define WAIT_PAUSE_MAX_S 20e-6
 
 
 /* A reader of the flag words: 1 and counted while the core is open (close waits for the count
@@ -30,22 +32,61 @@ static void flags_leave(kvo_core *e) { __atomic_sub_fetch(&e->flag_users, 1, __A
 
 static int state_of(kvo_job *job) { return __atomic_load_n(&job->state, __ATOMIC_ACQUIRE); }
 
+void kvo_end_locked(kvo_core *e, kvo_job *job) {
+    kvo_job **pp = &e->inflight;
+    while (*pp != job) pp = &(*pp)->next;
+    *pp = job->next;
+    job->next = NULL;
+    kvo_finish(e, job);
+}
+
+/* Whoever asks finishes a job whose done word the GPU wrote (the completion thread does the same
+ * for jobs nobody asks about, slowly): 1 finished. A read of host memory, and the lock only for
+ * the job that just ended; no driver call. */
+static int reap(kvo_core *e, kvo_job *job) {
+    int state = state_of(job);
+    if (state != KVO_INFLIGHT) return state == KVO_DONE;
+    if (!flags_enter(e)) return state_of(job) == KVO_DONE; /* closed: every job ended */
+    int landed = kvo_flag_reached(&e->flags, kvo_word_done(job->dir), job->seq);
+    flags_leave(e);
+    if (!landed) return 0;
+    pthread_mutex_lock(&e->mu);
+    if (job->state == KVO_INFLIGHT) {
+        e->reaped++;
+        kvo_end_locked(e, job);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return 1;
+}
+
 kvo_status kvo_job_done(kvo_core *e, kvo_job *job, int *done) {
-    *done = state_of(job) == KVO_DONE;
+    *done = reap(e, job);
     return KVO_OK;
 }
 
+/* The waiter reads the done word itself: it spins SPIN_S, then sleeps ~1/16 of the job's age
+ * between reads (WAIT_PAUSE_MIN_S..WAIT_PAUSE_MAX_S) on `changed`, which a cancel, a failure
+ * the completion thread found, or the job's enqueue also wakes. */
 kvo_status kvo_job_wait(kvo_core *e, kvo_job *job, double timeout, int *finished) {
-    double deadline = timeout < 0 ? 0 : kvo_now() + timeout;
-    if (timeout != 0) {
-        double until = kvo_now() + (timeout > 0 && timeout < SPIN_S ? timeout : SPIN_S);
-        while (state_of(job) != KVO_DONE && kvo_now() < until) CPU_RELAX();
+    double start = kvo_now(), deadline = timeout < 0 ? 0 : start + timeout;
+    int done = reap(e, job);
+    while (!done && timeout != 0) {
+        double now = kvo_now();
+        if (timeout > 0 && now >= deadline) break;
+        if (now - start < SPIN_S) {
+            CPU_RELAX();
+        } else {
+            double pause = (now - job->t_submit) / 16;
+            pause = pause < WAIT_PAUSE_MIN_S ? WAIT_PAUSE_MIN_S
+                    : pause > WAIT_PAUSE_MAX_S ? WAIT_PAUSE_MAX_S : pause;
+            double until = timeout > 0 && now + pause > deadline ? deadline : now + pause;
+            pthread_mutex_lock(&e->mu);
+            if (job->state != KVO_DONE) kvo_timed_wait(e, until);
+            pthread_mutex_unlock(&e->mu);
+        }
+        done = reap(e, job);
     }
-    pthread_mutex_lock(&e->mu);
-    while (job->state != KVO_DONE && timeout != 0)
-        if (kvo_timed_wait(e, deadline) == ETIMEDOUT) break;
-    *finished = job->state == KVO_DONE;
-    pthread_mutex_unlock(&e->mu);
+    *finished = done;
     return KVO_OK;
 }
 
@@ -275,6 +316,7 @@ kvo_status kvo_core_stats(kvo_core *e, kvo_stats *out) {
     for (kvo_job *j = e->inflight; j; j = j->next) out->in_flight++;
     out->submitted = e->submitted;
     out->completed = e->completed;
+    out->reaped = e->reaped;
     out->failed = e->failures;
     out->parts = e->lane[0].parts + e->lane[1].parts;
     out->closed = e->closing;
