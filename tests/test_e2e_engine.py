@@ -13,10 +13,11 @@ import kvoffload as kvo  # noqa: E402
 from kvoffload.bench.e2e.runner.attention import paged_attend, sdpa  # noqa: E402
 from kvoffload.bench.e2e.runner.block_pool import BlockPool, PoolExhausted  # noqa: E402
 from kvoffload.bench.e2e.runner.config import model_config  # noqa: E402
-from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine, TurnResult  # noqa: E402
+from kvoffload.bench.e2e.runner.engine import PagedEngine, TurnResult  # noqa: E402
 from kvoffload.bench.e2e.runner.host_tier import HostTier  # noqa: E402
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache  # noqa: E402
 from kvoffload.bench.e2e.runner.model import Model  # noqa: E402
+from kvoffload.bench.e2e.runner.offload_mode import Offload  # noqa: E402
 from kvoffload.bench.e2e.runner.timing import SectionTimer  # noqa: E402
 from kvoffload.bench.e2e.runner.workload import ChatShape, chat_turns  # noqa: E402
 from kvoffload.transfer import registry as backends  # noqa: E402

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import kvoffload as kvo  # noqa: E402
 from kvoffload.bench.e2e.runner.config import model_config  # noqa: E402
-from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine  # noqa: E402
+from kvoffload.bench.e2e.runner.engine import PagedEngine  # noqa: E402
 from kvoffload.bench.e2e.runner.graphs import (  # noqa: E402
     GraphRunner,
     bucket,
@@ -20,6 +20,7 @@ from kvoffload.bench.e2e.runner.graphs import (  # noqa: E402
 from kvoffload.bench.e2e.runner.host_tier import HostTier  # noqa: E402
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache  # noqa: E402
 from kvoffload.bench.e2e.runner.model import Model  # noqa: E402
+from kvoffload.bench.e2e.runner.offload_mode import Offload  # noqa: E402
 from kvoffload.bench.e2e.runner.verify import check_turn  # noqa: E402
 from kvoffload.bench.e2e.runner.workload import ChatShape  # noqa: E402
 

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 WORKLOADS = ("chat", "fits", "docs", "mixed")
-MODES = ("recompute", "gpu", "gpu_all", "kvoffload")
+MODES = ("recompute", "gpu", "gpu_all", "kvoffload")  # the default
+# gpu_all_copy (opt-in): gpu_all with the bytes of kvoffload's restore copied beside its forward
+ALL_MODES = ("recompute", "gpu", "gpu_all", "gpu_all_copy", "kvoffload")
 GRAPHS = ("eager", "piecewise", "full")  # kvoffload.bench.e2e.runner.graphs.GRAPHS, without torch
 CHAT_KNOBS = ("conversations", "turns", "system_tokens", "user_tokens", "answer_tokens")
 DOC_KNOBS = (
@@ -198,7 +200,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--modes",
         default=None,
-        help=f"comma-separated, from {','.join(MODES)} (default: all four; fits: gpu,kvoffload)",
+        help=f"comma-separated, from {','.join(ALL_MODES)} (default: {','.join(MODES)}; fits: "
+        "gpu,kvoffload); gpu_all_copy: gpu_all with a plain copy of each kvoffload restore's bytes "
+        "beside its forward (the machine's share of a restore's cost; needs kvoffload)",
     )
     r.add_argument(
         "--rounds",
@@ -265,7 +269,7 @@ def _list(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
 
 def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
     from kvoffload.bench.e2e.runner.bench_config import BenchConfig
-    from kvoffload.bench.e2e.runner.engine import Offload
+    from kvoffload.bench.e2e.runner.offload_mode import Offload
 
     model = args.model if args.model != "auto" else ("llama3-8b" if cuda else "tiny")
     try:
@@ -333,7 +337,7 @@ def _workload_run(args: argparse.Namespace, model: str, kind: str) -> Any:
     modes = ("gpu", "kvoffload") if kind == "fits" else MODES
     return WorkloadRun(
         workload,
-        _list(args.modes, MODES, "--modes") if args.modes else modes,
+        _list(args.modes, ALL_MODES, "--modes") if args.modes else modes,
         args.rounds if args.rounds is not None else (FITS_ROUNDS if kind == "fits" else 1),
         args.gpu_blocks if args.gpu_blocks is not None else max(pool, floor),
         args.host_blocks if args.host_blocks is not None else host,

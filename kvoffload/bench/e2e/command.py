@@ -213,6 +213,9 @@ def _print_run(graph: str, run: dict[str, Any]) -> None:
         console.print("  " + Target(**{k: v for k, v in t.items() if k != "met"}).line())
 
 
+RATIOS = ("launch_vs_gpu_all", "p50_vs_gpu_all", "p99_vs_gpu_all")
+
+
 def _print_attribution(kind: str, graph: str, att: dict[str, Any]) -> None:
     """One restored request's medians: kvoffload's calls, launch against gpu_all, GPU wait."""
     from rich.table import Table
@@ -235,6 +238,22 @@ def _print_attribution(kind: str, graph: str, att: dict[str, Any]) -> None:
         f"ms ({'-' if ratio is None else f'{ratio:.2f}x'}); GPU waited {ms(att['gpu_wait_ms_p50'])}"
         f" ms; a per-layer wait call {'-' if wait is None else f'{wait:.1f}'} us"
     )
+    side = att.get("beside")
+    if side:  # --modes with gpu_all_copy: the same bytes copied beside gpu_all's forward
+
+        def vs(mode: str) -> str:
+            m = side[mode]
+            return "/".join("-" if m[k] is None else f"{m[k]:.2f}x" for k in RATIOS)
+
+        console.print(
+            f"  vs gpu_all, launch/p50/p99: gpu_all_copy (a plain copy of the same bytes) "
+            f"{vs('gpu_all_copy')}, kvoffload {vs('kvoffload')} ({side['requests']} requests)"
+        )
+    growth = att.get("layer_launch_growth_ms_p50")
+    if growth:  # eager and piecewise: where in the forward the launch grew
+        step = max(1, len(growth) // 4)
+        at = ", ".join(f"layer {i} {growth[i]:+.2f}" for i in range(0, len(growth), step))
+        console.print(f"  launched later than in gpu_all, ms from the prefill's start: {at}")
     if "load_runs_p50" in att:  # results written before 2026-11-26 have none
         submit = att["host_ms_p50"].get("load_submit")
         console.print(

@@ -36,6 +36,7 @@ def paged_attend(
     length = start + n
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        timer.stamp()
         cache.write(layer, slots, k, v)
         if before_read is not None:
             before_read(layer)

@@ -33,12 +33,15 @@ import torch
 import kvoffload as kvo
 from kvoffload import prefix_block_keys
 from kvoffload.bench.e2e.runner.bench_config import Advance, BenchConfig, WorkloadRun
+from kvoffload.bench.e2e.runner.beside import MODE as BESIDE
+from kvoffload.bench.e2e.runner.beside import BesideCopy
 from kvoffload.bench.e2e.runner.config import ModelConfig, model_config
-from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine
+from kvoffload.bench.e2e.runner.engine import PagedEngine
 from kvoffload.bench.e2e.runner.graphs import GraphRunner
 from kvoffload.bench.e2e.runner.host_tier import HostTier, TierStats
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
+from kvoffload.bench.e2e.runner.offload_mode import Offload
 from kvoffload.bench.e2e.runner.profile import compare, traced
 from kvoffload.bench.e2e.runner.results import attribution, pool_rounds, record, summarize
 from kvoffload.bench.e2e.runner.targets import targets
@@ -187,7 +190,13 @@ def _engine(
     pool = run.pool_blocks(mode, cfg.block_size)
     tier = host if mode == "kvoffload" else None
     off = offload or cfg.offload
-    return PagedEngine(model, cache, mode, tier, cfg.chunk_tokens, off, pool, first_block, graphs)
+    side = None
+    if mode == BESIDE:  # room for the longest request's restore
+        longest = run.workload.longest_request_blocks(cfg.block_size)
+        side = BesideCopy(model.device, longest * cache.block_bytes)
+    return PagedEngine(
+        model, cache, mode, tier, cfg.chunk_tokens, off, pool, first_block, graphs, side
+    )
 
 
 def freeze_heap() -> None:
@@ -268,15 +277,20 @@ def run_paired(
     (``idle``: its copies finished) before the next starts; a mode's time is the sum of its
     requests' (run + settle). The engines must use disjoint blocks of the cache. The last
     ``profile`` requests of ``gpu_all`` and ``kvoffload`` run traced (``profile.py``; CUDA only)."""
-    names = list(engines)
-    spent = dict.fromkeys(names, 0.0)
-    tiers = {n: TierStats() for n in names}
-    records: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    names = [n for n in engines if n != BESIDE]  # BESIDE runs right after kvoffload
+    spent = dict.fromkeys(engines, 0.0)
+    tiers = {n: TierStats() for n in engines}
+    records: dict[str, list[dict[str, Any]]] = {n: [] for n in engines}
     device = engines[names[0]].model.device
     for i, turn in enumerate(turns):
         k = i % len(names)
-        for name in names[k:] + names[:k]:
+        order = names[k:] + names[:k]
+        if BESIDE in engines:
+            order.insert(order.index("kvoffload") + 1, BESIDE)
+        for name in order:
             engine, before = engines[name], copy.copy(host.stats)
+            if name == BESIDE:  # the bytes kvoffload's load of this request moved
+                engine.beside_bytes = records["kvoffload"][-1]["load_bytes"]
             trace: dict[str, Any] = {}
             traced_now = (
                 i >= len(turns) - profile
@@ -306,7 +320,7 @@ def run_paired(
             "late_stored_blocks": engines[n].late_stores,
             "records": records[n],
         }
-        for n in names
+        for n in engines
     }
 
 

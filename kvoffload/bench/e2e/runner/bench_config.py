@@ -7,8 +7,10 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvoffload.bench.e2e.runner.engine import MODES, Offload
+from kvoffload.bench.e2e.runner.beside import MODE as BESIDE
+from kvoffload.bench.e2e.runner.engine import MODES
 from kvoffload.bench.e2e.runner.graphs import GRAPHS
+from kvoffload.bench.e2e.runner.offload_mode import Offload
 from kvoffload.bench.e2e.runner.workload import Workload
 
 Advance = Callable[[str], None]  # progress: called once per request run, with a description
@@ -26,6 +28,11 @@ class WorkloadRun:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"expected distinct modes from {MODES}, got {list(self.modes)}")
+        if BESIDE in self.modes and "kvoffload" not in self.modes:
+            raise ValueError(
+                f"expected mode kvoffload beside {BESIDE} (it copies kvoffload's restored bytes), "
+                f"got modes {list(self.modes)}"
+            )
         for name in ("rounds", "gpu_blocks", "host_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"expected {name} > 0, got {getattr(self, name)}")
@@ -36,7 +43,7 @@ class WorkloadRun:
         return w.distinct_blocks(block_size) + 2 * w.longest_request_blocks(block_size)
 
     def pool_blocks(self, mode: str, block_size: int) -> int:
-        return self.all_blocks(block_size) if mode == "gpu_all" else self.gpu_blocks
+        return self.all_blocks(block_size) if mode in ("gpu_all", BESIDE) else self.gpu_blocks
 
     def cache_blocks(self, block_size: int) -> int:
         """Blocks of KV cache the run needs: every mode's pool (side by side)."""

@@ -29,47 +29,21 @@ import torch
 from kvoffload import prefix_block_keys
 from kvoffload.bench.e2e.runner.admission import Admission, Pairs
 from kvoffload.bench.e2e.runner.attention import paged_attend
+from kvoffload.bench.e2e.runner.beside import MODE as BESIDE
+from kvoffload.bench.e2e.runner.beside import BesideCopy
 from kvoffload.bench.e2e.runner.block_pool import BlockKey, BlockPool
 from kvoffload.bench.e2e.runner.calls import total as total_calls
 from kvoffload.bench.e2e.runner.graphs import GraphRunner
 from kvoffload.bench.e2e.runner.host_tier import HostTier, Load, slot_runs
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
+from kvoffload.bench.e2e.runner.offload_mode import Offload
 from kvoffload.bench.e2e.runner.timing import HostClock, SectionTimer
 
-MODES = ("recompute", "gpu", "gpu_all", "kvoffload")
+MODES = ("recompute", "gpu", "gpu_all", BESIDE, "kvoffload")
 # a prefill chunk's inputs uploaded ahead: (tokens, positions, block table) in eager mode, ()
 # with graphs (they live in the graph runner's static buffers)
 Staged = tuple[torch.Tensor, ...]
-ADMISSIONS = ("all", "reuse", "none")
-STORES = ("behind", "evict")
-LOADS = ("layered", "blocking")
-
-
-@dataclass(frozen=True)
-class Offload:
-    """How the engine uses kvoffload's host tier (mode ``kvoffload``)."""
-
-    # Which requests' blocks go to host: "all"; "reuse": only a request that reused something (a
-    # GPU or host hit, or a first block it shares with an earlier request that was not stored,
-    # and then that earlier request's blocks still on the GPU too), so a stream of unrelated
-    # prompts copies nothing; "none": nothing (lookups only).
-    admission: str = "reuse"
-    # When they go: "evict": once they come within ``store_lead`` times the most blocks one request
-    # has allocated of the head of the GPU pool's free queue (the next to be evicted), so nothing
-    # is copied while the pool has room; "behind": right after compute wrote them (write-behind).
-    store: str = "evict"
-    store_lead: float = 2.0
-    # How a host hit meets prefill: "layered" (layer i's attention waits for layer i's blocks
-    # only) or "blocking" (prefill starts once the whole load has arrived).
-    load: str = "layered"
-
-    def __post_init__(self) -> None:
-        for name, allowed in (("admission", ADMISSIONS), ("store", STORES), ("load", LOADS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"expected {name} in {allowed}, got {getattr(self, name)!r}")
-        if not self.store_lead > 0:
-            raise ValueError(f"expected store_lead > 0, got {self.store_lead}")
 
 
 @dataclass
@@ -94,6 +68,10 @@ class TurnResult:
     kvo_ttft_s: float = 0.0  # host seconds inside kvoffload calls before the first token
     kvo_ttft_calls: dict[str, tuple[float, int]] = field(default_factory=dict)  # those, per call
     load_runs: int = 0  # runs of consecutive host slots the load read (``slot_runs``)
+    beside_bytes: int = 0  # mode gpu_all_copy: bytes copied beside the forward (``beside.py``)
+    # host ms from the prefill's start to each layer's attention launch (first chunk; eager and
+    # piecewise: a full graph launches no layer on its own)
+    layer_launch_ms: list[float] = field(default_factory=list)
 
 
 class PagedEngine:
@@ -110,14 +88,18 @@ class PagedEngine:
         pool_blocks: int | None = None,
         first_block: int = 0,
         graphs: GraphRunner | None = None,
+        beside: BesideCopy | None = None,
     ) -> None:
         """``pool_blocks`` (default: all) of the cache's blocks from ``first_block`` on are this
         engine's GPU pool. ``graphs``: run the forward as CUDA graphs (``graphs.py``; captured
-        already, and shared by every engine of the run); None: eager."""
+        already, and shared by every engine of the run); None: eager. ``beside``: mode
+        ``gpu_all_copy``'s side copy, of ``beside_bytes`` per request (``beside.py``)."""
         if mode not in MODES:
             raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
         if (mode == "kvoffload") != (host is not None):
             raise ValueError(f"expected a host tier exactly in mode 'kvoffload', got mode {mode!r}")
+        if (mode == BESIDE) != (beside is not None):
+            raise ValueError(f"expected a side copy exactly in mode {BESIDE!r}, got mode {mode!r}")
         if chunk_tokens <= 0:
             raise ValueError(f"expected chunk_tokens > 0, got {chunk_tokens}")
         pool_blocks = cache.num_blocks - first_block if pool_blocks is None else pool_blocks
@@ -134,6 +116,7 @@ class PagedEngine:
         self.offload = offload or Offload()
         self.graphs = graphs
         self.graph = graphs.mode if graphs is not None else "eager"
+        self.beside, self.beside_bytes = beside, 0
         self.pool = BlockPool(pool_blocks, first_block)
         self.timer = SectionTimer(model.device)
         self.late_stores = 0  # blocks stored only when the pool was about to reuse them
@@ -195,6 +178,13 @@ class PagedEngine:
             with self.timer.section("load_submit"):
                 load = self.host.start_load(req, *restore)
             host_time.mark("load_submit")
+        elif self.beside is not None and self.beside_bytes:  # as kvoffload's load, minus ours
+            with self.timer.section("stage"):
+                staged = self._stage(tokens, loaded * bs, blocks)
+            host_time.mark("launch")
+            with self.timer.section("load_submit"):
+                self.beside.start(self.beside_bytes)
+            host_time.mark("load_submit")
         layered = load is not None and self.offload.load == "layered"
         if load is not None and not layered:
             ok = self._finish_load(load)
@@ -202,8 +192,12 @@ class PagedEngine:
             if not ok:
                 blocks, loaded = self._recompute_instead(req, blocks, gpu_hit, loaded)
                 staged = None
+        self.timer.take_stamps()
+        t_prefill = time.perf_counter()
         logits = self._prefill(tokens, loaded * bs, blocks, load if layered else None, staged)
         host_time.mark("launch")  # prefill enqueued (on a CPU: computed)
+        layers = self.model.config.layers  # the first chunk's layers, from the prefill's start
+        stamps = [(t - t_prefill) * 1e3 for t in self.timer.take_stamps()[:layers]]
         if self.host is not None:
             if layered and load is not None:
                 self.host.time_load(load)
@@ -240,7 +234,6 @@ class PagedEngine:
             out.append(token)
         self.timer.collect()
         self._finish(req, blocks)
-        layers = self.model.config.layers
         calls = self.host.calls.take() if self.host is not None else {}
         return TurnResult(
             first,
@@ -262,6 +255,8 @@ class PagedEngine:
             kvo_ttft,
             ttft_calls,
             slot_runs(load.specs) if load is not None else 0,
+            self.beside_bytes if self.beside is not None else 0,
+            stamps,
         )
 
     def drop_gpu_cache(self) -> int:
@@ -277,6 +272,8 @@ class PagedEngine:
         if self.host is not None:
             for req in [*self._held, *self._storing]:
                 self.host.wait_settled(req)
+        if self.beside is not None:
+            self.beside.sync()
         self._settle()
 
     # -- loads ---------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import torch
 
 import kvoffload as kvo
 from kvoffload.bench.e2e.runner.config import model_config
-from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine, TurnResult
+from kvoffload.bench.e2e.runner.engine import PagedEngine, TurnResult
 from kvoffload.bench.e2e.runner.host_tier import HostTier
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.lower_tiers_report import (
@@ -57,6 +57,7 @@ from kvoffload.bench.e2e.runner.lower_tiers_report import (
     target,
 )
 from kvoffload.bench.e2e.runner.model import Model
+from kvoffload.bench.e2e.runner.offload_mode import Offload
 
 WORKLOADS = ("valkey", "valkey-cluster", "disk")
 # documents, document tokens, question tokens per model scale

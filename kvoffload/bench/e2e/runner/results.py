@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvoffload.bench.e2e.runner import calls as kvo_calls
+from kvoffload.bench.e2e.runner.beside import MODE as BESIDE
 from kvoffload.bench.e2e.runner.engine import TurnResult
 from kvoffload.bench.e2e.runner.host_tier import LAYER_WAIT
 from kvoffload.bench.e2e.runner.workload import Turn
@@ -50,6 +51,8 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
         "device_ms": {k: v * 1e3 for k, v in r.sections.items() if not k.startswith("wait")},
         "load_bytes": r.load_bytes,
         "load_runs": r.load_runs,
+        "beside_bytes": r.beside_bytes,
+        "layer_launch_ms": r.layer_launch_ms,
         "launch_ms": r.host.get("launch", 0.0) * 1e3,
         "kvo_ms": {name: s * 1e3 for name, (s, _) in r.kvo_calls.items()},
         "kvo_calls": {name: n for name, (_, n) in r.kvo_calls.items()},
@@ -200,7 +203,58 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
             step: med([g["host_ms"].get(step, 0.0) for _, g in paired])
             for step in sorted({s for _, g in paired for s in g["host_ms"]})
         },
+        "beside": beside(restored, modes, ideal),
+        "layer_launch_growth_ms_p50": layer_growth(paired),
     }
+
+
+def layer_growth(paired: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[float]:
+    """Per layer, the median over restored requests of how much later (host ms) its attention
+    was launched than in the same request's ``gpu_all`` run, counted from the prefill's start:
+    where in the forward the launch phase grew. Empty where no pair stamped every layer."""
+    both = [
+        (r["layer_launch_ms"], g["layer_launch_ms"])
+        for r, g in paired
+        if r.get("layer_launch_ms") and len(r["layer_launch_ms"]) == len(g["layer_launch_ms"])
+    ]
+    if not both:
+        return []
+    return [float(np.median([a[i] - b[i] for a, b in both])) for i in range(len(both[0][0]))]
+
+
+RATIO_OF = {"launch_ms_p50": "launch", "ttft_ms_p50": "p50", "ttft_ms_p99": "p99"}
+
+
+def beside(
+    restored: list[dict[str, Any]], modes: dict[str, Any], ideal: dict[Any, dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The restored requests beside the same requests in ``gpu_all`` and in ``gpu_all_copy``
+    (``gpu_all`` with a plain copy of the same bytes beside its forward, ``beside.py``): host
+    launch phase and TTFT (p50, p99) of each, and their ratios to ``gpu_all``. What the copy alone
+    costs the ideal engine is the machine's share of a restore; the rest of kvoffload's growth is
+    ours. None without ``gpu_all_copy`` records."""
+    copies = {request_key(r): r for r in modes.get(BESIDE, {}).get("records", [])}
+    trio = [
+        (r, ideal[request_key(r)], copies[request_key(r)])
+        for r in restored
+        if request_key(r) in ideal and request_key(r) in copies
+    ]
+    if not trio:
+        return None
+    out: dict[str, Any] = {
+        "requests": len(trio),
+        "same_bytes": all(c["beside_bytes"] == r["load_bytes"] for r, _, c in trio),
+    }
+    for i, mode in enumerate(("kvoffload", "gpu_all", BESIDE)):
+        launch = float(np.median([t[i]["launch_ms"] for t in trio]))
+        p50, p99 = (float(v) for v in np.percentile([t[i]["ttft_ms"] for t in trio], [50, 99]))
+        out[mode] = {"launch_ms_p50": launch, "ttft_ms_p50": p50, "ttft_ms_p99": p99}
+    base = out["gpu_all"]
+    for mode in ("kvoffload", BESIDE):
+        m = out[mode]
+        for key, name in RATIO_OF.items():
+            m[f"{name}_vs_gpu_all"] = m[key] / base[key] if base[key] > 0 else None
+    return out
 
 
 def request_key(r: dict[str, Any]) -> tuple[int, int, int]:

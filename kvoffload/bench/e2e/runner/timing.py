@@ -19,6 +19,16 @@ class SectionTimer:
         self._open: list[tuple[str, Any, Any]] = []
         self._added: set[int] = set()  # ids of start events given to ``add`` since collect
         self.seconds: dict[str, float] = defaultdict(float)
+        self.stamps: list[float] = []  # host clock at each layer's attention (``stamp``)
+
+    def stamp(self) -> None:
+        """The host clock now: the eager and piecewise forwards stamp each layer's attention as
+        they launch it, so a request's launch phase splits by layer (``layer_launch_ms``)."""
+        self.stamps.append(time.perf_counter())
+
+    def take_stamps(self) -> list[float]:
+        out, self.stamps = self.stamps, []
+        return out
 
     @contextmanager
     def section(self, name: str) -> Iterator[None]:

@@ -42,10 +42,11 @@ from kvoffload.bench.e2e.runner.bench import freeze_heap, tier_delta
 from kvoffload.bench.e2e.runner.bench_config import Advance
 from kvoffload.bench.e2e.runner.config import model_config
 from kvoffload.bench.e2e.runner.core_flags import SETTINGS, configured, settings_of
-from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine
+from kvoffload.bench.e2e.runner.engine import PagedEngine
 from kvoffload.bench.e2e.runner.host_tier import HostTier
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
+from kvoffload.bench.e2e.runner.offload_mode import Offload
 from kvoffload.bench.e2e.runner.results import pool_rounds, record
 from kvoffload.bench.e2e.runner.timing import sync
 from kvoffload.bench.e2e.runner.workload import Turn, Workload

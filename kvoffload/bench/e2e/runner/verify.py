@@ -26,11 +26,12 @@ import torch
 
 from kvoffload import prefix_block_keys
 from kvoffload.bench.e2e.runner.config import ModelConfig
-from kvoffload.bench.e2e.runner.engine import Offload, PagedEngine, TurnResult
+from kvoffload.bench.e2e.runner.engine import PagedEngine, TurnResult
 from kvoffload.bench.e2e.runner.graphs import GraphRunner
 from kvoffload.bench.e2e.runner.host_tier import HostTier
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 from kvoffload.bench.e2e.runner.model import Model
+from kvoffload.bench.e2e.runner.offload_mode import Offload
 from kvoffload.bench.e2e.runner.workload import ChatShape, chat_turns
 
 if TYPE_CHECKING:

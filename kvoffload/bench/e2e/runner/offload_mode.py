@@ -1,0 +1,35 @@
+"""``Offload``: how the e2e engine uses kvoffload's host tier (mode ``kvoffload``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ADMISSIONS = ("all", "reuse", "none")
+STORES = ("behind", "evict")
+LOADS = ("layered", "blocking")
+
+
+@dataclass(frozen=True)
+class Offload:
+    """How the engine uses kvoffload's host tier (mode ``kvoffload``)."""
+
+    # Which requests' blocks go to host: "all"; "reuse": only a request that reused something (a
+    # GPU or host hit, or a first block it shares with an earlier request that was not stored,
+    # and then that earlier request's blocks still on the GPU too), so a stream of unrelated
+    # prompts copies nothing; "none": nothing (lookups only).
+    admission: str = "reuse"
+    # When they go: "evict": once they come within ``store_lead`` times the most blocks one request
+    # has allocated of the head of the GPU pool's free queue (the next to be evicted), so nothing
+    # is copied while the pool has room; "behind": right after compute wrote them (write-behind).
+    store: str = "evict"
+    store_lead: float = 2.0
+    # How a host hit meets prefill: "layered" (layer i's attention waits for layer i's blocks
+    # only) or "blocking" (prefill starts once the whole load has arrived).
+    load: str = "layered"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("admission", ADMISSIONS), ("store", STORES), ("load", LOADS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"expected {name} in {allowed}, got {getattr(self, name)!r}")
+        if not self.store_lead > 0:
+            raise ValueError(f"expected store_lead > 0, got {self.store_lead}")
