@@ -39,6 +39,10 @@ def test_gpu_all_copy_moves_each_restores_bytes_and_is_reported(tmp_path, capsys
     assert layers == 2 and all(len(r["layer_launch_ms"]) == layers for r in copies)
     assert all(0 < a < b for r in restored for a, b in itertools.pairwise(r["layer_launch_ms"]))
     assert len(chat["attribution"]["layer_launch_growth_ms_p50"]) == layers
+    assert all(r["wait_host_ms"] > 0 for r in restored)
+    assert (
+        all(r["wait_host_ms"] == 0 for r in copies) and chat["attribution"]["wait_host_ms_p50"] > 0
+    )
     assert "gpu_all_copy (a plain copy of the same bytes)" in capsys.readouterr().out
 
 

@@ -39,3 +39,19 @@ def test_restore_from_host_is_bit_exact_at_real_shapes(name):
     assert check["suffix_kv_bit_equal"] and check["decode_kv_bit_equal"]
     assert check["logits_bit_equal"] and check["greedy_tokens_equal"] and check["ok"]
     assert check["max_abs_diff_vs_full_recompute"] <= 0.1 * check["logits_abs_max"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_section_timer_reuses_its_events_and_times_each_section():
+    from kvoffload.bench.e2e.runner.timing import SectionTimer
+
+    timer = SectionTimer(torch.device("cuda"))
+    for rounds, cycles in ((1, 2_000_000), (2, 20_000_000)):
+        for _ in range(3):
+            with timer.section("spin"):
+                torch.cuda._sleep(cycles)
+        seconds = timer.collect()["spin"]
+        assert len(timer._pool) == 6  # created once, back after collect, taken again
+        if rounds == 1:
+            short = seconds
+    assert seconds > 5 * short > 0  # each round's own sections, not the pooled events' old times

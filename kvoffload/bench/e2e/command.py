@@ -254,6 +254,9 @@ def _print_attribution(kind: str, graph: str, att: dict[str, Any]) -> None:
         step = max(1, len(growth) // 4)
         at = ", ".join(f"layer {i} {growth[i]:+.2f}" for i in range(0, len(growth), step))
         console.print(f"  launched later than in gpu_all, ms from the prefill's start: {at}")
+        console.print(
+            f"  host ms in the layer waits (call and timing): {att['wait_host_ms_p50']:.3f}"
+        )
     if "load_runs_p50" in att:  # results written before 2026-11-26 have none
         submit = att["host_ms_p50"].get("load_submit")
         console.print(

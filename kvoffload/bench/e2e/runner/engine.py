@@ -72,6 +72,9 @@ class TurnResult:
     # host ms from the prefill's start to each layer's attention launch (first chunk; eager and
     # piecewise: a full graph launches no layer on its own)
     layer_launch_ms: list[float] = field(default_factory=list)
+    wait_host_ms: float = (
+        0.0  # host ms in the prefill's layer waits, their timing sections included
+    )
 
 
 class PagedEngine:
@@ -117,6 +120,7 @@ class PagedEngine:
         self.graphs = graphs
         self.graph = graphs.mode if graphs is not None else "eager"
         self.beside, self.beside_bytes = beside, 0
+        self.wait_host_s = 0.0  # host seconds in the layer waits (call and timing), this request
         self.pool = BlockPool(pool_blocks, first_block)
         self.timer = SectionTimer(model.device)
         self.late_stores = 0  # blocks stored only when the pool was about to reuse them
@@ -193,7 +197,7 @@ class PagedEngine:
                 blocks, loaded = self._recompute_instead(req, blocks, gpu_hit, loaded)
                 staged = None
         self.timer.take_stamps()
-        t_prefill = time.perf_counter()
+        self.wait_host_s, t_prefill = 0.0, time.perf_counter()
         logits = self._prefill(tokens, loaded * bs, blocks, load if layered else None, staged)
         host_time.mark("launch")  # prefill enqueued (on a CPU: computed)
         layers = self.model.config.layers  # the first chunk's layers, from the prefill's start
@@ -257,6 +261,7 @@ class PagedEngine:
             slot_runs(load.specs) if load is not None else 0,
             self.beside_bytes if self.beside is not None else 0,
             stamps,
+            self.wait_host_s * 1e3,
         )
 
     def drop_gpu_cache(self) -> int:
@@ -459,8 +464,10 @@ class PagedEngine:
         assert host is not None
 
         def before_read(layer: int) -> None:
+            t0 = time.perf_counter()
             with self.timer.section(f"wait{layer}"):
                 host.wait_layer(load, layer)
+            self.wait_host_s += time.perf_counter() - t0
 
         return before_read
 

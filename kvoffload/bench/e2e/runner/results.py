@@ -53,6 +53,7 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
         "load_runs": r.load_runs,
         "beside_bytes": r.beside_bytes,
         "layer_launch_ms": r.layer_launch_ms,
+        "wait_host_ms": r.wait_host_ms,
         "launch_ms": r.host.get("launch", 0.0) * 1e3,
         "kvo_ms": {name: s * 1e3 for name, (s, _) in r.kvo_calls.items()},
         "kvo_calls": {name: n for name, (_, n) in r.kvo_calls.items()},
@@ -205,6 +206,7 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
         },
         "beside": beside(restored, modes, ideal),
         "layer_launch_growth_ms_p50": layer_growth(paired),
+        "wait_host_ms_p50": med([r.get("wait_host_ms") for r in restored]),
     }
 
 

@@ -17,6 +17,8 @@ class SectionTimer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._open: list[tuple[str, Any, Any]] = []
+        self._pool: list[Any] = []  # events of finished sections, reused (no create per section)
+        self._mine: set[int] = set()  # ids of the events ``section`` took (``add``'s are not)
         self._added: set[int] = set()  # ids of start events given to ``add`` since collect
         self.seconds: dict[str, float] = defaultdict(float)
         self.stamps: list[float] = []  # host clock at each layer's attention (``stamp``)
@@ -33,8 +35,7 @@ class SectionTimer:
     @contextmanager
     def section(self, name: str) -> Iterator[None]:
         if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start, end = self._event(), self._event()
             start.record()
             yield
             end.record()
@@ -43,6 +44,13 @@ class SectionTimer:
             t0 = time.perf_counter()
             yield
             self.seconds[name] += time.perf_counter() - t0
+
+    def _event(self) -> Any:
+        if self._pool:
+            return self._pool.pop()
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        self._mine.add(id(event))
+        return event
 
     def add(self, name: str, start: Any, end: Any) -> None:
         """A section timed by events recorded elsewhere (inside a CUDA graph). Events given
@@ -57,6 +65,7 @@ class SectionTimer:
             torch.cuda.synchronize()
             for name, start, end in self._open:
                 self.seconds[name] += start.elapsed_time(end) / 1e3
+                self._pool.extend(e for e in (start, end) if id(e) in self._mine)
             self._open.clear()
             self._added.clear()
         out, self.seconds = dict(self.seconds), defaultdict(float)
