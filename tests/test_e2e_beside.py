@@ -61,3 +61,16 @@ def test_gpu_all_copy_needs_kvoffload_and_refuses_bad_sizes():
     side._src[:10] = torch.arange(10, dtype=torch.uint8)
     side.start(10)
     assert side.landed(10)
+
+
+def test_untimed_waits_drop_the_wait_sections_and_keep_the_waits(tmp_path):
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--model", "micro", "--device", "cpu", "--no-plot", "--out", str(out)]
+    argv += ["--modes", "gpu_all,kvoffload", "--zero-reuse-rounds", "0", "--untimed-waits"]
+    assert main([*argv, "--verify", "1"]) == 0
+    run = json.loads(out.read_text())["results"]["runs"]["eager"]
+    records = run["workloads"]["chat"]["modes"]["kvoffload"]["records"]
+    restored = [r for r in records if r["host_hit_tokens"]]
+    assert restored and all(r["layer_wait_ms"] == [] for r in restored)
+    assert all(r["wait_host_ms"] > 0 for r in restored)  # the waits still ran, each layer
+    assert all(c["ok"] for c in run["verify"])  # and the restored KV is still bit-exact

@@ -46,6 +46,8 @@ def test_section_timer_reuses_its_events_and_times_each_section():
     from kvoffload.bench.e2e.runner.timing import SectionTimer
 
     timer = SectionTimer(torch.device("cuda"))
+    torch.cuda._sleep(1000)  # the sleep kernel's module loads here, not in the first section
+    torch.cuda.synchronize()
     for rounds, cycles in ((1, 2_000_000), (2, 20_000_000)):
         for _ in range(3):
             with timer.section("spin"):

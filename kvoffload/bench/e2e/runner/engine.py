@@ -18,6 +18,7 @@ load's result is checked before the first token is used; a failed load is recomp
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -69,8 +70,7 @@ class TurnResult:
     kvo_ttft_calls: dict[str, tuple[float, int]] = field(default_factory=dict)  # those, per call
     load_runs: int = 0  # runs of consecutive host slots the load read (``slot_runs``)
     beside_bytes: int = 0  # mode gpu_all_copy: bytes copied beside the forward (``beside.py``)
-    # host ms from the prefill's start to each layer's attention launch (first chunk; eager and
-    # piecewise: a full graph launches no layer on its own)
+    # host ms from the prefill's start to each layer's attention (first chunk; none in full graphs)
     layer_launch_ms: list[float] = field(default_factory=list)
     wait_host_ms: float = (
         0.0  # host ms in the prefill's layer waits, their timing sections included
@@ -249,7 +249,9 @@ class PagedEngine:
             (loaded - gpu_hit) * bs,
             len(tokens) - loaded * bs,
             self._load_seconds(load) if loaded > gpu_hit else 0.0,
-            [sections.pop(f"wait{i}", 0.0) for i in range(layers)] if layered else [],
+            [sections.pop(f"wait{i}", 0.0) for i in range(layers)]
+            if layered and self.offload.time_waits
+            else [],
             host_time.seconds,
             sections,
             blocks,
@@ -463,9 +465,11 @@ class PagedEngine:
         host = self.host
         assert host is not None
 
+        timed = self.offload.time_waits
+
         def before_read(layer: int) -> None:
             t0 = time.perf_counter()
-            with self.timer.section(f"wait{layer}"):
+            with self.timer.section(f"wait{layer}") if timed else contextlib.nullcontext():
                 host.wait_layer(load, layer)
             self.wait_host_s += time.perf_counter() - t0
 
