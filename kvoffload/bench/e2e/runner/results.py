@@ -25,6 +25,8 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
     gate_open = r.sections.get("gate_open", 0.0)  # full graphs: the stream's wait at the open
     if r.layer_waits:
         exposed: float | None = sum(r.layer_waits) + gate_open
+    elif r.wait_host_ms > 0:  # layered, its waits untimed (--untimed-waits): not measured
+        exposed = None
     else:
         exposed = r.load_seconds
     waits = r.kvo_calls.get(LAYER_WAIT, (0.0, 0))
@@ -126,7 +128,8 @@ def overlap(restored: list[dict[str, Any]], layers: int) -> dict[str, Any] | Non
         return None
     timed = all(r["load_ms"] is not None for r in restored)
     load = sum(r["load_ms"] for r in restored) if timed else None
-    exposed = sum(r["load_exposed_ms"] or 0.0 for r in restored)
+    known = all(r["load_exposed_ms"] is not None for r in restored)  # --untimed-waits: not
+    exposed = sum(r["load_exposed_ms"] for r in restored) if known else None
     waits = [r["layer_wait_ms"] for r in restored if r["layer_wait_ms"]]
     load_med = statistics.median(r["load_ms"] for r in restored) if timed else None
     prefill_med = statistics.median(r["prefill_ms"] for r in restored)
@@ -134,10 +137,10 @@ def overlap(restored: list[dict[str, Any]], layers: int) -> dict[str, Any] | Non
         "requests": len(restored),
         "load_ms": load,
         "exposed_ms": exposed,
-        "hidden_share": max(0.0, 1.0 - exposed / load) if load else None,
+        "hidden_share": max(0.0, 1.0 - exposed / load) if load and exposed is not None else None,
         "median_per_request_ms": {
             "load": load_med,
-            "exposed": statistics.median(r["load_exposed_ms"] or 0.0 for r in restored),
+            "exposed": statistics.median(r["load_exposed_ms"] for r in restored) if known else None,
             "prefill": prefill_med,
         },
         "per_layer_ms": {
