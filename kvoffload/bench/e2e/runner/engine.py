@@ -72,9 +72,8 @@ class TurnResult:
     beside_bytes: int = 0  # mode gpu_all_copy: bytes copied beside the forward (``beside.py``)
     # host ms from the prefill's start to each layer's attention (first chunk; none in full graphs)
     layer_launch_ms: list[float] = field(default_factory=list)
-    wait_host_ms: float = (
-        0.0  # host ms in the prefill's layer waits, their timing sections included
-    )
+    # host ms in the prefill's layer waits, their timing sections included
+    wait_host_ms: float = 0.0
 
 
 class PagedEngine:

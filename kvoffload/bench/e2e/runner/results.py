@@ -239,11 +239,8 @@ def beside(
     costs the ideal engine is the machine's share of a restore; the rest of kvoffload's growth is
     ours. None without ``gpu_all_copy`` records."""
     copies = {request_key(r): r for r in modes.get(BESIDE, {}).get("records", [])}
-    trio = [
-        (r, ideal[request_key(r)], copies[request_key(r)])
-        for r in restored
-        if request_key(r) in ideal and request_key(r) in copies
-    ]
+    keyed = [(r, request_key(r)) for r in restored]
+    trio = [(r, ideal[k], copies[k]) for r, k in keyed if k in ideal and k in copies]
     if not trio:
         return None
     out: dict[str, Any] = {
