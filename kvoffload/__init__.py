@@ -15,6 +15,7 @@ from kvoffload.offload import (
 )
 from kvoffload.store.keys import as_block_key, prefix_block_keys
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.stall import StallTimer
 
 # The release, written only here (pyproject.toml reads it; CHANGELOG.md has a section per release).
 __version__ = "0.2.0"
@@ -25,6 +26,7 @@ __all__ = [
     "LocalOffload",
     "OffloadConfig",
     "Offloader",
+    "StallTimer",
     "TransferJob",
     "TransferWorker",
     "__version__",

@@ -80,6 +80,9 @@ class Calls:
     fail_flags_on: int | None = None
     # seconds spent inside the C entry points' Python (benchmarks/api_fake.py leaves it out)
     seconds: float = 0.0
+    # cuEventRecord through the C entry point: event -> the host clock when the stream reached
+    # the record (None while the stream is held behind a wait: cuEventQuery says not ready)
+    event_times: dict[int, float | None] = field(default_factory=dict)
 
     def stream_held(self, stream: int) -> bool:
         """True while ``stream`` waits on a flag word that has not reached its value."""
@@ -217,6 +220,8 @@ _RECORD = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)
 _WAIT = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _U)
 _FAILED = 999  # the CUresult the callbacks return after an exception (recorded in calls.errors)
 _WAIT_32, _WRITE_32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, _WRITE_VALUE_32
+_RECORD_OP = -1  # the fake's own: an event record queued on a stream like its memory operations
+_NOT_READY, _INVALID_HANDLE = 600, 400  # CUDA_ERROR_NOT_READY, CUDA_ERROR_INVALID_HANDLE
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ (else GEQ, cyclic)
 
 
@@ -252,6 +257,10 @@ def _run_memops(calls: Calls, stream: int, ops: list[tuple[int, int, int, int]])
         for s, q in calls.held.items():
             while q:
                 op, address, value, flags = q[0]
+                if op == _RECORD_OP:  # address: the event
+                    calls.event_times[address] = time.perf_counter()
+                    q.pop(0)
+                    continue
                 word = ctypes.c_uint32.from_address(address)
                 if op == _WAIT_32:
                     now = word.value
@@ -326,6 +335,20 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         if calls.on_record is not None:
             calls.on_record(stream)
         calls.log.append(("record", stream, event))
+        calls.event_times[event] = None  # reached once the stream gets there
+        _memops(calls, stream, [(_RECORD_OP, event, 0, 0)])
+        return 0
+
+    def query(event):
+        return _NOT_READY if event in calls.event_times and calls.event_times[event] is None else 0
+
+    def elapsed(out, start, end):
+        if not all(e in calls.event_times for e in (start, end)):
+            return _INVALID_HANDLE
+        t0, t1 = calls.event_times[start], calls.event_times[end]
+        if t0 is None or t1 is None:
+            return _NOT_READY
+        ctypes.c_float.from_address(out).value = (t1 - t0) * 1e3
         return 0
 
     def wait(stream, event, flags):
@@ -439,7 +462,7 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         "wait": _WAIT(guarded(wait)),
         "event_create": ctypes.CFUNCTYPE(ctypes.c_int, _P, _U)(guarded(event_create)),
         "event_destroy": pointer(guarded(event_destroy)),
-        "event_query": pointer(guarded(ok)),
+        "event_query": pointer(guarded(query)),
         "event_sync": pointer(guarded(ok)),
         "ctx_get": pointer(guarded(ctx_get)),
         "ctx_set": pointer(guarded(ok)),
@@ -459,6 +482,7 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         "host_dptr": ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _U)(guarded(host_dptr)),
         "ctx_sync": ctypes.CFUNCTYPE(ctypes.c_int)(guarded(ctx_sync)),
         "copy2d": ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)(guarded(copy2d)),
+        "elapsed": ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P)(guarded(elapsed)),
     }
 
 
@@ -487,16 +511,19 @@ def faked(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
     calls = Calls()
     events = itertools.count(1 << 20)
     recorded: dict[int, int] = {}
+    times: dict[int, float] = {}  # event -> when recorded (the Python fake runs every op at once)
 
     def event_record(event: int, stream: int) -> None:
         recorded[event] = stream
+        times[event] = time.perf_counter()
         calls.log.append(("record", stream, event))
 
     def stream_wait_event(stream: int, event: int) -> None:
         calls.log.append(("wait", stream, event))
 
     patches = {
-        "event_create": lambda: next(events),
+        "event_create": lambda timing=False: next(events),
+        "event_elapsed": lambda start, end: times[end] - times[start],
         "event_destroy": lambda event: None,
         "event_record": event_record,
         "event_done": lambda event: True,

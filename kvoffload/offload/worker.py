@@ -36,6 +36,7 @@ from kvoffload.offload.jobs import JobResult, TransferJob
 from kvoffload.offload.latency import LAYER_WAIT_BUCKETS, TRANSFER_BUCKETS, Histogram
 from kvoffload.offload.offloader import Offloader
 from kvoffload.transfer.backend import CopyBackend, LayerGate, LayerWaiter, Pending, check_layer
+from kvoffload.transfer.stall import StallTimer
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,9 @@ class TransferWorker:
         if layer is not None:
             self.latency["layer_wait"].observe(time.perf_counter() - start)
 
-    def layer_waiter(self, job_id: int, stream: object = None) -> LayerWaiter:
+    def layer_waiter(
+        self, job_id: int, stream: object = None, timer: StallTimer | None = None
+    ) -> LayerWaiter:
         """``wait_on(job_id, stream, layer)`` bound once, for an engine that waits before each
         layer's attention: ``waiter = worker.layer_waiter(job_id, stream)``, then ``waiter(i)``
         per layer (ValueError for a layer the job's groups do not have; the copy's error raised
@@ -251,7 +254,14 @@ class TransferWorker:
         that checks ``layer``: against the job's groups while its Offloader has it in flight,
         against the largest group once it was completed (nothing is left to wait for). On the
         native core a waiter enqueues one GPU-side wait per layer slice of the load: the other
-        layers of a slice return without a driver call."""
+        layers of a slice return without a driver call.
+
+        ``timer`` (a ``StallTimer`` of at least the job's layers): each layer's wait is timed
+        into it, on the device where the wait is the device's (docs/api.md, "Stalls")."""
+        if timer is not None and not isinstance(timer, StallTimer):
+            raise ValueError(
+                f"layer_waiter: expected timer a StallTimer or None, got {type(timer).__name__}"
+            )
         with self._lock:
             run = self._running.get(job_id)
         if run is None and not self._ledger.handed_out(job_id):
@@ -264,8 +274,15 @@ class TransferWorker:
             layers = min((groups[s.group].num_layers for s in job.specs), default=0)
         else:
             layers = max(g.num_layers for g in groups)
+        if timer is not None and timer.layers < layers:
+            raise ValueError(
+                f"layer_waiter: expected a StallTimer of >= {layers} layers (the job's), "
+                f"got {timer.layers}"
+            )
         if run is not None:
-            return run.pending.layer_waiter(stream, layers)
+            if timer is None:
+                return run.pending.layer_waiter(stream, layers)
+            return run.pending.layer_waiter(stream, layers, timer)
 
         def landed(layer: int) -> None:
             if type(layer) is not int or not 0 <= layer < layers:

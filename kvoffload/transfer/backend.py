@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from kvoffload.store.arena import HostArena
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec, check_distinct_across
+from kvoffload.transfer.stall import StallTimer
 
 # wait_on() of a CPU copy blocks the host at most this long: far above any real copy (a 1 GiB
 # transfer takes ~0.3 s on a 2-core CI machine), so reaching it means something is stuck.
@@ -59,16 +60,23 @@ class Pending(ABC):
         if error is not None:
             raise error
 
-    def layer_waiter(self, stream: object = None, layers: int | None = None) -> LayerWaiter:
+    def layer_waiter(
+        self, stream: object = None, layers: int | None = None, timer: StallTimer | None = None
+    ) -> LayerWaiter:
         """``wait_on`` bound to ``stream``, for an engine that waits once per layer: the stream is
         resolved once, each call then costs what the backend's wait costs. With ``layers``, a
         layer outside ``[0, layers)`` is refused (ValueError, as ``check_layer``) by the waiter
-        itself; without, the caller checks it, as for ``wait_on``."""
+        itself; without, the caller checks it, as for ``wait_on``. With ``timer``, each layer's
+        wait is timed into it (``StallTimer``; this default: on the host clock, the wait being
+        the host's)."""
 
         def wait(layer: int) -> None:
             if layers is not None and (type(layer) is not int or not 0 <= layer < layers):
                 check_layer(layer, layers)
-            self.wait_on(stream, layer)
+            if timer is None:
+                self.wait_on(stream, layer)
+            else:
+                timer.host_wait(layer, lambda: self.wait_on(stream, layer))
 
         return wait
 

@@ -28,6 +28,7 @@ from kvoffload.transfer.backend import (
 )
 from kvoffload.transfer.layout import KVLayout, Region
 from kvoffload.transfer.spec import TransferSpec
+from kvoffload.transfer.stall import StallTimer
 
 
 def region_view(region: Region) -> np.ndarray:
@@ -117,16 +118,22 @@ class HostPending(FuturePending):
         if failed is not None and layer >= failed:
             super().wait_on(stream)  # raises the copy's error (or returns if it was cancelled)
 
-    def layer_waiter(self, stream: object = None, layers: int | None = None) -> LayerWaiter:
+    def layer_waiter(
+        self, stream: object = None, layers: int | None = None, timer: StallTimer | None = None
+    ) -> LayerWaiter:
         """``wait_on(stream, layer)`` per call; a layer that has arrived (the copy not failed)
-        returns at once, without a lock."""
+        returns at once, without a lock (and stood 0 for ``timer``)."""
         signals = self._layers
 
         def wait(layer: int) -> None:
             if layers is not None and (type(layer) is not int or not 0 <= layer < layers):
                 check_layer(layer, layers)
-            if not (0 <= layer < signals.arrived and signals.failed_from is None):
+            if 0 <= layer < signals.arrived and signals.failed_from is None:
+                return
+            if timer is None:
                 self.wait_on(stream, layer)
+            else:
+                timer.host_wait(layer, lambda: self.wait_on(stream, layer))
 
         return wait
 

@@ -120,6 +120,47 @@ def test_layer_waits_are_enqueued_before_the_copy_starts_and_order_each_layer(en
         backend.close()
 
 
+def test_a_stall_timer_reads_each_layers_wait_on_the_device(engine):
+    """A load held behind ~100 ms of GPU sleep, waited for layer by layer through a timed
+    waiter: the host never blocks; the stream stood ~the sleep at the first layer's wait and
+    ~nothing at the layers after it; every layer's bytes are exact."""
+    from kvoffload.transfer.stall import StallTimer
+
+    tensors, block_dim, kv, arena = engine
+    layers = kv.groups[0].num_layers
+    backend = NativeStagedBackend(kv, arena)
+    try:
+        dest, slots = [7, 2, 9, 4, 11], [3, 8, 0, 5, 10]
+        index, slept, pending = held_load(backend, tensors, block_dim, dest, slots)
+        side = torch.cuda.Stream()
+        timer = StallTimer(layers)
+        waiter = pending.layer_waiter(side, layers, timer)
+        seen, host = [], []
+        for layer in range(layers):
+            t0 = time.perf_counter()
+            waiter(layer)
+            host.append(time.perf_counter() - t0)
+            with torch.cuda.stream(side):
+                seen.append(tensors[layer].index_select(block_dim, index))
+        assert not slept.query(), "a timed wait blocked the host until the copy could start"
+        side.synchronize()
+        assert pending.wait(30) and pending.error() is None
+        stalls = timer.stalls()
+        assert all(s is not None for s in stalls), stalls
+        first = float(stalls[0] or 0.0)
+        assert first >= 0.03, stalls  # the sleep (~100 ms) less the enqueue before it ran
+        assert sum(float(s or 0.0) for s in stalls[1:]) < first, stalls
+        for layer, got in enumerate(seen):
+            want = layer_bytes(kv, arena, slots, layer)
+            assert np.array_equal(as_bytes(got, block_dim, len(dest)), want), f"layer {layer}"
+        print(
+            f"timed waiter host time: median {1e6 * float(np.median(host)):.1f} us, "
+            f"first stall {1e3 * first:.1f} ms"
+        )
+    finally:
+        backend.close()
+
+
 @pytest.mark.parametrize("kind", ["native", "auto"])
 def test_a_gate_inside_a_captured_graph_orders_each_layer_every_step(engine, kind):
     """The per-layer waits are captured once in a CUDA graph (fixed addresses); each step opens

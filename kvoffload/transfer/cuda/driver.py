@@ -212,13 +212,21 @@ def _fn(name: str, *argtypes: type) -> Callable[..., int]:
     return fn  # type: ignore[no-any-return]
 
 
-def event_create() -> int:
+def event_create(timing: bool = False) -> int:
+    """A new event; ``timing``: one ``event_elapsed`` can read (else created without timing)."""
     out = _P()
-    _check(
-        _fn("cuEventCreate", _P, ctypes.c_uint)(ctypes.byref(out), CU_EVENT_DISABLE_TIMING),
-        "cuEventCreate",
-    )
+    flags = 0 if timing else CU_EVENT_DISABLE_TIMING
+    _check(_fn("cuEventCreate", _P, ctypes.c_uint)(ctypes.byref(out), flags), "cuEventCreate")
     return int(out.value or 0)
+
+
+def event_elapsed(start: int, end: int) -> float:
+    """Seconds between two completed records of timing events (``event_create(timing=True)``)."""
+    ms = ctypes.c_float()
+    _check(
+        _fn("cuEventElapsedTime", _P, _P, _P)(ctypes.byref(ms), start, end), "cuEventElapsedTime"
+    )
+    return ms.value / 1e3
 
 
 def event_destroy(event: int) -> None:

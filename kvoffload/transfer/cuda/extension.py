@@ -17,13 +17,13 @@ from types import ModuleType
 
 import numpy as np
 
-ABI = 7  # KVO_ABI (native/kvo.h): the packed spec's and the driver table's layout
+ABI = 8  # KVO_ABI (native/kvo.h): the packed spec's and the driver table's layout
 # kvo_driver's entry points, in order (kvoffload/transfer/cuda/native/driver.h)
 DRIVER_FIELDS = (
     *("launch", "batch", "copy", "record", "wait", "event_create", "event_destroy"),
     *("event_query", "event_sync", "ctx_get", "ctx_set", "mem_alloc", "mem_free"),
     *("host_alloc", "host_free", "stream_sync", "error_name"),
-    *("write32", "wait32", "memops", "host_dptr", "ctx_sync", "copy2d"),
+    *("write32", "wait32", "memops", "host_dptr", "ctx_sync", "copy2d", "elapsed"),
 )
 STEP_COPY = 2  # a copy the driver refused (native/job.h's step codes)
 

@@ -18,8 +18,9 @@ import time
 import weakref
 from typing import Any
 
-from kvoffload.transfer.backend import Pending
+from kvoffload.transfer.backend import LayerWaiter, Pending, check_layer
 from kvoffload.transfer.cuda import driver as cu
+from kvoffload.transfer.stall import StallTimer
 
 # Poll interval of wait(): starts short (a copy that is nearly done costs little latency), doubles
 # up to the cap (a long wait costs little CPU).
@@ -74,6 +75,22 @@ class CudaPending(Pending):
         cu.stream_wait_event(_handle(stream), self.event)
         if self._error is not None:
             raise self._error
+
+    def layer_waiter(
+        self, stream: object = None, layers: int | None = None, timer: StallTimer | None = None
+    ) -> LayerWaiter:
+        """``wait_on`` bound to ``stream``; with ``timer``, each wait between two timing events
+        on the stream (the stall is the device's: the host does not block here)."""
+        if timer is None:
+            return super().layer_waiter(stream, layers)
+        handle = _handle(stream)
+
+        def wait(layer: int) -> None:
+            if layers is not None and (type(layer) is not int or not 0 <= layer < layers):
+                check_layer(layer, layers)
+            timer.device_wait(layer, handle, lambda: self.wait_on(handle, layer))
+
+        return wait
 
 
 def _check_layer(layer: object) -> None:

@@ -43,6 +43,7 @@ from kvoffload.transfer.cuda.staged_config import StagedConfig
 from kvoffload.transfer.descriptors import region_arrays
 from kvoffload.transfer.layout import KVLayout, LayerGroup
 from kvoffload.transfer.spec import TransferSpec
+from kvoffload.transfer.stall import StallTimer
 
 log = logging.getLogger(__name__)
 # How long wait_on() waits on the host for a transfer's enqueue before it gives up (seconds).
@@ -261,7 +262,7 @@ class NativeStagedBackend(CopyBackend):
         # The Pending is made first: once the core has the jobs nothing here allocates, so no
         # MemoryError can lose a Pending whose jobs then run unseen.
         order = self._order(order_after)
-        pending = NativePending(())
+        pending = NativePending((), self._core)
         pending.jobs = self._core.submit(specs, order)
         return pending
 
@@ -300,8 +301,9 @@ class NativeStagedBackend(CopyBackend):
 class NativePending(Pending):
     """One submit: one core job per direction it holds."""
 
-    def __init__(self, jobs: Sequence[Any]) -> None:
+    def __init__(self, jobs: Sequence[Any], core: Any = None) -> None:
         self.jobs = tuple(jobs)
+        self.core = core  # the _core.Core the jobs run on (a StallTimer's events are its)
 
     @property
     def queued_at(self) -> float:
@@ -348,11 +350,15 @@ class NativePending(Pending):
             if not j.wait_on(handle, at, ENQUEUE_TIMEOUT):
                 raise _exception(j.error())
 
-    def layer_waiter(self, stream: object = None, layers: int | None = None) -> LayerWaiter:
+    def layer_waiter(
+        self, stream: object = None, layers: int | None = None, timer: StallTimer | None = None
+    ) -> LayerWaiter:
         """At most one native wait per call (per load job: one for a submit of loads), and for
         one load job one per layer slice; everything else resolved here: the stream's handle,
-        the job's bound ``wait_on``, its layers' slices, the timeout."""
+        the job's bound ``wait_on``, its layers' slices, the timeout. With ``timer``, the core
+        records the timer's two events around each wait it enqueues, in the same call."""
         handle, timeout = _handle(stream), ENQUEUE_TIMEOUT
+        native = None if timer is None or self.core is None else timer.native(self.core)
         loads = [j for j in self.jobs if j.direction == "load"]
         whole = [j for j in self.jobs if j.direction != "load"]
         for j in whole:  # a store has no layers: its wait is enqueued once, here
@@ -364,7 +370,7 @@ class NativePending(Pending):
                 if layers is not None and (type(layer) is not int or not 0 <= layer < layers):
                     check_layer(layer, layers)
                 for j in loads:
-                    if not j.wait_on(handle, layer, timeout):
+                    if not j.wait_on(handle, layer, timeout, native):
                         raise _exception(j.error())
 
             return wait_each
@@ -383,7 +389,7 @@ class NativePending(Pending):
             k = owner[layer] if type(layer) is int and 0 <= layer < len(owner) else -1
             if k >= 0 and k == waited[0]:
                 return
-            if not wait_on(handle, layer, timeout):
+            if not wait_on(handle, layer, timeout, native):
                 raise _exception(job.error())
             waited[0] = k
 

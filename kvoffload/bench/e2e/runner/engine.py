@@ -18,7 +18,6 @@ load's result is checked before the first token is used; a failed load is recomp
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -248,8 +247,8 @@ class PagedEngine:
             (loaded - gpu_hit) * bs,
             len(tokens) - loaded * bs,
             self._load_seconds(load) if loaded > gpu_hit else 0.0,
-            [sections.pop(f"wait{i}", 0.0) for i in range(layers)]
-            if layered and self.offload.time_waits
+            self.host.layer_waits(load, sections, layers)
+            if self.host is not None and load is not None and layered and self.offload.time_waits
             else [],
             host_time.seconds,
             sections,
@@ -463,13 +462,12 @@ class PagedEngine:
     def _layer_wait(self, load: Load) -> Callable[[int], None]:
         host = self.host
         assert host is not None
-
-        timed = self.offload.time_waits
+        if self.offload.time_waits:  # on the device, by the waits themselves (StallTimer)
+            load.timer = host.stall_timer()
 
         def before_read(layer: int) -> None:
             t0 = time.perf_counter()
-            with self.timer.section(f"wait{layer}") if timed else contextlib.nullcontext():
-                host.wait_layer(load, layer)
+            host.wait_layer(load, layer)
             self.wait_host_s += time.perf_counter() - t0
 
         return before_read

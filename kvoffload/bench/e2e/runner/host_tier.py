@@ -62,6 +62,7 @@ class Load:
     end: Any = None  # CUDA event on a side stream, once every layer has arrived
     failed: bool = False  # a layer's wait raised: the copy failed
     waiter: Any = None  # TransferWorker.layer_waiter, bound at the first layer's wait
+    timer: Any = None  # the waits' StallTimer (per layer GPU wait), where they are timed
     specs: tuple[Any, ...] = ()  # the job's TransferSpecs (``slot_runs`` reads their slots)
 
 
@@ -87,6 +88,7 @@ class HostTier:
         self.worker = timed(self.local.worker, self.calls, "worker")
         self._queued: list[kvo.TransferJob] = []  # scheduled, handed over at the next step
         self._gate: Any = None
+        self._stalls: kvo.StallTimer | None = None  # ``stall_timer``
         self.load_timeout = load_timeout
         self.layers = self.layout.groups[0].num_layers
         self.stats = TierStats()
@@ -124,8 +126,26 @@ class HostTier:
         waits for that layer's copy (the host does not block); on a CPU the host waits. A copy
         that failed is noted and ends as a miss in ``finish_load``; the caller recomputes."""
         if load.waiter is None:  # bound to the current stream, once per load
-            load.waiter = self.worker.layer_waiter(load.job_id)
+            load.waiter = self.worker.layer_waiter(load.job_id, timer=load.timer)
         self._guard(load, layer, LAYER_WAIT, load.waiter, layer)
+
+    def stall_timer(self) -> kvo.StallTimer:
+        """The tier's StallTimer, reset: for one load's waits (one request at a time)."""
+        if self._stalls is None:
+            self._stalls = kvo.StallTimer(self.layers)
+        self._stalls.reset()
+        return self._stalls
+
+    def layer_waits(self, load: Load, sections: dict[str, float], layers: int) -> list[float]:
+        """Per layer, seconds its attention waited for ``load`` on the device, once the device
+        passed the forward: from the waits' StallTimer where the waiter ran (eager, piecewise),
+        else from the sections a full graph's captured events timed (``wait{i}``)."""
+        if load.waiter is None or load.timer is None:
+            return [sections.pop(f"wait{i}", 0.0) for i in range(layers)]
+        stalls = load.timer.stalls()[:layers]
+        if any(s is None for s in stalls):
+            raise RuntimeError(f"expected the device past every timed wait, got {stalls}")
+        return [float(s) for s in stalls]
 
     def time_load(self, load: Load) -> None:
         """On a GPU, record ``load.end`` when the load's last byte lands (a side stream waits for

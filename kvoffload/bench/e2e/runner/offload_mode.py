@@ -26,9 +26,10 @@ class Offload:
     # How a host hit meets prefill: "layered" (layer i's attention waits for layer i's blocks
     # only) or "blocking" (prefill starts once the whole load has arrived).
     load: str = "layered"
-    # Time each layer's wait on the GPU (two CUDA events per layer: the exposed wait per layer).
-    # False (diagnostic): the waits without that timing, so the host launch phase carries no
-    # cost of the benchmark's own; load_exposed_ms then reads the whole load.
+    # Time each layer's wait on the GPU (the exposed wait per layer): eager and piecewise through
+    # kvoffload's StallTimer (two events per wait the waiter enqueues, recorded by the native
+    # core in the wait's own call), full graphs by events captured in the graph. False
+    # (diagnostic): the waits without that timing; load_exposed_ms then reads "not measured".
     time_waits: bool = True
 
     def __post_init__(self) -> None:

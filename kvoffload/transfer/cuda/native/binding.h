@@ -1,4 +1,5 @@
-/* The Python binding's shared declarations (module.c: the module and Core; module_job.c: Job).
+/* The Python binding's shared declarations (module.c: the module and Core; module_job.c: Job;
+ * module_timer.c: Timer).
  * Bindings only: they call core.h's functions and never the core's lock or fields. */
 #ifndef KVO_BINDING_H
 #define KVO_BINDING_H
@@ -20,7 +21,13 @@ typedef struct {
     kvo_job *job;
 } JobObject;
 
-extern PyTypeObject CoreType, JobType;
+typedef struct {
+    PyObject_HEAD
+    CoreObject *owner;
+    kvo_timer *timer;
+} TimerObject;
+
+extern PyTypeObject CoreType, JobType, TimerType;
 
 /* Set the exception of a status (KVO_REFUSED: ValueError, KVO_TIMEOUT: TimeoutError, else
  * RuntimeError) with msg; returns NULL. */

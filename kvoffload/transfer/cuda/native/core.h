@@ -8,6 +8,7 @@
 #include "job.h"
 
 typedef struct kvo_core kvo_core;
+typedef struct kvo_timer kvo_timer; /* stall.c */
 
 typedef struct {
     int64_t submitted, completed, failed, parts, queued, in_flight;
@@ -49,9 +50,11 @@ kvo_status kvo_job_cancel(kvo_core *e, kvo_job *job, int *cancelled);
 /* Make `stream` wait on the GPU for the job (or for `layer` of a load): one stream memory
  * operation, enqueued at once; the host waits only where the job is still queued behind another
  * (bounded by timeout: KVO_TIMEOUT). *ok: 0 when the job failed or never ran (the engine
- * recomputes: the stream does not wait for it). */
+ * recomputes: the stream does not wait for it). With a timer (NULL: none), a wait it enqueues
+ * for a layer the timer has is timed: the timer's events for that layer are recorded on
+ * `stream` around it (kvo_timer_read). */
 kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t layer,
-                           double timeout, int *ok, char *msg);
+                           double timeout, kvo_timer *timer, int *ok, char *msg);
 kvo_status kvo_job_describe(kvo_core *e, kvo_job *job, kvo_job_info *out);
 /* Per layer, the load slice holding it (at most cap values; *n of them). */
 kvo_status kvo_job_layer_slices(kvo_core *e, kvo_job *job, int64_t *out, int64_t cap, int64_t *n);
@@ -64,5 +67,23 @@ kvo_status kvo_gate_create(kvo_core *e, int64_t layers, int64_t *gate, char *msg
 kvo_status kvo_gate_wait(kvo_core *e, int64_t gate, kvo_stream stream, int64_t layer, char *msg);
 kvo_status kvo_gate_open(kvo_core *e, int64_t gate, kvo_stream stream, kvo_job *const *jobs,
                          int64_t n, double timeout, char *msg);
+
+/* stall.c: stall timers. Per layer two timing events that the waits record on the engine's
+ * stream around a wait they enqueue, so the engine can read how long its stream stood at each
+ * layer's wait (two driver calls per timed wait, in the waiting thread). One thread uses a
+ * timer at a time. */
+kvo_status kvo_timer_create(kvo_core *e, int64_t layers, kvo_timer **out, char *msg);
+void kvo_timer_free(kvo_core *e, kvo_timer *t);
+void kvo_timer_reset(kvo_timer *t); /* every layer untimed again (its events are reused) */
+int64_t kvo_timer_layers(const kvo_timer *t);
+/* Per layer: seconds the stream stood at its timed wait; 0 where no wait was timed; -1 where
+ * the stream has not passed it yet. KVO_FAILED where the driver cannot tell (msg says why). */
+kvo_status kvo_timer_read(kvo_core *e, kvo_timer *t, double *out, char *msg);
+/* For kvo_job_wait_on, in our context: begin records `layer`'s start event on `stream` (1 if it
+ * did; 0: the layer stays untimed); end, once the wait is enqueued (ok) or refused, records its
+ * end event and marks the layer timed (a first wait's start stays where several jobs' waits
+ * meet at one layer, its end moves to the last). */
+int kvo_timer_begin(kvo_core *e, kvo_timer *t, int64_t layer, kvo_stream stream);
+void kvo_timer_end(kvo_core *e, kvo_timer *t, int64_t layer, kvo_stream stream, int ok);
 
 #endif

@@ -58,6 +58,8 @@ kvo_status kvo_resolve(kvo_driver *d, char *msg) {
         {(void **)&d->host_dptr, "cuMemHostGetDevicePointer", 12000, 1},
         {(void **)&d->ctx_sync, "cuCtxSynchronize", 12000, 1},
         {(void **)&d->copy2d, "cuMemcpy2DAsync", 12000, 1},
+        /* stall timers only (stall.c): without it they report nothing */
+        {(void **)&d->elapsed, "cuEventElapsedTime", 12000, 0},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         *want[i].slot = lookup(get, want[i].name, want[i].version);

@@ -33,9 +33,10 @@ typedef struct {
     int (*host_dptr)(kvo_dptr *, void *, unsigned);               /* cuMemHostGetDevicePointer */
     int (*ctx_sync)(void);                                        /* cuCtxSynchronize */
     int (*copy2d)(const void *, kvo_stream);                      /* cuMemcpy2DAsync_v2 */
+    int (*elapsed)(float *, kvo_event, kvo_event);                /* cuEventElapsedTime, may be NULL */
 } kvo_driver;
 
-#define KVO_DRIVER_FIELDS 23
+#define KVO_DRIVER_FIELDS 24
 
 /* Resolve libcuda.so.1's entry points into d: KVO_OK, or KVO_FAILED and why in msg. */
 kvo_status kvo_resolve(kvo_driver *d, char *msg);

@@ -62,7 +62,7 @@ const kvo_driver *kvo_timed_driver(const kvo_driver *d) {
         .host_free = inner.host_free, .stream_sync = inner.stream_sync,
         .error_name = inner.error_name, .write32 = t_write32, .wait32 = t_wait32,
         .memops = t_memops, .host_dptr = inner.host_dptr, .ctx_sync = inner.ctx_sync,
-        .copy2d = t_copy2d,
+        .copy2d = t_copy2d, .elapsed = inner.elapsed,
     };
     wrapped = 1;
     return &timed;

@@ -300,6 +300,26 @@ static PyObject *core_gate(CoreObject *self, PyObject *args) {
     return PyLong_FromLongLong(gate);
 }
 
+static PyObject *core_stall_timer(CoreObject *self, PyObject *args) {
+    long long layers;
+    if (check_open(self) < 0 || !PyArg_ParseTuple(args, "L", &layers)) return NULL;
+    kvo_timer *t = NULL;
+    char msg[KVO_MSG] = "";
+    kvo_status rc;
+    kvo_core *e = self->e;
+    Py_BEGIN_ALLOW_THREADS rc = kvo_timer_create(e, layers, &t, msg);
+    Py_END_ALLOW_THREADS if (rc != KVO_OK) return raise_status(rc, msg);
+    TimerObject *o = PyObject_New(TimerObject, &TimerType);
+    if (o == NULL) {
+        kvo_timer_free(e, t);
+        return NULL;
+    }
+    Py_INCREF(self);
+    o->owner = self;
+    o->timer = t;
+    return (PyObject *)o;
+}
+
 static PyObject *core_gate_wait(CoreObject *self, PyObject *args) {
     long long gate, layer;
     unsigned long long stream;
@@ -357,6 +377,8 @@ static PyMethodDef core_methods[] = {
      "cancel queued jobs, wait for those in flight, stop the threads"},
     {"stats", (PyCFunction)core_stats, METH_NOARGS, "counters"},
     {"gate", (PyCFunction)core_gate, METH_VARARGS, "gate(layers) -> a new layer gate's index"},
+    {"stall_timer", (PyCFunction)core_stall_timer, METH_VARARGS,
+     "stall_timer(layers) -> a Timer for Job.wait_on"},
     {"gate_wait", (PyCFunction)core_gate_wait, METH_VARARGS,
      "gate_wait(gate, stream, layer): enqueue 'wait until open, then close' (capturable)"},
     {"gate_open", (PyCFunction)core_gate_open, METH_VARARGS,
@@ -420,13 +442,16 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__core(void) {
-    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&JobType) < 0) return NULL;
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&JobType) < 0 || PyType_Ready(&TimerType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&CoreType);
     Py_INCREF(&JobType);
     PyModule_AddObject(m, "Core", (PyObject *)&CoreType);
     PyModule_AddObject(m, "Job", (PyObject *)&JobType);
+    Py_INCREF(&TimerType);
+    PyModule_AddObject(m, "Timer", (PyObject *)&TimerType);
     PyModule_AddIntConstant(m, "ABI", KVO_ABI);
     PyModule_AddIntConstant(m, "DRIVER_FIELDS", KVO_DRIVER_FIELDS);
     return m;

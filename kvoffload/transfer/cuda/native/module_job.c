@@ -64,21 +64,33 @@ static PyObject *job_cancel(JobObject *self, PyObject *noargs) {
     Py_END_ALLOW_THREADS return PyBool_FromLong(cancelled);
 }
 
-/* wait_on(stream, layer=-1, timeout=30): make `stream` wait on the GPU for the job (or for
- * `layer` of a load); returns at once. False when the job failed or never ran (the stream does
- * not wait for it); TimeoutError when a job queued behind another was not enqueued in time. */
+/* wait_on(stream, layer=-1, timeout=30, timer=None): make `stream` wait on the GPU for the job
+ * (or for `layer` of a load); returns at once. False when the job failed or never ran (the
+ * stream does not wait for it); TimeoutError when a job queued behind another was not enqueued
+ * in time. A Timer of the same core times the layer's wait, where one is enqueued. */
 static PyObject *job_wait_on(JobObject *self, PyObject *args) {
     unsigned long long stream;
     long long layer = -1;
     double timeout = 30.0;
-    if (!PyArg_ParseTuple(args, "K|Ld", &stream, &layer, &timeout)) return NULL;
+    PyObject *timer_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "K|LdO", &stream, &layer, &timeout, &timer_obj)) return NULL;
+    kvo_timer *timer = NULL;
+    if (timer_obj != Py_None) {
+        if (!PyObject_TypeCheck(timer_obj, &TimerType) ||
+            ((TimerObject *)timer_obj)->owner != self->owner) {
+            PyErr_Format(PyExc_ValueError, "wait_on: expected a Timer of this job's core or None, got %R",
+                         timer_obj);
+            return NULL;
+        }
+        timer = ((TimerObject *)timer_obj)->timer;
+    }
     int ok = 1;
     char msg[KVO_MSG] = "";
     kvo_status rc;
     kvo_core *e = self->owner->e;
     kvo_job *job = self->job;
     Py_BEGIN_ALLOW_THREADS rc = kvo_job_wait_on(e, job, (kvo_stream)(uintptr_t)stream, layer,
-                                                timeout, &ok, msg);
+                                                timeout, timer, &ok, msg);
     Py_END_ALLOW_THREADS if (rc != KVO_OK) return raise_status(rc, msg);
     return PyBool_FromLong(ok);
 }
@@ -129,7 +141,8 @@ static PyMethodDef job_methods[] = {
     {"error", (PyCFunction)job_error, METH_NOARGS,
      "None, or (code, step, chunk, descriptor, message, cancelled) of a failed job"},
     {"cancel", (PyCFunction)job_cancel, METH_NOARGS, "True if the job will never run"},
-    {"wait_on", (PyCFunction)job_wait_on, METH_VARARGS, "wait_on(stream, layer=-1, timeout=30)"},
+    {"wait_on", (PyCFunction)job_wait_on, METH_VARARGS,
+     "wait_on(stream, layer=-1, timeout=30, timer=None)"},
     {"times", (PyCFunction)job_times, METH_NOARGS,
      "(submitted, started, enqueued, done): monotonic seconds"},
     {NULL, NULL, 0, NULL},

@@ -129,7 +129,7 @@ static kvo_status until_enqueued(kvo_core *e, kvo_job *job, double timeout, char
 }
 
 kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t layer,
-                           double timeout, int *ok, char *msg) {
+                           double timeout, kvo_timer *timer, int *ok, char *msg) {
     *ok = 1;
     kvo_status rc = until_enqueued(e, job, timeout, msg);
     if (rc != KVO_OK) return rc;
@@ -145,8 +145,13 @@ kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t
     int err = 0;
     if (!kvo_flag_reached(&e->flags, word, job->seq)) { /* else landed: nothing to wait */
         void *prev = kvo_ctx_enter(e);
+        /* the timer is a report: a record it cannot make leaves the layer untimed, never the
+         * wait undone */
+        int timed = timer != NULL && layer >= 0 && word == kvo_word_layer(&e->flags, layer) &&
+                    kvo_timer_begin(e, timer, layer, stream);
         err = e->d.wait32(stream, e->flags.dev + (kvo_dptr)word * sizeof(uint32_t), job->seq,
                           KVO_WAIT_GEQ);
+        if (timed) kvo_timer_end(e, timer, layer, stream, !err);
         kvo_ctx_leave(e, prev);
     }
     flags_leave(e);
