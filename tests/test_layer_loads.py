@@ -67,19 +67,31 @@ def KVLayoutOf(tensors: list[np.ndarray], block_dim: int) -> kvo.KVLayout:
     return kvo.KVLayout.from_tensors(tensors, block_size=BS, block_dim=block_dim)
 
 
-def test_wait_on_a_layer_returns_once_that_layer_has_arrived():
+def held_setup() -> tuple[list[np.ndarray], kvo.LocalOffload, HeldAtLayer, kvo.TransferWorker]:
+    """KV tensors, a local offload, and a second worker on ``HeldAtLayer`` over the same store,
+    once blocks 0-2 are stored (under ``stored_keys()``) through the local worker."""
     tensors = kv_split_tensors()
     local = kvo.build_local(KVLayoutOf(tensors, 1), kvo.OffloadConfig(host_capacity_blocks=8))
     off = local.offloader
     held = HeldAtLayer(local.worker.backend.layout, local.arena)
     worker = kvo.TransferWorker(held, off)
+    store = off.schedule_store("a", stored_keys(), [0, 1, 2])
+    assert store is not None
+    local.worker.submit(store)
+    assert not local.worker.wait([store.job_id], 30)
+    off.complete(local.worker.get_finished())
+    return tensors, local, held, worker
+
+
+def stored_keys() -> list[bytes]:
+    return kvo.prefix_block_keys(np.arange(3 * BS), BS)
+
+
+def test_wait_on_a_layer_returns_once_that_layer_has_arrived():
+    tensors, local, held, worker = held_setup()
+    off = local.offloader
+    keys = stored_keys()
     try:
-        keys = kvo.prefix_block_keys(np.arange(3 * BS), BS)
-        store = off.schedule_store("a", keys, [0, 1, 2])
-        assert store is not None
-        local.worker.submit(store)
-        assert not local.worker.wait([store.job_id], 30)
-        off.complete(local.worker.get_finished())
         before = [t.copy() for t in tensors]
         dst = [5, 4, 3]
         load = off.schedule_load("b", keys, dst)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from kvoffload.transfer.cuda import extension
 from kvoffload.transfer.spec import TransferSpec
 from tests.fake_cuda import Calls, fake_cuda, hold_stream
 from tests.test_cuda_backends_on_cpu import Pair
-from tests.test_layer_loads import BS, LAYERS, HeldAtLayer, KVLayoutOf, kv_split_tensors
+from tests.test_layer_loads import BS, LAYERS, KVLayoutOf, held_setup, kv_split_tensors, stored_keys
 from tests.test_native_engine import engine_on
 
 __all__ = ["fake_cuda"]  # the fixture, used by name
@@ -27,6 +28,15 @@ needs_core = pytest.mark.skipif(
     extension.module() is None, reason=f"native core not built: {extension.unavailable()}"
 )
 HELD_S = 0.05  # how long a test holds the copy's flag writes
+
+
+def held_native_load(calls: Calls, backend: Any, slots: np.ndarray) -> tuple[Any, Any]:
+    """Store blocks 0..n-1 into ``slots``, then load them into blocks 8.. with the load's flag
+    writes held: (release, the load's pending)."""
+    n = len(slots)
+    assert backend.submit([TransferSpec.of("store", np.arange(n), slots)]).wait(10)
+    release = hold_stream(calls, backend.spec.gather[1])
+    return release, backend.submit([TransferSpec.of("load", np.arange(8, 8 + n), slots)])
 
 
 def records_on(calls: Calls, stream: int) -> int:
@@ -41,9 +51,7 @@ def test_the_core_times_each_wait_it_enqueues_and_only_those(fake_cuda: Calls) -
     with engine_on("llama3-8b", "kv_split") as (pair, backend):
         layers = pair.kv.groups[0].num_layers
         slots = np.arange(8)
-        assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
-        release = hold_stream(fake_cuda, backend.spec.gather[1])
-        pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
+        release, pending = held_native_load(fake_cuda, backend, slots)
         owner = list(pending.layer_slice)
         firsts = {owner.index(k) for k in set(owner)}
         timer = kvo.StallTimer(layers)
@@ -85,10 +93,7 @@ def test_a_timer_of_another_core_is_refused_before_anything_is_enqueued(fake_cud
     try:
         with engine_on("llama3-8b", "kv_split") as (pair, backend):
             layers = pair.kv.groups[0].num_layers
-            slots = np.arange(4)
-            assert backend.submit([TransferSpec.of("store", np.arange(4), slots)]).wait(10)
-            release = hold_stream(fake_cuda, backend.spec.gather[1])
-            pending = backend.submit([TransferSpec.of("load", np.arange(8, 12), slots)])
+            release, pending = held_native_load(fake_cuda, backend, np.arange(4))
             foreign = kvo.StallTimer(layers).native(second._core)
             before = fake_cuda.memops
             with pytest.raises(ValueError, match="expected a Timer of this job's core"):
@@ -104,19 +109,10 @@ def test_a_timer_of_another_core_is_refused_before_anything_is_enqueued(fake_cud
 
 
 def test_the_host_backend_times_its_blocking_waits() -> None:
-    tensors = kv_split_tensors()
-    local = kvo.build_local(KVLayoutOf(tensors, 1), kvo.OffloadConfig(host_capacity_blocks=8))
+    _, local, held, worker = held_setup()
     off = local.offloader
-    held = HeldAtLayer(local.worker.backend.layout, local.arena)
-    worker = kvo.TransferWorker(held, off)
     try:
-        keys = kvo.prefix_block_keys(np.arange(3 * BS), BS)
-        store = off.schedule_store("a", keys, [0, 1, 2])
-        assert store is not None
-        local.worker.submit(store)
-        assert not local.worker.wait([store.job_id], 30)
-        off.complete(local.worker.get_finished())
-        load = off.schedule_load("b", keys, [5, 4, 3])
+        load = off.schedule_load("b", stored_keys(), [5, 4, 3])
         worker.submit(load)
         assert held.reached.wait(30)  # layer 0 copied, layer 1 held back
         timer = kvo.StallTimer(LAYERS)
