@@ -188,3 +188,28 @@ def test_the_python_cuda_backends_time_their_waits_with_events(
         b.close()
     finally:
         pair.close()
+
+
+@needs_core
+def test_a_record_the_driver_refuses_leaves_the_layer_untimed_and_the_wait_enqueued(
+    fake_cuda: Calls,
+) -> None:
+    """The timer is a report: where its event cannot be recorded on the engine's stream, the
+    wait is still enqueued (the stream still waits for the copy) and the layer reads 0."""
+    with engine_on("llama3-8b", "kv_split") as (pair, backend):
+        layers = pair.kv.groups[0].num_layers
+        release, pending = held_native_load(fake_cuda, backend, np.arange(8))
+        timer = kvo.StallTimer(layers)
+        waiter = pending.layer_waiter(124, layers, timer)
+        fake_cuda.fail_record_on = 124
+        try:
+            before = fake_cuda.memops
+            waiter(0)
+            assert fake_cuda.memops == before + 1 and fake_cuda.stream_held(124)
+        finally:
+            fake_cuda.fail_record_on = None
+        assert timer.stalls()[0] == 0.0
+        release()
+        assert pending.wait(10) and pending.error() is None
+        assert not fake_cuda.stream_held(124)
+        assert timer.stalls() == [0.0] * layers
