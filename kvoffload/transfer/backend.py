@@ -76,9 +76,14 @@ class Pending(ABC):
             if timer is None:
                 self.wait_on(stream, layer)
             else:
-                timer.host_wait(layer, lambda: self.wait_on(stream, layer))
+                self.timed_wait(timer, stream, layer)
 
         return wait
+
+    def timed_wait(self, timer: StallTimer, stream: object, layer: int) -> None:
+        """``wait_on(stream, layer)`` timed into ``timer``: here on the host clock (the wait is
+        the host's); a backend whose waits are the device's times them there."""
+        timer.host_wait(layer, lambda: self.wait_on(stream, layer))
 
 
 def check_layer(layer: object, layers: int) -> None:

@@ -133,7 +133,7 @@ class HostPending(FuturePending):
             if timer is None:
                 self.wait_on(stream, layer)
             else:
-                timer.host_wait(layer, lambda: self.wait_on(stream, layer))
+                self.timed_wait(timer, stream, layer)
 
         return wait
 

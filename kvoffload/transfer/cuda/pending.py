@@ -18,7 +18,7 @@ import time
 import weakref
 from typing import Any
 
-from kvoffload.transfer.backend import LayerWaiter, Pending, check_layer
+from kvoffload.transfer.backend import LayerWaiter, Pending
 from kvoffload.transfer.cuda import driver as cu
 from kvoffload.transfer.stall import StallTimer
 
@@ -79,18 +79,15 @@ class CudaPending(Pending):
     def layer_waiter(
         self, stream: object = None, layers: int | None = None, timer: StallTimer | None = None
     ) -> LayerWaiter:
-        """``wait_on`` bound to ``stream``; with ``timer``, each wait between two timing events
-        on the stream (the stall is the device's: the host does not block here)."""
-        if timer is None:
-            return super().layer_waiter(stream, layers)
+        """``Pending.layer_waiter``; with ``timer``, the stream is resolved once, here (its
+        events are recorded on it)."""
+        return super().layer_waiter(stream if timer is None else _handle(stream), layers, timer)
+
+    def timed_wait(self, timer: StallTimer, stream: object, layer: int) -> None:
+        """The wait between two timing events on the stream: the stall is the device's (the
+        host does not block here)."""
         handle = _handle(stream)
-
-        def wait(layer: int) -> None:
-            if layers is not None and (type(layer) is not int or not 0 <= layer < layers):
-                check_layer(layer, layers)
-            timer.device_wait(layer, handle, lambda: self.wait_on(handle, layer))
-
-        return wait
+        timer.device_wait(layer, handle, lambda: self.wait_on(handle, layer))
 
 
 def _check_layer(layer: object) -> None:
