@@ -42,7 +42,13 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
     att = eager["workloads"]["chat"]["attribution"]
     assert att["requests"] == len(restored) and att["kvo_ms_total_p50"] > 0
     assert att["launch_vs_gpu_all"] > 0 and len(att["gpu_wait_ms_per_layer_p50"]) == 2
-    assert {"launch", "first_token"} <= set(att["gpu_all_host_ms_p50"])
+    assert {"launch", "store_ahead", "token", "first_token"} <= set(att["gpu_all_host_ms_p50"])
+    grown = att["growth_ms_p50"]  # against the same requests in gpu_all, per request
+    ttft = sorted(r["ttft_ms"] - g["ttft_ms"] for r, g in _paired(restored, modes["gpu_all"]))
+    assert min(ttft) <= grown["ttft"] <= max(ttft)
+    assert {"host:load_submit", "host:token", "device_prefill", "gpu_wait"} <= set(grown)
+    assert grown["host:load_submit"] > 0  # gpu_all loads nothing
+    assert grown["copy_device_prefill"] is None  # no gpu_all_copy here
     targets = {t["name"]: t for t in eager["targets"]}
     assert targets["chat: kvoffload calls per restore"]["measured"] == att["kvo_ms_total_p50"]
     assert targets["chat: restored p50 / gpu_all"]["bound"] is not None
@@ -57,6 +63,7 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "chat, eager graphs: TTFT ms" in text and "zero reuse" in text
     assert "targets (eager):" in text and "chat, eager: " in text
+    assert "ms vs gpu_all; host steps: " in text and "the forward's device time" in text
     if _has_matplotlib():
         assert out.with_suffix(".png").stat().st_size > 10_000
         from kvoffload.bench.e2e.runner.plot import plot
@@ -64,6 +71,13 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
         # a row per graph mode and workload
         result["results"]["runs"]["full"] = {**eager, "graph": "full"}
         assert plot(result, tmp_path / "two.png").stat().st_size > 10_000
+
+
+def _paired(restored, gpu_all):
+    from kvoffload.bench.e2e.runner.results import request_key
+
+    ideal = {request_key(g): g for g in gpu_all["records"]}
+    return [(r, ideal[request_key(r)]) for r in restored if request_key(r) in ideal]
 
 
 def test_every_workload_runs_and_reports_its_targets(tmp_path, monkeypatch, capsys):

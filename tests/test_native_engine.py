@@ -1049,6 +1049,7 @@ def test_a_loads_scatter_runs_one_program_per_sm_unless_told(
     from tests.fake_cuda import FAKE_SMS
 
     config = {"load_programs": load_programs, "programs": 5, "exposed_programs": 0}
+    config["load_program_bytes"] = 0  # the count alone (by bytes: the test below)
     with engine_on("llama3-8b", "page", **config) as (pair, backend):
         slots = np.arange(4)
         start = len(fake_cuda.log)
@@ -1066,6 +1067,41 @@ def test_a_loads_scatter_runs_one_program_per_sm_unless_told(
         assert grids == {load_programs or FAKE_SMS}
 
 
+@needs_core
+@pytest.mark.parametrize("layout", ["page", "kv_split"])
+def test_a_loads_scatter_runs_one_program_per_so_many_bytes(fake_cuda: Calls, layout: str) -> None:
+    """load_program_bytes: each load chunk's scatter runs on ceil(its bytes / load_program_bytes)
+    programs, at least load_programs and at most one per SM; stores keep ``programs``. Bytes as
+    the oracle's for loads of 1 to 12 blocks."""
+    from tests.fake_cuda import FAKE_SMS
+
+    per = 512 << 10  # Llama-3-8B: 2 MiB slots, slices of 1 MiB or 512 KiB here
+    config = {"load_programs": 3, "programs": 5, "exposed_programs": 0, "load_program_bytes": per}
+    with engine_on("llama3-8b", layout, **config) as (pair, backend):
+        units = {p.unit for p in backend.spec.groups[0].parts[1:]}  # the load slices
+        for n in (1, 4, 12):
+            slots = np.arange(n)
+            store = [TransferSpec.of("store", np.arange(n), slots)]
+            start = len(fake_cuda.log)
+            assert backend.submit(store).wait(10)
+            stored = len(fake_cuda.log)
+            assert {e[3] for e in fake_cuda.log[start:stored] if e[0] == "launch"} == {5}
+            load = [TransferSpec.of("load", np.arange(12, 12 + n), slots)]
+            assert backend.submit(load).wait(10)
+            pair.oracle.copy(store)
+            pair.oracle.copy(load)
+            pair.check()
+            launches = [e for e in fake_cuda.log[stored:] if e[0] == "launch"]
+            assert launches
+            for e in launches:
+                fits = {min(max(-(-e[2] * unit // per), 3), FAKE_SMS) for unit in units}
+                assert e[3] in fits, (n, e, units)
+            if n == 1:
+                assert {e[3] for e in launches} == {3}  # at least load_programs
+            if n == 12:
+                assert max(e[3] for e in launches) == FAKE_SMS  # at most one per SM
+
+
 def test_load_programs_is_checked() -> None:
     from kvoffload.transfer.cuda.staged_config import StagedConfig
 
@@ -1073,6 +1109,9 @@ def test_load_programs_is_checked() -> None:
         with pytest.raises(ValueError, match="load_programs"):
             StagedConfig(load_programs=bad)  # type: ignore[arg-type]
     assert StagedConfig().load_programs == 16 and StagedConfig(load_programs=0).load_programs == 0
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match=r"load_program_bytes an int >= 0 \(0: off\)"):
+            StagedConfig(load_program_bytes=bad)  # type: ignore[arg-type]
 
 
 @needs_core

@@ -30,6 +30,7 @@ def test_only_the_exposed_chunks_kernel_runs_wider(
     exposed: int,
 ) -> None:
     config = {"programs": PROGRAMS, "load_programs": PROGRAMS, "exposed_programs": exposed}
+    config["load_program_bytes"] = 0  # the kernels' own count (by bytes: test_native_engine.py)
     config |= {"load_coupled": coupled, "store_coupled": coupled}
     with engine_on("llama3-8b", "page", **config) as (pair, backend):
         rng = np.random.default_rng(exposed + coupled)

@@ -249,6 +249,17 @@ def _print_attribution(kind: str, graph: str, att: dict[str, Any]) -> None:
             f"  vs gpu_all, launch/p50/p99: gpu_all_copy (a plain copy of the same bytes) "
             f"{vs('gpu_all_copy')}, kvoffload {vs('kvoffload')} ({side['requests']} requests)"
         )
+    grown = att.get("growth_ms_p50")
+    if grown:  # results written before 2026-11-27 have none
+        host = ", ".join(
+            f"{k[5:]} {v:+.2f}" for k, v in grown.items() if k.startswith("host:") and v
+        )
+        console.print(
+            f"  TTFT {_plus(grown['ttft'])} ms vs gpu_all; host steps: {host}; the forward's "
+            f"device time {_plus(grown['device_prefill'])} (GPU waited "
+            f"{_plus(grown['gpu_wait'])}; a plain copy beside gpu_all: "
+            f"{_plus(grown.get('copy_device_prefill'))})"
+        )
     growth = att.get("layer_launch_growth_ms_p50")
     if growth:  # eager and piecewise: where in the forward the launch grew
         step = max(1, len(growth) // 4)
@@ -263,6 +274,10 @@ def _print_attribution(kind: str, graph: str, att: dict[str, Any]) -> None:
             f"  load_submit {ms(submit)} ms; host slot runs per load {att['load_runs_p50']:.0f} "
             f"(most {att['load_runs_max']})"
         )
+
+
+def _plus(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.2f}"
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

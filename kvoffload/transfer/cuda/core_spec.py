@@ -64,6 +64,10 @@ class CoreSpec:
     exposed_programs: int
     host_ids: int  # jobs of at most this many blocks: the kernels read their ids from host memory
     poll_max_us: int  # the completion thread's longest pause between reads of the done words
+    # > 0: a load chunk's scatter on one program per this many bytes, at least its kernel's count
+    # and at most max_programs (native/pipeline.c, launch_on); 0: its kernel's count
+    load_program_bytes: int
+    max_programs: int  # the device's SMs
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
     groups: tuple[GroupSpec, ...]
 
@@ -97,6 +101,8 @@ class CoreSpec:
             self.exposed_programs,
             self.host_ids,
             self.poll_max_us * 1000,
+            self.load_program_bytes,
+            self.max_programs,
             *self.bases[0],
             *self.bases[1],
         ]

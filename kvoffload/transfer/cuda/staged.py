@@ -119,6 +119,7 @@ class NativeStagedBackend(CopyBackend):
             raise NativeUnavailable(f"the core runs 1-4 DMA streams, got {config.dma_streams}")
         index = torch.device(layout.device).index
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self._sms = int(torch.cuda.get_device_properties(self.device).multi_processor_count)
         area = max(config.staging_bytes // config.depth, layout.slot_bytes)
         self.area_bytes = (area + 255) // 256 * 256
         self._closed = False
@@ -172,6 +173,8 @@ class NativeStagedBackend(CopyBackend):
                 exposed_programs=config.exposed_programs,
                 host_ids=config.host_ids,
                 poll_max_us=config.completion_poll_us,
+                load_program_bytes=config.load_program_bytes,
+                max_programs=self._sms,
                 bases=(bases["store"], bases["load"]),
                 groups=groups,
             )
@@ -211,10 +214,7 @@ class NativeStagedBackend(CopyBackend):
         schedules = sorted(plans.items())
         jobs, words = tile(max(r.page_bytes for r in g.regions), config.chunk_bytes)
         kernels = []
-        load_programs = (
-            config.load_programs
-            or torch.cuda.get_device_properties(self.device).multi_processor_count
-        )
+        load_programs = config.load_programs or self._sms
         for store in (True, False):
             programs = config.programs if store or jobs > 1 else load_programs
             ints = (0, 0, len(g.regions), area0, g.slot_bytes)

@@ -41,6 +41,14 @@ class StagedConfig:
     # scatter on every SM holds the engine's small kernels. 16 stays the default; 0 suits an
     # engine whose forward is one graph of large kernels (docs/transfer.md, "Scatter programs").
     load_programs: int = 16
+    # > 0: a load chunk's scatter runs on one program per this many bytes of the chunk, at least
+    # ``load_programs`` and at most one per SM: a 32 MiB layer slice on 128 short programs, a
+    # small load on few. A GPU-bound forward beside a 256-block Llama-3-8B restore grew its
+    # device time by 2.2 ms with 16 long programs and 1.4 ms with one per SM (H100, bench e2e,
+    # eager chat), while one per SM for every load held an eager step of tiny kernels (above):
+    # the programs' length is what a neighbouring kernel waits for (docs/transfer.md, "Scatter
+    # programs by bytes"). 0: ``load_programs`` for every chunk.
+    load_program_bytes: int = 256 << 10
     # Bytes each program moves per loop step (a tile of several small pieces; kernels.tile).
     chunk_bytes: int = 32768
     num_warps: int = 8
@@ -126,6 +134,11 @@ class StagedConfig:
         if isinstance(lp, bool) or not isinstance(lp, int) or lp < 0:
             raise ValueError(
                 f"StagedConfig: expected load_programs an int >= 0 (0: one per SM), got {lp!r}"
+            )
+        lpb = self.load_program_bytes
+        if isinstance(lpb, bool) or not isinstance(lpb, int) or lpb < 0:
+            raise ValueError(
+                f"StagedConfig: expected load_program_bytes an int >= 0 (0: off), got {lpb!r}"
             )
         if not isinstance(self.native_inline_bytes, int) or self.native_inline_bytes < 0:
             raise ValueError(

@@ -20,12 +20,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "ssplit": {"store_coupled": False},
     "most": {"plan_link_GBps": 0.0},  # the most slices the byte rules allow (before 2026-11-25)
     "wide": {"load_programs": 0},  # a load's scatter on one program per SM
+    # a load's scatter on load_programs whatever its chunk's bytes (before 2026-11-27)
+    "fixed": {"load_program_bytes": 0},
 }
 # parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest,
 # ``msN`` cuts a load into at most N layer slices, ``wN`` runs the kernels with N warps, ``dsN``
 # copies on N DMA streams per direction, ``fcN`` starts a store's chunks at N KiB, ``xpN`` runs
 # the exposed chunk's kernel (a store's first, a load's last) on at least N programs, ``hiN``
-# reads the ids of jobs up to N blocks from host memory, ``cpN`` polls completion every <= N us
+# reads the ids of jobs up to N blocks from host memory, ``cpN`` polls completion every <= N us,
+# ``pbN`` scatters a load's chunk on one program per N KiB
 NUMBERED = {
     "lp": ("load_programs", 1),
     "ms": ("max_layer_slices", 1),
@@ -36,6 +39,7 @@ NUMBERED = {
     "xp": ("exposed_programs", 1),
     "hi": ("host_ids", 1),
     "cp": ("completion_poll_us", 1),
+    "pb": ("load_program_bytes", 1024),
 }
 
 
@@ -56,7 +60,7 @@ def configured(backend: str, flags: list[str]) -> str:
     if bad:
         raise ValueError(
             f"expected engine flags from {sorted(SETTINGS)} or lpN / msN / pN / wN / dsN / "
-            f"fcN / xpN / hiN / cpN, got {bad} in {'-'.join([backend, *flags])!r}"
+            f"fcN / xpN / hiN / cpN / pbN, got {bad} in {'-'.join([backend, *flags])!r}"
         )
     if backend != "staged":
         raise ValueError(

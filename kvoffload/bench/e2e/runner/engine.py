@@ -204,8 +204,10 @@ class PagedEngine:
             if layered and load is not None:
                 self.host.time_load(load)
             self._store_ahead()  # host work while the device computes
+        host_time.mark("store_ahead")
         # The first token, then the load's result (the forward waited for all of it: no polling)
         first = int(logits.argmax())
+        host_time.mark("token")  # the device's rest of the forward and the token's read
         if layered and load is not None and not self._finish_load(load):
             blocks, loaded = self._recompute_instead(req, blocks, gpu_hit, loaded)
             logits = self._prefill(tokens, loaded * bs, blocks)
@@ -213,7 +215,7 @@ class PagedEngine:
         if cache and loaded > gpu_hit:
             self.pool.cache(blocks[gpu_hit:loaded], reusable[gpu_hit:loaded])
         ttft = time.perf_counter() - t0
-        host_time.mark("first_token")  # syncing on the first token, checking the load
+        host_time.mark("first_token")  # checking the load (recomputing a failed one)
         ttft_calls = self.host.calls.peek() if self.host is not None else {}
         kvo_ttft = total_calls(ttft_calls)
         sections = self.timer.collect()

@@ -13,8 +13,29 @@ from typing import Any
 import numpy as np
 
 COLORS = {"recompute": "#c0392b", "gpu": "#7f8c8d", "gpu_all": "#27ae60", "kvoffload": "#2471a3"}
-STEPS = ("match", "lookup", "allocate", "load_submit", "launch", "first_token")  # host steps
-STEP_COLORS = ("#d5dbdb", "#f5b041", "#aab7b8", "#e67e22", "#5dade2", "#1f618d")
+# host steps; before 2026-11-27 "first_token" held store_ahead and token too
+STEPS = (
+    *(
+        "match",
+        "lookup",
+        "allocate",
+        "load_submit",
+        "launch",
+        "store_ahead",
+        "token",
+        "first_token",
+    ),
+)
+STEP_COLORS = (
+    "#d5dbdb",
+    "#f5b041",
+    "#aab7b8",
+    "#e67e22",
+    "#5dade2",
+    "#a569bd",
+    "#1f618d",
+    "#17202a",
+)
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:

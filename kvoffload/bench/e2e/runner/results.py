@@ -208,9 +208,47 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
             for step in sorted({s for _, g in paired for s in g["host_ms"]})
         },
         "beside": beside(restored, modes, ideal),
+        "growth_ms_p50": growth(paired, modes),
         "layer_launch_growth_ms_p50": layer_growth(paired),
         "wait_host_ms_p50": med([r.get("wait_host_ms") for r in restored]),
     }
+
+
+def growth(
+    paired: list[tuple[dict[str, Any], dict[str, Any]]], modes: dict[str, Any]
+) -> dict[str, float | None]:
+    """Where a restored request's TTFT grew against the same request in ``gpu_all``, in ms,
+    medians over requests (each term its own median, so they need not add up): ``ttft``; each
+    host step (``host:<step>``, as ``host_ms``); ``device_prefill``, the forward's device time
+    (``prefill_ms``: the GPU's wait for the load included, ``gpu_wait``); and
+    ``copy_device_prefill``, the same growth of ``gpu_all_copy`` (a plain copy of the same bytes
+    beside the forward: what the link's traffic alone costs the GPU)."""
+    if not paired:
+        return {}
+    copies = {request_key(r): r for r in modes.get(BESIDE, {}).get("records", [])}
+
+    def med(diffs: list[float | None]) -> float | None:
+        known = [d for d in diffs if d is not None]
+        return float(np.median(known)) if known else None
+
+    def diff(a: Any, b: Any) -> float | None:
+        return None if a is None or b is None else float(a) - float(b)
+
+    steps = list(dict.fromkeys(s for r, g in paired for s in (*r["host_ms"], *g["host_ms"])))
+    out: dict[str, float | None] = {
+        "ttft": med([r["ttft_ms"] - g["ttft_ms"] for r, g in paired]),
+        "device_prefill": med([diff(r.get("prefill_ms"), g.get("prefill_ms")) for r, g in paired]),
+        "gpu_wait": med([r["load_exposed_ms"] for r, _ in paired]),
+    }
+    for step in steps:
+        out[f"host:{step}"] = med(
+            [r["host_ms"].get(step, 0.0) - g["host_ms"].get(step, 0.0) for r, g in paired]
+        )
+    trio = [(copies[request_key(g)], g) for _, g in paired if request_key(g) in copies]
+    out["copy_device_prefill"] = (
+        med([diff(c.get("prefill_ms"), g.get("prefill_ms")) for c, g in trio]) if trio else None
+    )
+    return out
 
 
 def layer_growth(paired: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[float]:

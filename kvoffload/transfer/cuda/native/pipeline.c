@@ -170,8 +170,15 @@ static int launch_on(part_run *r, int64_t c, kvo_stream stream) {
     for (int j = 8; j < 16; j++) params[j] = &none;
     /* a store's first gather / a load's last scatter has no copy beside it (spec.h) */
     int64_t grid = k->grid;
+    const kvo_spec *s = p->spec;
+    if (job->dir == KVO_LOAD && s->load_program_bytes > 0) { /* a program per so many bytes */
+        int64_t bytes = r->lane->sizes[c] * r->part->unit;
+        int64_t want = (bytes + s->load_program_bytes - 1) / s->load_program_bytes;
+        if (want > s->max_grid) want = s->max_grid;
+        if (want > grid) grid = want;
+    }
     int edge = job->dir == KVO_STORE ? c == 0 : c == r->n_chunks - 1;
-    if (r->exposed && edge && p->spec->exposed_grid > grid) grid = p->spec->exposed_grid;
+    if (r->exposed && edge && s->exposed_grid > grid) grid = s->exposed_grid;
     int err = p->d->launch((void *)k->function, (unsigned)grid, 1, 1, (unsigned)k->block, 1, 1,
                           (unsigned)k->shared, stream, params, NULL);
     return err ? kvo_job_fail(job, p->d, err, STEP_LAUNCH, c, -1, NULL) : 0;
