@@ -43,11 +43,11 @@ class StagedConfig:
     load_programs: int = 16
     # > 0: a load chunk's scatter runs on one program per this many bytes of the chunk, at least
     # ``load_programs`` and at most one per SM: a 32 MiB layer slice on 128 short programs, a
-    # small load on few. A GPU-bound forward beside a 256-block Llama-3-8B restore grew its
-    # device time by 2.2 ms with 16 long programs and 1.4 ms with one per SM (H100, bench e2e,
-    # eager chat), while one per SM for every load held an eager step of tiny kernels (above):
-    # the programs' length is what a neighbouring kernel waits for (docs/transfer.md, "Scatter
-    # programs by bytes"). 0: ``load_programs`` for every chunk.
+    # small load on few. Beside a Llama-3-8B restore the forward's device time grew +0.78-1.36
+    # ms with it against +1.58-1.94 with 16 (H100, bench e2e, eager chat, A/B/B/A), while an
+    # eager step of tiny kernels beside small loads, which one program per SM for every load
+    # slowed (above), did not move (docs/transfer.md, "thirteenth round"). 0: ``load_programs``
+    # for every chunk.
     load_program_bytes: int = 256 << 10
     # Bytes each program moves per loop step (a tile of several small pieces; kernels.tile).
     chunk_bytes: int = 32768

@@ -1,5 +1,4 @@
 /* The staged pipeline of one job (pipeline.h), enqueued whole by the thread that runs it.
- *
  * A store gathers each chunk of blocks with the copy kernel into a device staging area laid out
  * like host slots, then moves the chunk with one copy-engine descriptor per block (consecutive
  * slots merged). A load does the reverse, layer-major: per layer slice, one descriptor per block
@@ -8,9 +7,7 @@
  * waits on. Chunks go round a ring of `depth` staging areas; `filled` / `freed` events hand an
  * area between the kernels' stream and the DMA stream(s), so the gather of chunk k+1 overlaps
  * the DMA of chunk k, and the ring's reuse is ordered on the GPU: the host never waits for the
- * copy's progress. A store's chunks double from `first_chunk_bytes`, so the one exposed gather
- * is short; a load's slice is cut into the fewest equal chunks that fit an area (plan_chunks).
- */
+ * copy's progress. Chunk sizes: plan_chunks. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -170,13 +167,11 @@ static int launch_on(part_run *r, int64_t c, kvo_stream stream) {
     for (int j = 8; j < 16; j++) params[j] = &none;
     /* a store's first gather / a load's last scatter has no copy beside it (spec.h) */
     int64_t grid = k->grid;
-    const kvo_spec *s = p->spec;
-    if (job->dir == KVO_LOAD && s->load_program_bytes > 0) { /* a program per so many bytes */
-        int64_t bytes = r->lane->sizes[c] * r->part->unit;
-        int64_t want = (bytes + s->load_program_bytes - 1) / s->load_program_bytes;
-        if (want > s->max_grid) want = s->max_grid;
-        if (want > grid) grid = want;
-    }
+    const kvo_spec *s = p->spec; /* a load's chunk: a program per so many bytes (spec.h) */
+    int64_t per = job->dir == KVO_LOAD ? s->load_program_bytes : 0;
+    int64_t want = per > 0 ? (r->lane->sizes[c] * r->part->unit + per - 1) / per : 0;
+    if (want > s->max_grid) want = s->max_grid;
+    if (want > grid) grid = want;
     int edge = job->dir == KVO_STORE ? c == 0 : c == r->n_chunks - 1;
     if (r->exposed && edge && s->exposed_grid > grid) grid = s->exposed_grid;
     int err = p->d->launch((void *)k->function, (unsigned)grid, 1, 1, (unsigned)k->block, 1, 1,
@@ -297,13 +292,11 @@ static int send(part_run *r, int64_t c) {
     return 0;
 }
 
-/* Chunk sizes. A store's double from the first chunk's bytes up to one staging area, so its one
- * exposed gather is short; a tail shorter than the first chunk joins the chunk before it where
- * they fit an area (a chunk costs four driver calls: its launch, pacing, copies, record). A load's
- * slice is cut into the fewest equal chunks that fit an area: each chunk costs the caller's
- * thread a kernel launch and four event calls (~8 us), and the slices' scatters already overlap
- * the next slice's copy (measured: a 256-block Llama-3-8B load enqueued in 0.32 ms instead of
- * 0.93 ms, at the same GPU time; benchmarks/enqueue_probe.py). */
+/* Chunk sizes. A store's double from the first chunk's bytes up to one staging area (a short
+ * exposed gather); a tail shorter than the first chunk joins the chunk before it where they fit
+ * an area. A load's slice is cut into the fewest equal chunks that fit an area: a chunk costs the
+ * caller a launch and event calls, and the slices' scatters already overlap the next slice's
+ * copy (a 256-block Llama-3-8B load enqueued in 0.32 ms instead of 0.93, enqueue_probe.py). */
 static int plan_chunks(const kvo_pipe *p, kvo_lane *lane, int64_t n, int64_t unit, int store,
                        int64_t *chunks) {
     int64_t largest = p->spec->area_bytes / unit, first = p->spec->first_chunk_bytes / unit;
