@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvoffload.bench.common import save_figure
+
 
 def plot(result: dict[str, Any], path: Path) -> Path:
     import matplotlib
@@ -40,6 +42,6 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, 110)
     plt.close(fig)
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvoffload.bench.common import save_figure
 from kvoffload.bench.transfer.targets import link_limit
 
 STYLE = {
@@ -69,6 +70,6 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, 110)
     plt.close(fig)
     return path

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from kvoffload.bench.common import save_figure
+
 COLORS = {"recompute": "#c0392b", "gpu": "#7f8c8d", "gpu_all": "#27ae60", "kvoffload": "#2471a3"}
 # host steps; before 2026-11-27 "first_token" held store_ahead and token too
 STEPS = (
@@ -74,7 +76,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         else:
             right.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, 100)
     plt.close(fig)
     return path
 
