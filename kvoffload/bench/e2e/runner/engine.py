@@ -170,8 +170,6 @@ class PagedEngine:
                 loaded += held
         blocks += self._allocate(-(-len(tokens) // bs) - len(blocks))
         host_time.mark("allocate")
-        self._store_ahead(hand_over=restore is None)  # else with the load, in its step
-        host_time.mark("store_ahead")
         staged = None
         if restore is not None and self.host is not None:
             # the inputs first, then the load (as vLLM: prepare inputs, start_load_kv, forward):
@@ -202,8 +200,11 @@ class PagedEngine:
         host_time.mark("launch")  # prefill enqueued (on a CPU: computed)
         layers = self.model.config.layers  # the first chunk's layers, from the prefill's start
         stamps = [(t - t_prefill) * 1e3 for t in self.timer.take_stamps()[:layers]]
-        if self.host is not None and layered and load is not None:
-            self.host.time_load(load)
+        if self.host is not None:
+            if layered and load is not None:
+                self.host.time_load(load)
+            self._store_ahead()  # host work while the device computes
+        host_time.mark("store_ahead")
         # The first token, then the load's result (the forward waited for all of it: no polling)
         first = int(logits.argmax())
         host_time.mark("token")  # the device's rest of the forward and the token's read
@@ -360,18 +361,16 @@ class PagedEngine:
         if self.offload.store == "behind":  # now, tracked as the stores before an eviction are
             self._store_now([b for b, _ in cached])
 
-    def _store_ahead(self, hand_over: bool) -> None:
-        """``store == "evict"``: store admitted blocks near the head of the free queue before the
-        forward, with its load or (``hand_over``) in a step of their own (vLLM: at a step's start;
-        docs/e2e.md, "Thirteenth round": handed over after it, they delayed the token's read)."""
-        if not self._unstored or self.host is None:
+    def _store_ahead(self) -> None:
+        """``store == "evict"``: store admitted blocks near the head of the free queue."""
+        if not self._unstored:
             return
         lead = int(self.offload.store_lead * self._largest)
         due = [b for b in self.pool.head(lead) if b in self._unstored]
         if due:
             self._store_now(due)
-            if hand_over:
-                self.host.poll()  # one worker step: the stores start, finished jobs come back
+            assert self.host is not None
+            self.host.poll()  # one worker step: the stores start, finished jobs come back
 
     def _store_now(self, blocks: list[int]) -> None:
         assert self.host is not None
@@ -412,7 +411,8 @@ class PagedEngine:
     def _finish(self, req: str, blocks: list[int]) -> None:
         self._held.setdefault(req, []).extend(blocks)
         self._settle()
-        self._store_ahead(hand_over=True)
+        if self.host is not None:
+            self._store_ahead()
 
     def _settle(self) -> None:
         if self.host is None:
