@@ -1102,6 +1102,25 @@ def test_a_loads_scatter_runs_one_program_per_so_many_bytes(fake_cuda: Calls, la
                 assert max(e[3] for e in launches) == FAKE_SMS  # at most one per SM
 
 
+@needs_core
+def test_small_pieces_keep_programs_whatever_their_bytes(fake_cuda: Calls) -> None:
+    """Pieces of a few KiB (fp8 TP8 pages: the kernel tiles several per program step) scatter on
+    ``programs`` whatever ``load_program_bytes`` says; bytes as the oracle's."""
+    config = {"load_programs": 3, "programs": 5, "exposed_programs": 0, "load_program_bytes": 1}
+    with engine_on("llama3-70b-tp8-fp8", "page", **config) as (pair, backend):
+        assert backend.spec.groups[0].load_program_bytes == 0
+        slots = np.arange(12)
+        store = [TransferSpec.of("store", np.arange(12), slots)]
+        assert backend.submit(store).wait(10)
+        start = len(fake_cuda.log)
+        load = [TransferSpec.of("load", np.arange(12, 24), slots)]
+        assert backend.submit(load).wait(10)
+        pair.oracle.copy(store)
+        pair.oracle.copy(load)
+        pair.check()
+        assert {e[3] for e in fake_cuda.log[start:] if e[0] == "launch"} == {5}
+
+
 def test_load_programs_is_checked() -> None:
     from kvoffload.transfer.cuda.staged_config import StagedConfig
 

@@ -35,6 +35,9 @@ class GroupSpec:
     parts: tuple[Part, ...]  # parts[0]: the whole slot; load slices after it
     plans: tuple[tuple[int, int], ...]  # per load schedule: (slices, first part)
     owners: tuple[tuple[int, ...], ...]  # per schedule: the slice holding each layer
+    # > 0: a load chunk's scatter on one program per this many bytes, at least its kernel's count
+    # and at most the spec's max_programs (native/pipeline.c, launch_on); 0: its kernel's count
+    load_program_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,7 @@ class CoreSpec:
     exposed_programs: int
     host_ids: int  # jobs of at most this many blocks: the kernels read their ids from host memory
     poll_max_us: int  # the completion thread's longest pause between reads of the done words
-    # > 0: a load chunk's scatter on one program per this many bytes, at least its kernel's count
-    # and at most max_programs (native/pipeline.c, launch_on); 0: its kernel's count
-    load_program_bytes: int
-    max_programs: int  # the device's SMs
+    max_programs: int  # the device's SMs: the most a group's load_program_bytes rule gives
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
     groups: tuple[GroupSpec, ...]
 
@@ -101,13 +101,13 @@ class CoreSpec:
             self.exposed_programs,
             self.host_ids,
             self.poll_max_us * 1000,
-            self.load_program_bytes,
             self.max_programs,
             *self.bases[0],
             *self.bases[1],
         ]
         for g in self.groups:
             out += [g.num_blocks, g.slot_bytes, g.num_layers, len(g.parts), len(g.plans)]
+            out += [g.load_program_bytes]
             out += [*g.kernels[0], *g.kernels[1]]
             for p in g.parts:
                 out += [p.offset, p.unit, p.regions, p.n_regions]

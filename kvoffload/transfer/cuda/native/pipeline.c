@@ -41,7 +41,7 @@ typedef struct {
     kvo_job *job;
     kvo_lane *lane;
     const kvo_part *part;
-    const kvo_kernel *kernel;
+    const kvo_group *group; /* its kernel and load program bytes */
     const int64_t *slots;
     kvo_dptr blocks;
     int64_t n_chunks, depth, position, descs_before;
@@ -147,7 +147,7 @@ static int fits32(int64_t v) { return v >= -2147483648LL && v <= 2147483647LL; }
 static int launch_on(part_run *r, int64_t c, kvo_stream stream) {
     const kvo_pipe *p = r->p;
     kvo_job *job = r->job;
-    const kvo_kernel *k = r->kernel;
+    const kvo_kernel *k = &r->group->kernel[job->dir];
     int64_t ints[5] = {r->lane->starts[c], r->lane->sizes[c], r->part->n_regions,
                        p->spec->bases[job->dir][area_of(r, c)], r->part->unit};
     union { int32_t i32; int64_t i64; uint64_t ptr; } arg[8];
@@ -168,7 +168,7 @@ static int launch_on(part_run *r, int64_t c, kvo_stream stream) {
     /* a store's first gather / a load's last scatter has no copy beside it (spec.h) */
     int64_t grid = k->grid;
     const kvo_spec *s = p->spec; /* a load's chunk: a program per so many bytes (spec.h) */
-    int64_t per = job->dir == KVO_LOAD ? s->load_program_bytes : 0;
+    int64_t per = job->dir == KVO_LOAD ? r->group->load_program_bytes : 0;
     int64_t want = per > 0 ? (r->lane->sizes[c] * r->part->unit + per - 1) / per : 0;
     if (want > s->max_grid) want = s->max_grid;
     if (want > grid) grid = want;
@@ -343,7 +343,7 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
     lane->src = desc[0];
     lane->dst = desc[1];
     lane->len = desc[2];
-    part_run r = {p, job, lane, part, &g->kernel[job->dir], job->ids + job->at[s] + n, blocks,
+    part_run r = {p, job, lane, part, g, job->ids + job->at[s] + n, blocks,
                   m, p->spec->depth, lane->position, 0,
                   part->offset == 0 && part->unit == p->spec->arena_slot_bytes, exposed};
     lane->position = (lane->position + m) % p->spec->depth;

@@ -6,7 +6,7 @@
 
 #include "spec.h"
 
-#define HEAD 34 /* fields before the staging bases */
+#define HEAD 33 /* fields before the staging bases */
 
 typedef struct {
     const int64_t *p;
@@ -33,7 +33,7 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     cursor c = {packed, n, 0};
     int64_t head[HEAD];
     memset(s, 0, sizeof *s);
-    if (take(&c, head, HEAD) != 0) return "expected a core spec of at least 34 fields";
+    if (take(&c, head, HEAD) != 0) return "expected a core spec of at least 33 fields";
     if (head[0] != KVO_ABI) return "expected a core spec of this build's ABI (a stale build)";
     s->n_groups = head[1];
     s->num_slots = head[2];
@@ -71,10 +71,9 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     if (s->host_ids < 0 || s->host_ids > (1 << 20) || s->poll_max_ns < 1000 ||
         s->poll_max_ns > 100000000)
         return "expected 0 <= host ids <= 2**20 and 1 us <= completion poll <= 100 ms in the core spec";
-    s->load_program_bytes = head[32];
-    s->max_grid = head[33];
-    if (s->load_program_bytes < 0 || s->max_grid < 1 || s->max_grid > 65535)
-        return "expected load program bytes >= 0 and 1 <= most programs <= 65535 in the core spec";
+    s->max_grid = head[32];
+    if (s->max_grid < 1 || s->max_grid > 65535)
+        return "expected 1 <= most programs <= 65535 in the core spec";
     for (int j = 22; j < 27; j++)
         if (head[j] < 0) return "expected enqueue costs and a link rate >= 0 in the core spec";
     if (s->n_groups < 1 || s->num_slots < 1 || s->arena_slot_bytes < 1 || s->depth < 1 ||
@@ -90,9 +89,10 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     if (s->groups == NULL) return "out of memory";
     for (int64_t g = 0; g < s->n_groups; g++) {
         kvo_group *gr = &s->groups[g];
-        int64_t h[5];
-        if (take(&c, h, 5) != 0 || take(&c, (int64_t *)gr->kernel, 12) != 0)
+        int64_t h[6];
+        if (take(&c, h, 6) != 0 || take(&c, (int64_t *)gr->kernel, 12) != 0)
             return "truncated core spec";
+        gr->load_program_bytes = h[5];
         gr->num_blocks = h[0];
         gr->slot_bytes = h[1];
         gr->n_layers = h[2];
@@ -100,9 +100,9 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
         gr->n_plans = h[4];
         if (gr->num_blocks < 1 || gr->slot_bytes < 1 || gr->slot_bytes > s->arena_slot_bytes ||
             gr->slot_bytes > s->area_bytes || gr->n_layers < 1 || gr->n_parts < 1 ||
-            gr->n_plans < 1)
+            gr->n_plans < 1 || gr->load_program_bytes < 0)
             return "expected a group's blocks, slot bytes (<= host slot and staging area), "
-                   "layers, parts and plans >= 1";
+                   "layers, parts and plans >= 1 and load program bytes >= 0";
         gr->parts = (kvo_part *)take_array(&c, 4 * gr->n_parts);
         gr->plan_count = take_array(&c, gr->n_plans);
         gr->plan_first = take_array(&c, gr->n_plans);

@@ -34,6 +34,10 @@ typedef struct {
     int64_t *plan_count;  /* per load schedule: slices */
     int64_t *plan_first;  /* ... its first part */
     int64_t *plan_owner;  /* n_plans x n_layers: the slice holding each layer */
+    /* > 0: a load chunk's scatter runs on one program per this many of its bytes, at least its
+     * kernel's own count and at most max_grid: short programs on many SMs for a large slice,
+     * few for a small load (pipeline.c, launch_on); 0: the kernel's own count. */
+    int64_t load_program_bytes;
 } kvo_group;
 
 typedef struct {
@@ -66,10 +70,7 @@ typedef struct {
     /* 1: a store's chunk is gathered and copied out on one DMA stream, its staging area's
      * (pipeline.c, "coupled stores"); 0: gathered on the kernels' stream, copied after an event. */
     int64_t store_coupled;
-    /* > 0: a load chunk's scatter runs on one program per this many of its bytes, at least its
-     * kernel's own count and at most max_grid (the device's SMs): short programs on many SMs for
-     * a large slice, few for a small load (pipeline.c, launch_on); 0: the kernel's own count. */
-    int64_t load_program_bytes, max_grid;
+    int64_t max_grid; /* the device's SMs: the most programs a load_program_bytes rule gives */
     int64_t *bases[2];                 /* per direction: staging area addresses (depth) */
     kvo_group *groups;
 } kvo_spec;
