@@ -41,10 +41,12 @@ class StagedConfig:
     # scatter on every SM holds the engine's small kernels. 16 stays the default; 0 suits an
     # engine whose forward is one graph of large kernels (docs/transfer.md, "Scatter programs").
     load_programs: int = 16
-    # > 0: a load chunk's scatter runs on one program per this many bytes of the chunk, at least
-    # ``load_programs`` and at most one per SM: a 32 MiB layer slice on 128 short programs, a
-    # small load on few. Beside a Llama-3-8B restore the forward's device time grew +0.78-1.36
-    # ms with it against +1.58-1.94 with 16 (H100, bench e2e, eager chat, A/B/B/A), while an
+    # > 0: a load chunk's scatter of pieces > 16 KiB (the kernel ``load_programs`` sizes) runs on
+    # one program per this many bytes of the chunk, at least ``load_programs`` and at most one per
+    # SM: a 32 MiB layer slice on 128 short programs, a small load on few; tiled small pieces keep
+    # ``programs`` (1,000-block fp8 loads read 0.91-0.98 of the link by bytes, 0.97-1.05 on 16).
+    # Beside a Llama-3-8B restore the forward's device time grew +0.78-1.36 ms with it against
+    # +1.58-1.94 with 16 (H100, bench e2e, eager chat, A/B/B/A), while an
     # eager step of tiny kernels beside small loads, which one program per SM for every load
     # slowed (above), did not move (docs/transfer.md, "thirteenth round"). 0: ``load_programs``
     # for every chunk.
