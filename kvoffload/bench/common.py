@@ -13,6 +13,7 @@ for the benchmarks.
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import os
 import platform
@@ -87,9 +88,11 @@ def save_figure(fig: Any, path: Path, dpi: int) -> None:
     matplotlib's RGBA file, so results stay small in the repository)."""
     from PIL import Image  # matplotlib's own dependency
 
-    fig.savefig(path, dpi=dpi)
-    with Image.open(path) as image:
+    rendered = io.BytesIO()  # quantized in memory: the file is written once
+    fig.savefig(rendered, format="png", dpi=dpi)
+    rendered.seek(0)
+    with Image.open(rendered) as image:
         flat = image.convert("RGB").quantize(
             256, Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE
         )
-    flat.save(path, optimize=True)
+    flat.save(path, format="PNG", optimize=True)

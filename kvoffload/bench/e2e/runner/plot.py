@@ -17,16 +17,14 @@ from kvoffload.bench.common import save_figure
 COLORS = {"recompute": "#c0392b", "gpu": "#7f8c8d", "gpu_all": "#27ae60", "kvoffload": "#2471a3"}
 # host steps; before 2026-11-27 "first_token" held store_ahead and token too
 STEPS = (
-    *(
-        "match",
-        "lookup",
-        "allocate",
-        "load_submit",
-        "launch",
-        "store_ahead",
-        "token",
-        "first_token",
-    ),
+    "match",
+    "lookup",
+    "allocate",
+    "load_submit",
+    "launch",
+    "store_ahead",
+    "token",
+    "first_token",
 )
 STEP_COLORS = (
     "#d5dbdb",

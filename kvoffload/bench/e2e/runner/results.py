@@ -158,6 +158,12 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(np.mean(values))}
 
 
+def known_median(values: list[float | None]) -> float | None:
+    """The median of the values that are not None; None where none is."""
+    known = [v for v in values if v is not None]
+    return float(np.median(known)) if known else None
+
+
 def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
     """Where a restored request's time goes, per request and in medians: host time inside
     kvoffload's calls (per call), the per-layer wait call, the host launch phase against the same
@@ -168,11 +174,7 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
     if not restored:
         return None
     ideal = {request_key(r): r for r in modes.get("gpu_all", {}).get("records", [])}
-
-    def med(values: list[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return float(np.median(known)) if known else None
-
+    med = known_median
     names = sorted({n for r in restored for n in r["kvo_ms"]})
     paired = [(r, ideal[request_key(r)]) for r in restored if request_key(r) in ideal]
     launch = med([r["launch_ms"] for r in restored])
@@ -226,10 +228,7 @@ def growth(
     if not paired:
         return {}
     copies = {request_key(r): r for r in modes.get(BESIDE, {}).get("records", [])}
-
-    def med(diffs: list[float | None]) -> float | None:
-        known = [d for d in diffs if d is not None]
-        return float(np.median(known)) if known else None
+    med = known_median
 
     def diff(a: Any, b: Any) -> float | None:
         return None if a is None or b is None else float(a) - float(b)
