@@ -201,8 +201,6 @@ class PagedEngine:
         layers = self.model.config.layers  # the first chunk's layers, from the prefill's start
         stamps = [(t - t_prefill) * 1e3 for t in self.timer.take_stamps()[:layers]]
         if self.host is not None:
-            if layered and load is not None:
-                self.host.time_load(load)
             self._store_ahead()  # host work while the device computes
         host_time.mark("store_ahead")
         # The first token, then the load's result (the forward waited for all of it: no polling)

@@ -119,7 +119,9 @@ class HostTier:
             start.record()
         self._queued.append(job)
         self.poll()  # the load starts now, with the stores queued before it
-        return Load(req_id, job.job_id, len(keys), time.perf_counter(), start, specs=job.specs)
+        load = Load(req_id, job.job_id, len(keys), time.perf_counter(), start, specs=job.specs)
+        self.time_load(load)  # its end marked on the device now: load_ms is the load's own time
+        return load
 
     def wait_layer(self, load: Load, layer: int) -> None:
         """Before layer ``layer``'s attention reads the loaded blocks: on a GPU the current stream
@@ -149,7 +151,9 @@ class HostTier:
 
     def time_load(self, load: Load) -> None:
         """On a GPU, record ``load.end`` when the load's last byte lands (a side stream waits for
-        it): call right after enqueuing the work that reads the blocks. No-op on a CPU."""
+        it, enqueued right after the submit, so the event marks the load's end and not when the
+        host got here: before 2026-11-27 it was enqueued after the forward's launch, and an eager
+        forward's ``load_ms`` read its whole launch phase). Once per load; no-op on a CPU."""
         if self.cuda and load.end is None and self._wait_on(load, self._probe, PROBE):
             import torch
 
