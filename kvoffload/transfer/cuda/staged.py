@@ -38,6 +38,7 @@ from kvoffload.transfer.cuda.chunks import (
 )
 from kvoffload.transfer.cuda.core_spec import CoreSpec, GroupSpec, Part
 from kvoffload.transfer.cuda.driver import CudaCopyError
+from kvoffload.transfer.cuda.pending import stream_handle
 from kvoffload.transfer.cuda.sm import check_words
 from kvoffload.transfer.cuda.staged_config import StagedConfig
 from kvoffload.transfer.descriptors import region_arrays
@@ -347,7 +348,7 @@ class NativePending(Pending):
         """One GPU-side wait per job, enqueued at once (the host waits only for a job still
         queued behind another); raises the copy's error where it failed while being enqueued (the
         stream then does not wait for it: the engine recomputes)."""
-        handle = _handle(stream)
+        handle = stream_handle(stream)
         for j in self.jobs:
             at = -1 if layer is None or j.direction != "load" else int(layer)
             if not j.wait_on(handle, at, ENQUEUE_TIMEOUT):
@@ -360,7 +361,7 @@ class NativePending(Pending):
         one load job one per layer slice; everything else resolved here: the stream's handle,
         the job's bound ``wait_on``, its layers' slices, the timeout. With ``timer``, the core
         records the timer's two events around each wait it enqueues, in the same call."""
-        handle, timeout = _handle(stream), ENQUEUE_TIMEOUT
+        handle, timeout = stream_handle(stream), ENQUEUE_TIMEOUT
         native = None if timer is None or self.core is None else timer.native(self.core)
         loads = [j for j in self.jobs if j.direction == "load"]
         whole = [j for j in self.jobs if j.direction != "load"]
@@ -424,7 +425,7 @@ class NativeGate(LayerGate):
 
     def wait(self, stream: object, layer: int) -> None:
         self.check(layer)
-        self._core.gate_wait(self.index, _handle(stream), layer)
+        self._core.gate_wait(self.index, stream_handle(stream), layer)
 
     def open(self, stream: object, pendings: Sequence[Pending]) -> None:
         jobs: list[Any] = []
@@ -432,7 +433,7 @@ class NativeGate(LayerGate):
             if not isinstance(p, NativePending):
                 raise ValueError(f"expected this core's transfers, got {type(p).__name__}")
             jobs += p.jobs
-        self._core.gate_open(self.index, _handle(stream), jobs, ENQUEUE_TIMEOUT)
+        self._core.gate_open(self.index, stream_handle(stream), jobs, ENQUEUE_TIMEOUT)
 
 
 class _Nothing(Pending):
@@ -460,11 +461,3 @@ def _exception(info: Any) -> BaseException:
     if step == extension.STEP_COPY:
         return CudaCopyError(message, int(code), int(desc) if desc >= 0 else None)
     return RuntimeError(str(message))
-
-
-def _handle(stream: Any) -> int:
-    if stream is None:
-        import torch
-
-        stream = torch.cuda.current_stream()
-    return stream if isinstance(stream, int) else int(stream.cuda_stream)
