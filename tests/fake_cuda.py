@@ -83,9 +83,19 @@ class Calls:
     # cuEventRecord through the C entry point: event -> the host clock when the stream reached
     # the record (None while the stream is held behind a wait: cuEventQuery says not ready)
     event_times: dict[int, float | None] = field(default_factory=dict)
+    # cuEventRecord calls per event, and the latest of them its stream has reached: a
+    # cuStreamWaitEvent holds its stream's later operations until the record it follows is reached
+    recorded: dict[int, int] = field(default_factory=dict)
+    reached: dict[int, int] = field(default_factory=dict)
+
+    def waits_on(self, stream: int) -> int:
+        """GPU-side waits enqueued on ``stream`` so far: cuStreamWaitEvent and 32-bit waits on a
+        flag word (alone or in a batch)."""
+        return sum(1 for e in self.log if e[0] in ("wait", "wait32") and e[1] == stream)
 
     def stream_held(self, stream: int) -> bool:
-        """True while ``stream`` waits on a flag word that has not reached its value."""
+        """True while ``stream`` waits on a flag word that has not reached its value, or on an
+        event record its stream has not reached."""
         return bool(self.held.get(stream))
 
 
@@ -221,6 +231,7 @@ _WAIT = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _U)
 _FAILED = 999  # the CUresult the callbacks return after an exception (recorded in calls.errors)
 _WAIT_32, _WRITE_32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, _WRITE_VALUE_32
 _RECORD_OP = -1  # the fake's own: an event record queued on a stream like its memory operations
+_WAIT_EVENT_OP = -2  # the fake's own: cuStreamWaitEvent, met once that record was reached
 _NOT_READY, _INVALID_HANDLE = 600, 400  # CUDA_ERROR_NOT_READY, CUDA_ERROR_INVALID_HANDLE
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ (else GEQ, cyclic)
 
@@ -257,8 +268,15 @@ def _run_memops(calls: Calls, stream: int, ops: list[tuple[int, int, int, int]])
         for s, q in calls.held.items():
             while q:
                 op, address, value, flags = q[0]
-                if op == _RECORD_OP:  # address: the event
+                if op == _RECORD_OP:  # address: the event, value: which record of it
                     calls.event_times[address] = time.perf_counter()
+                    calls.reached[address] = max(calls.reached.get(address, 0), value)
+                    q.pop(0)
+                    progressed = True
+                    continue
+                if op == _WAIT_EVENT_OP:  # the record the wait was enqueued behind
+                    if calls.reached.get(address, 0) < value:
+                        break
                     q.pop(0)
                     continue
                 word = ctypes.c_uint32.from_address(address)
@@ -336,7 +354,8 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
             calls.on_record(stream)
         calls.log.append(("record", stream, event))
         calls.event_times[event] = None  # reached once the stream gets there
-        _memops(calls, stream, [(_RECORD_OP, event, 0, 0)])
+        calls.recorded[event] = calls.recorded.get(event, 0) + 1
+        _memops(calls, stream, [(_RECORD_OP, event, calls.recorded[event], 0)])
         return 0
 
     def query(event):
@@ -353,6 +372,8 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
 
     def wait(stream, event, flags):
         calls.log.append(("wait", stream, event))
+        if calls.recorded.get(event, 0):  # the event's latest record (none: nothing to wait)
+            _memops(calls, stream, [(_WAIT_EVENT_OP, event, calls.recorded[event], 0)])
         return 0
 
     def event_create(out, flags):
