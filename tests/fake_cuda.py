@@ -88,11 +88,6 @@ class Calls:
     recorded: dict[int, int] = field(default_factory=dict)
     reached: dict[int, int] = field(default_factory=dict)
 
-    def waits_on(self, stream: int) -> int:
-        """GPU-side waits enqueued on ``stream`` so far: cuStreamWaitEvent and 32-bit waits on a
-        flag word (alone or in a batch)."""
-        return sum(1 for e in self.log if e[0] in ("wait", "wait32") and e[1] == stream)
-
     def stream_held(self, stream: int) -> bool:
         """True while ``stream`` waits on a flag word that has not reached its value, or on an
         event record its stream has not reached."""

@@ -20,10 +20,12 @@
 #include "core_state.h"
 
 
+#define EVENT_POOL_MAX 4096      /* free events kept for reuse */
 #define FINISHED_FIRST 256       /* finished-id buffer's first capacity */
 #define COMPLETER_BATCH 256      /* in-flight jobs looked at per pass */
 #define KVO_ERROR_POLL_S 0.05    /* a job in flight this long gets a driver query this often */
 #define PAUSE_MIN_S 10e-6        /* the completion thread's shortest sleep (it never spins) */
+#define EVENT_NO_TIMING 2        /* CU_EVENT_DISABLE_TIMING */
 
 void *kvo_ctx_enter(kvo_core *e) {
     void *prev = NULL;
@@ -43,6 +45,50 @@ int kvo_timed_wait(kvo_core *e, double deadline) {
     ts.tv_sec = (time_t)deadline;
     ts.tv_nsec = (long)((deadline - (double)ts.tv_sec) * 1e9);
     return pthread_cond_timedwait(&e->changed, &e->mu, &ts);
+}
+
+/* -- events and job references (mu held) ------------------------------------------------------- */
+
+static kvo_event event_take(kvo_core *e, int *err) {
+    kvo_event ev = NULL;
+    if (e->pool_n > 0) return e->pool[--e->pool_n];
+    *err = e->d.event_create(&ev, EVENT_NO_TIMING);
+    return ev;
+}
+
+static void event_give(kvo_core *e, kvo_event ev) {
+    if (ev == NULL) return;
+    if (e->closing || (e->pool_n == e->pool_cap && e->pool_cap >= EVENT_POOL_MAX)) {
+        e->d.event_destroy(ev);
+        return;
+    }
+    if (e->pool_n == e->pool_cap) {
+        int64_t cap = e->pool_cap ? 2 * e->pool_cap : 64;
+        kvo_event *p = realloc(e->pool, (size_t)cap * sizeof *p);
+        if (p == NULL) {
+            e->d.event_destroy(ev);
+            return;
+        }
+        e->pool = p;
+        e->pool_cap = cap;
+    }
+    e->pool[e->pool_n++] = ev;
+}
+
+static void job_drop(kvo_core *e, kvo_job *job) {
+    event_give(e, job->order);
+    event_give(e, job->done_ev);
+    kvo_job_free(job);
+}
+
+void kvo_unref(kvo_core *e, kvo_job *job) {
+    if (--job->refs == 0) job_drop(e, job);
+}
+
+void kvo_job_release(kvo_core *e, kvo_job *job) {
+    pthread_mutex_lock(&e->mu);
+    kvo_unref(e, job);
+    pthread_mutex_unlock(&e->mu);
 }
 
 void kvo_finish(kvo_core *e, kvo_job *job) {
@@ -140,10 +186,17 @@ static kvo_status validate(kvo_core *e, const kvo_input *in, int64_t n_in, char 
     return rc;
 }
 
+static int take_events(kvo_core *e, kvo_job *job, int has_order) { /* mu held */
+    int err = 0;
+    job->done_ev = event_take(e, &err);
+    if (!err && has_order) job->order = event_take(e, &err);
+    return err;
+}
+
 static void drop_all(kvo_core *e, kvo_job **jobs) {
     pthread_mutex_lock(&e->mu);
     for (int d = 0; d < 2; d++)
-        if (jobs[d]) kvo_job_drop(e, jobs[d]);
+        if (jobs[d]) job_drop(e, jobs[d]);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -163,7 +216,7 @@ kvo_status kvo_core_submit(kvo_core *e, const kvo_input *in, int64_t n_in, kvo_s
     pthread_mutex_lock(&e->mu);
     if (e->closing) rc = kvo_say(msg, KVO_FAILED, "submit: expected an open native core, got a closed one");
     for (int d = 0; d < 2 && rc == KVO_OK; d++) {
-        int err = jobs[d] ? kvo_take_events(e, jobs[d], has_order) : 0;
+        int err = jobs[d] ? take_events(e, jobs[d], has_order) : 0;
         if (err) rc = kvo_say(msg, KVO_FAILED, "cuEventCreate failed: %s", kvo_error_name(&e->d, err));
     }
     pthread_mutex_unlock(&e->mu);

@@ -1,5 +1,5 @@
 /* The core's state: private to its two halves, core.c (lifecycle, submit, threads) and
- * waits.c (waits, gates, reports), with events.c (the event pool). Locking: one mutex (mu) for queues, job states, the event
+ * waits.c (waits, gates, reports). Locking: one mutex (mu) for queues, job states, the event
  * pool and the gates; `changed` is broadcast on every state change (waiters re-check). A thread
  * never calls into Python holding mu, and the binding releases the GIL before any call here. */
 #ifndef KVO_CORE_STATE_H
@@ -41,10 +41,6 @@ struct kvo_core {
 void *kvo_ctx_enter(kvo_core *e);
 void kvo_ctx_leave(kvo_core *e, void *prev);
 void kvo_unref(kvo_core *e, kvo_job *job); /* mu held */
-/* events.c, mu held: a job's events from the pool (0 or the CUresult of a failed create; a
- * load's slice events are optional: none where they cannot be had), and the job's end */
-int kvo_take_events(kvo_core *e, kvo_job *job, int has_order);
-void kvo_job_drop(kvo_core *e, kvo_job *job);
 /* mu held: sleep on `changed` until deadline (absolute kvo_now() seconds; <= 0: no limit). */
 int kvo_timed_wait(kvo_core *e, double deadline);
 void kvo_finish(kvo_core *e, kvo_job *job); /* mu held; drops the core's reference */

@@ -114,7 +114,6 @@ void kvo_job_free(kvo_job *job) {
     free(job->group);
     free(job->ids);
     free(job->layer_slice);
-    free(job->slice_ev); /* its events went back to the core's pool first (core.c) */
     free(job);
 }
 

@@ -26,7 +26,6 @@ typedef struct kvo_job {
     int64_t n_slices, n_layers;
     int64_t *layer_slice;             /* per layer (loads): slice index */
     kvo_event order, done_ev;
-    kvo_event *slice_ev;              /* per slice (loads): recorded once it landed (waits.c) */
     uint32_t seq;                     /* the direction's sequence number: flags.h */
     int state, failed, cancelled;
     int code, step;

@@ -2,18 +2,19 @@
  * A store gathers each chunk of blocks with the copy kernel into a device staging area laid out
  * like host slots, then moves the chunk with one copy-engine descriptor per block (consecutive
  * slots merged). A load does the reverse, layer-major: per layer slice, one descriptor per block
- * into staging, then the scatter, then the job's sequence number into every layer's flag word of
- * that slice (flags.h: the host's and the graphs' gates' view) and the slice's event (what an
- * engine stream waits on, waits.c). Chunks go round a ring of `depth` staging areas; `filled` /
- * `freed` events hand an area between the kernels' stream and the DMA stream(s), so the gather of
- * chunk k+1 overlaps the DMA of chunk k, and the ring's reuse is ordered on the GPU: the host
- * never waits for the copy's progress. Chunk sizes: plan_chunks. */
+ * into staging, then the scatter, then a write of the job's sequence number into the flag word
+ * of every layer of that slice (flags.h), which is what an engine stream waiting for that layer
+ * waits on. Chunks go round a ring of `depth` staging areas; `filled` / `freed` events hand an
+ * area between the kernels' stream and the DMA stream(s), so the gather of chunk k+1 overlaps
+ * the DMA of chunk k, and the ring's reuse is ordered on the GPU: the host never waits for the
+ * copy's progress. Chunk sizes: plan_chunks. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "pipeline.h"
 
-/* CUmemcpyAttributes: source read in stream order (a store's DMA follows its gather). */
+/* CUmemcpyAttributes: source read in stream order (the copies wait for the work enqueued ahead
+ * of them on the stream; that is how a store's DMA waits for its gather). */
 static struct { int order; int src_type, src_id, dst_type, dst_id; unsigned flags; } attrs = {1, 0, 0, 0, 0, 0};
 static size_t attr_index[1] = {0};
 
@@ -382,7 +383,7 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
     return 0;
 }
 
-/* Slice k's layers are in place: their flag words take the job's sequence number, then its event. */
+/* Slice k's layers are in place: their flag words take the job's sequence number. */
 static int mark_slice(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t k) {
     kvo_stream on = (kvo_stream)p->spec->gather[KVO_LOAD];
     if (p->spec->load_coupled) { /* on the slice's last stream, the others joined to it */
@@ -401,7 +402,6 @@ static int mark_slice(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t k
     for (int64_t l = 0; l < job->n_layers; l++)
         if (job->layer_slice[l] == k) kvo_ops_write(&ops, kvo_word_layer(p->flags, l), job->seq);
     int err = kvo_ops_end(&ops);
-    if (!err && job->slice_ev != NULL) err = p->d->record(job->slice_ev[k], on);
     return err ? kvo_job_fail(job, p->d, err, STEP_FLAG, -1, -1, "a layer slice's flag") : 0;
 }
 

@@ -128,19 +128,6 @@ static kvo_status until_enqueued(kvo_core *e, kvo_job *job, double timeout, char
     return kvo_say(msg, KVO_TIMEOUT, "the copy was not enqueued within %g s", timeout);
 }
 
-/* The event a layer's wait waits on: its slice's, recorded after the slice's flag words were
- * written (pipeline.c, mark_slice), so once the job is enqueued the wait follows a record that
- * exists, and waits for what the flag wait would (measured on an H200, 2026-11-27,
- * benchmarks/wait_latency_probe.py: ~1.3-1.8 us of the stream's time per wait against 2.8-5.4 us
- * for a flag word in host memory, and half the host time). NULL: a flag wait (a store, the
- * done word, a job without slice events, a job that failed: finish() wrote every flag word, and
- * a slice it did not reach has no record of its own). */
-static kvo_event slice_event(const kvo_job *job, int64_t layer, int layer_word) {
-    if (!layer_word || job->slice_ev == NULL || job->failed) return NULL;
-    int64_t k = job->layer_slice[layer];
-    return k >= 0 && k < job->n_slices ? job->slice_ev[k] : NULL;
-}
-
 kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t layer,
                            double timeout, kvo_timer *timer, int *ok, char *msg) {
     *ok = 1;
@@ -156,23 +143,21 @@ kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t
                        ? kvo_word_layer(&e->flags, layer)
                        : kvo_word_done(job->dir);
     int err = 0;
-    const char *what = "";
     if (!kvo_flag_reached(&e->flags, word, job->seq)) { /* else landed: nothing to wait */
         void *prev = kvo_ctx_enter(e);
         /* the timer is a report: a record it cannot make leaves the layer untimed, never the
          * wait undone */
-        int layer_word = layer >= 0 && word == kvo_word_layer(&e->flags, layer);
-        int timed = timer != NULL && layer_word && kvo_timer_begin(e, timer, layer, stream);
-        kvo_event ev = slice_event(job, layer, layer_word);
-        err = ev != NULL ? e->d.wait(stream, ev, 0)
-                         : e->d.wait32(stream, e->flags.dev + (kvo_dptr)word * sizeof(uint32_t),
-                                       job->seq, KVO_WAIT_GEQ);
+        int timed = timer != NULL && layer >= 0 && word == kvo_word_layer(&e->flags, layer) &&
+                    kvo_timer_begin(e, timer, layer, stream);
+        err = e->d.wait32(stream, e->flags.dev + (kvo_dptr)word * sizeof(uint32_t), job->seq,
+                          KVO_WAIT_GEQ);
         if (timed) kvo_timer_end(e, timer, layer, stream, !err);
         kvo_ctx_leave(e, prev);
-        if (err) what = ev != NULL ? "cuStreamWaitEvent" : "cuStreamWaitValue32";
     }
     flags_leave(e);
-    if (err) return kvo_say(msg, KVO_FAILED, "%s failed: %s", what, kvo_error_name(&e->d, err));
+    if (err)
+        return kvo_say(msg, KVO_FAILED, "cuStreamWaitValue32 failed: %s",
+                       kvo_error_name(&e->d, err));
     return KVO_OK;
 }
 
