@@ -226,7 +226,7 @@ def main() -> int:
         layers=LAYERS,
         mib=MIB,
         reps=REPS,
-        driver=cu.cuDriverGetVersion()[1],
+        cuda_driver_api=cu.cuDriverGetVersion()[1],
         results=rows,
     )
     return 0
