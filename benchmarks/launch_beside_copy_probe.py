@@ -61,15 +61,7 @@ def main() -> int:
     host_b = np.empty(nbytes, dtype=np.uint8)
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
 
-    blocks = nbytes // (2 << 20)  # Llama-3-8B pages: 2 MiB per block
-    pool = 2 * blocks
-    _tensors, _dim, kv = probe_util.engine("llama3-8b", "page", pool)  # kept alive: kv points in
-    keys = np.random.default_rng(1).integers(0, 256, (blocks, 16), dtype=np.uint8)
-    locals_ = {}
-    for backend in ("staged", "dma"):
-        locals_[backend] = probe_util.offload(kv, blocks, backend)
-        probe_util.store(locals_[backend], "store", keys, np.arange(blocks))
-    dst = np.arange(blocks, pool)
+    _tensors, keys, dst, locals_ = probe_util.stored_llama(nbytes)  # tensors kept alive
     step = [0]
     sleep: Any = torch.cuda._sleep
     torch.cuda.synchronize()

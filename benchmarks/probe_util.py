@@ -46,6 +46,21 @@ def store(local: LocalOffload, req: str, keys: np.ndarray, blocks: np.ndarray) -
         raise RuntimeError(f"store {req} failed: {results}")
 
 
+def stored_llama(
+    nbytes: int, backends: tuple[str, ...] = ("staged", "dma")
+) -> tuple[Any, np.ndarray, np.ndarray, dict[str, LocalOffload]]:
+    """``nbytes`` of Llama-3-8B pages (2 MiB blocks) stored through each of ``backends``' own
+    ``LocalOffload`` from blocks 0..n-1, ready to load into blocks n..2n-1: (the engine's
+    tensors, to keep alive, the keys, the load's destination blocks, the offloads by backend)."""
+    blocks = nbytes // (2 << 20)
+    tensors, _dim, kv = engine("llama3-8b", "page", 2 * blocks)
+    keys = np.random.default_rng(1).integers(0, 256, (blocks, 16), dtype=np.uint8)
+    offloads = {b: offload(kv, blocks, b) for b in backends}
+    for each in offloads.values():
+        store(each, "store", keys, np.arange(blocks))
+    return tensors, keys, np.arange(blocks, 2 * blocks), offloads
+
+
 def dump(path: str, benchmark: str, **fields: Any) -> None:
     """Write ``fields`` as JSON with the benchmark's name, the device and the date."""
     out = {

@@ -56,17 +56,10 @@ def main() -> int:
     x = torch.zeros(256, device="cuda")
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     side_h = cu.CUstream(side.cuda_stream)
-    blocks = (MIB << 20) // (2 << 20)  # Llama-3-8B pages: 2 MiB per block
-    pool = 2 * blocks
-    _tensors, _dim, kv = probe_util.engine("llama3-8b", "page", pool)
-    keys = np.random.default_rng(1).integers(0, 256, (blocks, 16), dtype=np.uint8)
-    locals_ = {b: probe_util.offload(kv, blocks, b) for b in ("staged", "dma")}
-    for each in locals_.values():
-        probe_util.store(each, "store", keys, np.arange(blocks))
+    _tensors, keys, dst, locals_ = probe_util.stored_llama(MIB << 20)
     dev_a = torch.empty(MIB << 20, dtype=torch.uint8, device="cuda")
     dev_b = torch.empty(MIB << 20, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(MIB << 20, dtype=torch.uint8, pin_memory=True)
-    dst = np.arange(blocks, pool)
     err, host = cu.cuMemHostAlloc(4 * LAYERS, cu.CU_MEMHOSTALLOC_DEVICEMAP)
     assert err == cu.CUresult.CUDA_SUCCESS, err
     words = np.ctypeslib.as_array((ctypes.c_uint32 * LAYERS).from_address(int(host)))
