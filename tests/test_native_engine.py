@@ -1163,3 +1163,27 @@ def test_a_layer_waiter_makes_one_flag_wait_per_slice(fake_cuda: Calls, max_slic
         pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])
         pair.oracle.copy([TransferSpec.of("load", np.arange(8, 16), slots)])
         pair.check()
+
+
+@needs_core
+def test_a_coupled_load_is_done_only_once_every_dma_stream_it_used_is_past_its_work(
+    fake_cuda: Calls,
+) -> None:
+    """Coupled loads run on both DMA streams and join them to the tail stream with event waits
+    before the done word is written: with one DMA stream held (a GPU still busy there), the job
+    is not done and the tail stream waits (the fake holds a stream at cuStreamWaitEvent until the
+    record it follows is reached, as a GPU does); released, the job lands."""
+    config = {"load_coupled": True, "dma_streams": 2, "depth": 2, "max_layer_slices": 4}
+    with engine_on("llama3-8b", "kv_split", **config) as (pair, backend):
+        slots = np.arange(8)
+        assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
+        release = hold_stream(fake_cuda, backend.spec.dmas[1][1])
+        pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
+        assert not pending.wait(0.2) and not pending.done()
+        assert fake_cuda.stream_held(backend.spec.gather[1])  # the tail, joined to the held one
+        release()
+        assert pending.wait(10) and pending.error() is None
+        assert not any(fake_cuda.held.values())
+        pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])
+        pair.oracle.copy([TransferSpec.of("load", np.arange(8, 16), slots)])
+        pair.check()
