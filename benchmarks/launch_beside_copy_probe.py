@@ -65,10 +65,7 @@ def main() -> int:
     step = [0]
     sleep: Any = torch.cuda._sleep
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    sleep(10_000_000)
-    torch.cuda.synchronize()
-    spin = int(10_000_000 * 0.03 / (time.perf_counter() - t0))  # ~30 ms: longer than the loop
+    spin = int(probe_util.sleep_cycles_per_ms() * 30)  # ~30 ms: longer than the loop
 
     def eager_loop() -> float:
         t0 = time.perf_counter()
@@ -121,14 +118,7 @@ def main() -> int:
         else:
             worker.submit(job)
 
-        def end() -> None:
-            worker.wait([job.job_id], 60)
-            results = worker.get_finished()
-            off.complete(results)
-            if not all(r.ok for r in results):
-                raise RuntimeError(f"load failed: {results}")
-
-        return end
+        return lambda: probe_util.finish(locals_[backend], job.job_id, "load")
 
     def sleep_only() -> Callable[[], None]:
         with torch.cuda.stream(side):

@@ -33,17 +33,36 @@ def offload(kv: Any, slots: int, backend: str) -> LocalOffload:
     return build_local(kv, OffloadConfig(host_capacity_blocks=slots, backend=backend))
 
 
+def finish(local: LocalOffload, job_id: int, what: str) -> None:
+    """Wait for job ``job_id`` and complete what finished (RuntimeError if any of it failed)."""
+    local.worker.wait([job_id], 60)
+    results = local.worker.get_finished()
+    local.offloader.complete(results)
+    if not all(r.ok for r in results):
+        raise RuntimeError(f"{what} failed: {results}")
+
+
 def store(local: LocalOffload, req: str, keys: np.ndarray, blocks: np.ndarray) -> None:
     """Store ``blocks`` under ``keys`` and wait for it (RuntimeError if it failed)."""
     job = local.offloader.schedule_store(req, keys, blocks)
     if job is None:
         raise RuntimeError(f"store {req}: nothing scheduled")
     local.worker.submit(job)
-    local.worker.wait([job.job_id], 60)
-    results = local.worker.get_finished()
-    local.offloader.complete(results)
-    if not all(r.ok for r in results):
-        raise RuntimeError(f"store {req} failed: {results}")
+    finish(local, job.job_id, f"store {req}")
+
+
+def sleep_cycles_per_ms() -> float:
+    """The clock rate of ``torch.cuda._sleep``'s spin kernel (cycles per ms), timed by CUDA
+    events after a first launch (which loads the kernel: timing that launch undercounts)."""
+    sleep: Any = torch.cuda._sleep
+    sleep(1000)
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    return 10_000_000 / float(start.elapsed_time(end))
 
 
 def stored_llama(

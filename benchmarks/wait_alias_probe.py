@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from benchmarks import probe_util
+
 HOLD_MS = 20.0
 CASES = ("none", "busy", "host_flag", "dev_flag", "event")
 WAITERS = (1, 8)
@@ -77,12 +79,7 @@ def main() -> int:
     # every kernel once (lazy module loading), and the spin kernel's clock rate
     x.add_(0)
     x.mul_(1)
-    sleep(1000)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    sleep(10_000_000)
-    torch.cuda.synchronize()
-    hold_cycles = int(10_000_000 * HOLD_MS / 1e3 / (time.perf_counter() - t0))
+    hold_cycles = int(probe_util.sleep_cycles_per_ms() * HOLD_MS)
 
     def engine_done(engine: Any, seq: int, release: bool) -> float:
         """ms until a kernel and an event on ``engine`` are done (host-observed); the host flag

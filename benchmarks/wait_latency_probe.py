@@ -58,13 +58,7 @@ def main() -> int:
     sleep: Any = torch.cuda._sleep
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    probe0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    probe1 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    probe0.record()
-    sleep(1_000_000)
-    probe1.record()
-    torch.cuda.synchronize()
-    cycles = int(1_000_000 * SLEEP_US / 1e3 / probe0.elapsed_time(probe1))
+    cycles = int(probe_util.sleep_cycles_per_ms() * SLEEP_US / 1e3)
 
     def waits(kind: str) -> Callable[[Any, int], None] | None:
         if kind == "host_word":

@@ -86,10 +86,7 @@ def main() -> int:
 
     torch.cuda.synchronize()
     alone_once = eager(None)[0]
-    t0 = time.perf_counter()
-    sleep(10_000_000)
-    torch.cuda.synchronize()
-    cycles_per_ms = 10_000_000 / ((time.perf_counter() - t0) * 1e3)
+    cycles_per_ms = probe_util.sleep_cycles_per_ms()
     pace = int(cycles_per_ms * alone_once / LAYERS * 0.8)  # lands ahead of the GPU's need
     spin = int(cycles_per_ms * alone_once * 2)  # longer than the loop
 
@@ -172,12 +169,7 @@ def main() -> int:
     def settle() -> None:
         torch.cuda.synchronize()
         for backend, job in done:
-            local = locals_[backend]
-            local.worker.wait([job.job_id], 60)
-            results = local.worker.get_finished()
-            local.offloader.complete(results)
-            if not all(r.ok for r in results):
-                raise RuntimeError(f"load failed: {results}")
+            probe_util.finish(locals_[backend], job.job_id, "load")
         done.clear()
 
     for make in cases.values():  # every path once

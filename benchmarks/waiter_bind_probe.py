@@ -65,8 +65,7 @@ def main() -> int:
         spans += [t[8] - t[7], t[9] - t[8], (t[10] - t[9]) / 31]
         for name, s in zip(parts, spans, strict=True):
             parts[name].append(s * 1e6)
-        worker.wait([job.job_id], 60)
-        off.complete(worker.get_finished())
+        probe_util.finish(local, job.job_id, "load")
         torch.cuda.synchronize()
     print({k: round(statistics.median(v[WARM:]), 1) for k, v in parts.items()})
     local.close()
