@@ -35,6 +35,7 @@ from kvoffload.store.arena import HostArena
 from kvoffload.transfer.backend import CopyBackend
 from kvoffload.transfer.cuda import driver as cu
 from kvoffload.transfer.cuda.pending import CudaPending
+from kvoffload.transfer.cuda.pending import current_stream as _current_stream
 from kvoffload.transfer.descriptors import region_arrays
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
@@ -244,14 +245,3 @@ def check_bounds(spec: TransferSpec, group_blocks: Sequence[int], num_slots: int
             if ids.min() < 0 or ids.max() >= upper:
                 bad = ids[(ids < 0) | (ids >= upper)][0]
                 raise ValueError(f"expected every {what} in [0, {upper}), got {bad}")
-
-
-def _current_stream(device: int) -> int:
-    """The caller's current stream handle on ``device`` (torch's raw accessor: ~0.5 us, against
-    ~4 us for ``torch.cuda.current_stream().cuda_stream``)."""
-    import torch
-
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(device))
-    return int(torch.cuda.current_stream(device).cuda_stream)
