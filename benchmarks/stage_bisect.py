@@ -45,9 +45,11 @@ def patch_submit() -> None:
     """Events on the caller's stream around the native core's submit, by direction."""
     submit = staged.NativeStagedBackend.submit
 
-    def timed_submit(self: Any, specs: Any, *, order_after: Any = "current") -> Any:
+    def timed_submit(
+        self: Any, specs: Any, *, order_after: Any = "current", background: bool = False
+    ) -> Any:
         before = _event()
-        out = submit(self, specs, order_after=order_after)
+        out = submit(self, specs, order_after=order_after, background=background)
         direction = specs[0].direction if specs else "none"
         _brackets.append((f"core submit ({direction})", before, _event()))
         return out

@@ -277,6 +277,39 @@ def test_submit_checked_checks_ranges_only_and_refuses_before_any_copy(fake_cuda
         pair.close()
 
 
+def test_a_background_step_reaches_the_backend_only_when_asked():
+    """``step(background=True)`` passes ``background=True`` to ``submit_checked``; a plain step
+    passes no keyword, so a backend written before the option keeps working."""
+    import kvoffload as kvo
+    from kvoffload.offload import TransferWorker
+
+    seen: list[dict[str, Any]] = []
+
+    class Recording(HostBackend):
+        def submit_checked(self, specs: Any, **kw: Any) -> Any:
+            seen.append(kw)
+            return super().submit_checked(specs, **kw)
+
+    kv = [np.random.default_rng(2).integers(0, 256, (8, 16, 64), dtype=np.uint8)]
+    layout = KVLayout.from_tensors(kv, block_size=16)
+    local = kvo.build_local(layout, kvo.OffloadConfig(host_capacity_blocks=4))
+    worker = TransferWorker(Recording(layout, local.arena), local.offloader)
+    try:
+        keys = kvo.prefix_block_keys(np.arange(32), 16)
+        for key, block, background in ((keys[0], 1, False), (keys[1], 2, True)):
+            job = local.offloader.schedule_store("r", [key], [block])
+            assert job is not None
+            worker.step([job], background=background)
+            assert worker.wait([job.job_id], 30) == set()
+            local.offloader.complete(worker.get_finished())
+            slot = job.specs[0].slots[0]
+            assert np.array_equal(local.arena.slots[slot, :1024], kv[0][block].ravel())
+        assert seen == [{}, {"background": True}]
+    finally:
+        worker.close()
+        local.close()
+
+
 def test_a_worker_hands_its_offloaders_jobs_to_submit_checked():
     """A worker is built only with an Offloader that checks block ids against the same layout
     (and owns no more slots than the arena), so it always skips the backend's full validation;
@@ -287,7 +320,7 @@ def test_a_worker_hands_its_offloaders_jobs_to_submit_checked():
     class Counting(HostBackend):
         checked = 0
 
-        def submit_checked(self, specs: Any) -> Any:
+        def submit_checked(self, specs: Any, **kw: Any) -> Any:
             Counting.checked += 1
             return super().submit_checked(specs)
 

@@ -106,8 +106,16 @@ def test_chunked_prefill_matches_one_pass(model):
     assert whole.computed_tokens == chunked.computed_tokens == 150
 
 
-@pytest.mark.parametrize("store", ["evict", "behind"])
-def test_modes_reuse_what_they_should(model, store):
+def test_offload_refuses_an_unknown_setting_naming_what_it_expected():
+    for field, bad in (("store", "soon"), ("load", "lazy"), ("store_handover", "later")):
+        with pytest.raises(ValueError, match=rf"expected {field} in \(.*\), got '{bad}'"):
+            Offload(**{field: bad})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("store", "handover"), [("evict", "background"), ("evict", "inline"), ("behind", "inline")]
+)
+def test_modes_reuse_what_they_should(model, store, handover):
     shape = ChatShape(conversations=3, turns=3, system_tokens=32, user_tokens=32, answer_tokens=16)
     turns = chat_turns(shape, MICRO.vocab, seed=0)
     pool = 2 * -(-shape.history_tokens // 16)
@@ -118,7 +126,8 @@ def test_modes_reuse_what_they_should(model, store):
         for mode in ("recompute", "gpu", "gpu_all", "kvoffload"):
             tier = host if mode == "kvoffload" else None
             blocks = 4 * pool if mode == "gpu_all" else pool
-            engine = PagedEngine(model, cache, mode, tier, 64, Offload(store=store), blocks)
+            offload = Offload(store=store, store_handover=handover)
+            engine = PagedEngine(model, cache, mode, tier, 64, offload, blocks)
             runs = [engine.run(t.prompt, t.answer) for t in turns]
             engine.idle()
             for r in runs:  # a restore reads one run of host slots or more, one per block at most

@@ -65,7 +65,7 @@ class FlakyBackend(HostBackend):
 
     fail = False
 
-    def submit_checked(self, specs):
+    def submit_checked(self, specs, **kw):
         done: Future[None] = Future()
         try:
             if self.fail:

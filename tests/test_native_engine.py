@@ -326,10 +326,11 @@ def test_a_queued_job_can_be_cancelled_and_never_runs(fake_cuda: Calls) -> None:
 
 
 @needs_core
-@pytest.mark.parametrize("inline", [0, 1 << 30])
+@pytest.mark.parametrize(("inline", "background"), [(0, False), (1 << 30, False), (1 << 30, True)])
 def test_small_jobs_are_enqueued_by_the_caller_when_the_direction_is_idle(
-    fake_cuda: Calls, inline: int
+    fake_cuda: Calls, inline: int, background: bool
 ) -> None:
+    """...unless the submit asks for the background: then the core's worker thread does."""
     with engine_on("llama3-8b", "page", native_inline_bytes=inline) as (pair, backend):
         threads: set[str] = set()
         launch = fake_cuda_launch(fake_cuda)
@@ -341,13 +342,49 @@ def test_small_jobs_are_enqueued_by_the_caller_when_the_direction_is_idle(
         swap_launch(fake_cuda, named)
         try:
             for k in range(3):
-                assert backend.submit([TransferSpec.of("store", [k], [k])]).wait(10)
+                spec = TransferSpec.of("store", [k], [k])
+                assert backend.submit([spec], background=background).wait(10)
             here = threading.current_thread().name
-            assert threads == ({here} if inline else threads - {here}) and threads
+            caller = inline and not background
+            assert threads == ({here} if caller else threads - {here}) and threads
             for k in range(3):
                 pair.oracle.copy([TransferSpec.of("store", [k], [k])])
             pair.check()
         finally:
+            swap_launch(fake_cuda, launch)
+
+
+@needs_core
+def test_a_wait_on_a_background_load_waits_on_the_host_until_its_copies_are_enqueued(
+    fake_cuda: Calls,
+) -> None:
+    """A load handed to the core's thread (``background``) whose enqueue is held in the driver:
+    the engine's ``wait_on`` does not enqueue a GPU wait for copies not yet enqueued (a wait that
+    could outlive a thread blocked in the driver, issue 25); it returns once they are, and the
+    bytes land."""
+    with engine_on("llama3-8b", "kv_split") as (pair, backend):
+        slots = np.arange(8)
+        store = [TransferSpec.of("store", np.arange(8), slots)]
+        assert backend.submit(store).wait(10)
+        gate, entered, launch = hold_launches(fake_cuda)
+        try:
+            load = [TransferSpec.of("load", np.arange(8, 16), slots)]
+            pending = backend.submit(load, background=True)
+            assert entered.wait(10)  # the core's thread is inside the load's enqueue
+            before = fake_cuda.memops
+            waiter = threading.Thread(target=pending.wait_on, args=(123, 0))
+            waiter.start()
+            waiter.join(0.2)
+            assert waiter.is_alive() and fake_cuda.memops == before  # no wait enqueued yet
+            gate.set()
+            waiter.join(10)
+            assert not waiter.is_alive()
+            assert pending.wait(10) and pending.error() is None
+            pair.oracle.copy(store)
+            pair.oracle.copy(load)
+            pair.check()
+        finally:
+            gate.set()
             swap_launch(fake_cuda, launch)
 
 

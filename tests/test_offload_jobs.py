@@ -197,7 +197,7 @@ def test_cancel_settles_a_job_never_submitted_and_it_can_never_run(setup):
 
 
 class RefusingBackend(HostBackend):
-    def submit_checked(self, specs):
+    def submit_checked(self, specs, **kw):
         raise ValueError("the backend refused the job")
 
 

@@ -70,12 +70,38 @@ def test_a_refused_step_submits_none_of_its_jobs() -> None:
             with pytest.raises(ValueError, match="expected"):
                 worker.step(bad)  # type: ignore[arg-type]
             assert worker.pending_count() == 0 and before.unchanged()
+        for flag in (1, "yes", None):
+            with pytest.raises(ValueError, match=r"expected background True or False, got "):
+                worker.step([good], background=flag)  # type: ignore[arg-type]
+            assert worker.pending_count() == 0 and before.unchanged()
         results = worker.step([good])  # the refused steps left it runnable
         results += collect(worker, {good.job_id} - {r.job_id for r in results})
         assert [r.ok for r in results] == [True]
         with pytest.raises(ValueError, match=r"^step: expected a job not submitted before"):
             worker.step([good])  # run already: the message names the call that refused it
         off.complete(results)
+    finally:
+        local.close()
+
+
+def test_a_background_step_on_a_cpu_backend_moves_the_same_bytes() -> None:
+    """The host backend has no caller-thread enqueue to hand over: ``background`` changes
+    nothing but is accepted (an engine sets it whatever the backend)."""
+    kv = make_kv(3)
+    local = build_local(layout_of(kv), OffloadConfig(host_capacity_blocks=8))
+    try:
+        off, worker = local.offloader, local.worker
+        keys = prefix_block_keys(list(range(32)), 16)
+        stores = [must(off.schedule_store(f"r{i}", [keys[i]], [i])) for i in range(2)]
+        results = worker.step(stores, background=True)
+        rest = {j.job_id for j in stores} - {r.job_id for r in results}
+        off.complete(results + collect(worker, rest))
+        loads = [must(off.schedule_load(f"q{i}", [keys[i]], [5 + i])) for i in range(2)]
+        results = worker.step(loads, background=True)
+        rest = {j.job_id for j in loads} - {r.job_id for r in results}
+        off.complete(results + collect(worker, rest))
+        for i in range(2):
+            assert same(block(kv, 5 + i), block(kv, i))
     finally:
         local.close()
 

@@ -127,14 +127,24 @@ class TransferWorker:
                 self._ledger.untake(job)
                 raise
 
-    def step(self, jobs: Sequence[TransferJob]) -> list[JobResult]:
+    def step(self, jobs: Sequence[TransferJob], *, background: bool = False) -> list[JobResult]:
         """One call per engine step: submit ``jobs`` in order (as ``submit`` does), then return
         ``get_finished()``. ValueError, submitting none of them, unless every job is one this
         worker may run (as ``submit`` checks). An error of the copy backend itself on job k
         (its core closed under it, out of memory) propagates with jobs before k submitted (they
-        run and are reported as usual) and k onwards not (each may be submitted again)."""
+        run and are reported as usual) and k onwards not (each may be submitted again).
+
+        ``background=True`` hands the copies' enqueue to the backend's own thread (the native
+        ``staged`` core; other backends ignore it), so this call costs the engine's thread only
+        the hand-over. Use it where the engine is about to wait for the device, e.g. stores
+        handed over after a forward is launched and before its token is read; not before a
+        launch, where our thread's driver calls would slow the engine's (docs/api.md,
+        "Background hand-over"). A load handed over so is safe to wait on: ``wait_on`` first
+        waits on the host (bounded) until its copies are enqueued."""
         if not isinstance(jobs, (list, tuple)):
             raise ValueError(f"step: expected a list of TransferJob, got {type(jobs).__name__}")
+        if not isinstance(background, bool):
+            raise ValueError(f"step: expected background True or False, got {background!r}")
         with self._lock:
             if self._closed and jobs:
                 raise ValueError("step: expected an open TransferWorker, got a closed one")
@@ -149,7 +159,7 @@ class TransferWorker:
                 raise
             for k, job in enumerate(jobs):
                 try:
-                    self._start(job)
+                    self._start(job, background)
                 except BaseException:
                     for left in jobs[k:]:
                         self._ledger.untake(left)
@@ -328,9 +338,12 @@ class TransferWorker:
             raise ValueError(f"{where}: expected a new job id, got {job.job_id} already running")
         self._ledger.take(job, where)
 
-    def _start(self, job: TransferJob) -> None:
+    def _start(self, job: TransferJob, background: bool = False) -> None:
         """Hand a claimed job's copy to the backend and track it (its deadline for a load)."""
-        pending = self.backend.submit_checked(job.specs)
+        if background:
+            pending = self.backend.submit_checked(job.specs, background=True)
+        else:
+            pending = self.backend.submit_checked(job.specs)
         now = perf_counter()
         deadline = now + self.load_timeout_s if job.direction == "load" else None
         self._running[job.job_id] = _Running(job, pending, now, deadline)

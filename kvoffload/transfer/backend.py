@@ -142,11 +142,14 @@ class CopyBackend(ABC):
     def submit(self, specs: Sequence[TransferSpec]) -> Pending:
         """Start copying ``specs`` (validated first: ValueError for bad input)."""
 
-    def submit_checked(self, specs: Sequence[TransferSpec]) -> Pending:
+    def submit_checked(self, specs: Sequence[TransferSpec], *, background: bool = False) -> Pending:
         """``submit`` for specs the caller has already validated against this backend's layout
         and arena (a ``TransferWorker`` paired with its ``Offloader`` does: ``schedule_*``
         checked them); a backend may skip the costlier checks (GPU backends skip the duplicate
-        checks, keeping the range checks). This default is ``submit``."""
+        checks, keeping the range checks). This default is ``submit``. ``background``: enqueue
+        on the backend's own thread where it has one (the native ``staged`` core), not the
+        caller's; a backend without one ignores it. ``TransferWorker`` passes it only when true,
+        so a backend that predates it keeps working."""
         return self.submit(specs)
 
     def validate(self, specs: Sequence[TransferSpec]) -> None:

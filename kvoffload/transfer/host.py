@@ -186,9 +186,10 @@ class HostBackend(CopyBackend):
         self.validate(specs)
         return self.submit_checked(specs)
 
-    def submit_checked(self, specs: Sequence[TransferSpec]) -> Pending:
+    def submit_checked(self, specs: Sequence[TransferSpec], *, background: bool = False) -> Pending:
         """``submit`` without the checks: numpy bounds-checks every index of the copy anyway, so
-        specs a ``TransferWorker``'s Offloader checked are not checked twice."""
+        specs a ``TransferWorker``'s Offloader checked are not checked twice. Every copy runs on
+        the backend's pool threads: ``background`` changes nothing."""
         specs = list(specs)
         layers = LayerSignals(self._num_layers(specs))
         return HostPending(self._pool.submit(self._run, specs, layers), layers)

@@ -190,11 +190,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="restore layer by layer under prefill, or wait for the whole load first",
     )
     k.add_argument(
+        "--store-handover",
+        default="background",
+        choices=("background", "inline"),
+        help="evict: the stores handed over after a forward's launch, before its token is read: "
+        "enqueued by kvoffload's thread while the engine waits (TransferWorker.step(jobs, "
+        "background=True)) or by the engine's thread inside the call",
+    )
+    k.add_argument(
+        "--timed-waits",
+        default="alternate",
+        choices=("alternate", "all", "none"),
+        help="which restored requests time their per-layer waits on the GPU (eager, piecewise: "
+        "two CUDA events per layer recorded in the wait's call; full graphs always, inside the "
+        "graph): every other one (the rest give the untimed wait call an engine makes), all, or "
+        "none (diagnostic: the GPU wait per layer is then not measured)",
+    )
+    k.add_argument(
         "--untimed-waits",
         action="store_true",
-        help="diagnostic: the per-layer waits without their CUDA-event timing (two events per "
-        "layer), so the launch phase carries none of the benchmark's own cost; the GPU wait per "
-        "layer is then not measured (load_exposed_ms reads the whole load)",
+        help="the same as --timed-waits none",
     )
     r = p.add_argument_group("run")
     r.add_argument(
@@ -298,7 +313,12 @@ def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
             block_size=args.block_size,
             chunk_tokens=args.chunk_tokens or CHUNK[model],
             offload=Offload(
-                args.admission, args.store, args.store_lead, args.load, not args.untimed_waits
+                admission=args.admission,
+                store=args.store,
+                store_lead=args.store_lead,
+                load=args.load,
+                timed_waits="none" if args.untimed_waits else args.timed_waits,
+                store_handover=args.store_handover,
             ),
             backend=args.backend,
             zero_reuse_rounds=args.zero_reuse_rounds,

@@ -61,7 +61,7 @@ class InlineHostBackend(HostBackend):
 
     copy_seconds = 0.0
 
-    def submit_checked(self, specs: Sequence[Any]) -> Pending:
+    def submit_checked(self, specs: Sequence[Any], **kw: Any) -> Pending:
         t0 = time.perf_counter()
         self.copy(specs)
         self.copy_seconds = time.perf_counter() - t0

@@ -71,12 +71,19 @@ class CudaBackend(CopyBackend):
         self._closed = False
 
     # -- the contract ----------------------------------------------------------------------------
-    def submit(self, specs: Sequence[TransferSpec], *, order_after: Any = "current") -> CudaPending:
+    def submit(
+        self,
+        specs: Sequence[TransferSpec],
+        *,
+        order_after: Any = "current",
+        background: bool = False,
+    ) -> CudaPending:
         """Enqueue the copies of ``specs`` and return; see the module docstring for ordering.
 
         ``order_after``: ``"current"`` (default) orders the copy after the work enqueued so far on
         the caller's current stream; a ``torch.cuda.Stream`` or raw stream handle after that
-        stream's; None orders it after nothing.
+        stream's; None orders it after nothing. ``background`` is accepted and ignored: these
+        backends enqueue in the caller's thread (the native ``staged`` core honours it).
         """
         self._check_open()
         specs = list(specs)
@@ -84,7 +91,11 @@ class CudaBackend(CopyBackend):
         return self._submit(specs, order_after)
 
     def submit_checked(
-        self, specs: Sequence[TransferSpec], *, order_after: Any = "current"
+        self,
+        specs: Sequence[TransferSpec],
+        *,
+        order_after: Any = "current",
+        background: bool = False,
     ) -> CudaPending:
         """``submit`` for specs already validated against this layout and arena: only the ranges
         of block and slot ids are checked again (so no copy can reach outside the engine's

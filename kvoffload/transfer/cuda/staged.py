@@ -256,9 +256,18 @@ class NativeStagedBackend(CopyBackend):
         )
 
     # -- the contract ----------------------------------------------------------------------------
-    def submit(self, specs: Sequence[TransferSpec], *, order_after: Any = "current") -> Pending:
+    def submit(
+        self,
+        specs: Sequence[TransferSpec],
+        *,
+        order_after: Any = "current",
+        background: bool = False,
+    ) -> Pending:
         """Start copying ``specs`` (checked by the core: ranges, distinct destinations; a
-        refused submit changes nothing). ``order_after`` as in ``base.CudaBackend.submit``."""
+        refused submit changes nothing). ``order_after`` as in ``base.CudaBackend.submit``.
+        ``background``: the core's worker thread enqueues the copies, not the caller's (for a
+        caller about to wait on the device rather than launch: docs/api.md, "Background
+        hand-over")."""
         if self._closed:
             raise ValueError(f"submit: expected an open {self.name} backend, got a closed one")
         if not specs:
@@ -267,7 +276,7 @@ class NativeStagedBackend(CopyBackend):
         # MemoryError can lose a Pending whose jobs then run unseen.
         order = self._order(order_after)
         pending = NativePending((), self._core)
-        pending.jobs = self._core.submit(specs, order)
+        pending.jobs = self._core.submit(specs, order, background)
         return pending
 
     def submit_checked(self, specs: Sequence[TransferSpec], **kw: Any) -> Pending:

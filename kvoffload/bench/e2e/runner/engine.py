@@ -130,6 +130,7 @@ class PagedEngine:
         self._largest = 0  # the most blocks one request has allocated
         self._allocated = 0  # blocks the current request has allocated
         self._ids = itertools.count()
+        self._restores = 0  # layered restores so far (timed_waits "alternate" times the odd ones)
 
     def run(
         self,
@@ -200,8 +201,8 @@ class PagedEngine:
         host_time.mark("launch")  # prefill enqueued (on a CPU: computed)
         layers = self.model.config.layers  # the first chunk's layers, from the prefill's start
         stamps = [(t - t_prefill) * 1e3 for t in self.timer.take_stamps()[:layers]]
-        if self.host is not None:
-            self._store_ahead()  # host work while the device computes
+        if self.host is not None:  # host work while the device computes
+            self._store_ahead(background=self.offload.store_handover == "background")
         host_time.mark("store_ahead")
         # The first token, then the load's result (the forward waited for all of it: no polling)
         first = int(logits.argmax())
@@ -248,7 +249,7 @@ class PagedEngine:
             len(tokens) - loaded * bs,
             self._load_seconds(load) if loaded > gpu_hit else 0.0,
             self.host.layer_waits(load, sections, layers)
-            if self.host is not None and load is not None and layered and self.offload.time_waits
+            if self.host is not None and load is not None and layered and self._timed(load)
             else [],
             host_time.seconds,
             sections,
@@ -359,8 +360,10 @@ class PagedEngine:
         if self.offload.store == "behind":  # now, tracked as the stores before an eviction are
             self._store_now([b for b, _ in cached])
 
-    def _store_ahead(self) -> None:
-        """``store == "evict"``: store admitted blocks near the head of the free queue."""
+    def _store_ahead(self, background: bool = False) -> None:
+        """``store == "evict"``: store admitted blocks near the head of the free queue.
+        ``background``: kvoffload's thread enqueues their copies (the caller is about to wait
+        for the device, not launch)."""
         if not self._unstored:
             return
         lead = int(self.offload.store_lead * self._largest)
@@ -368,7 +371,7 @@ class PagedEngine:
         if due:
             self._store_now(due)
             assert self.host is not None
-            self.host.poll()  # one worker step: the stores start, finished jobs come back
+            self.host.poll(background)  # one worker step: the stores start, finished jobs back
 
     def _store_now(self, blocks: list[int]) -> None:
         assert self.host is not None
@@ -459,11 +462,20 @@ class PagedEngine:
             torch.tensor(blocks, dtype=torch.int64, device=device),
         )
 
+    def _timed(self, load: Load) -> bool:
+        """Whether ``load``'s per-layer GPU waits were timed: a full graph's by the events in
+        the graph (unless ``timed_waits`` is "none"), a waiter's by its StallTimer."""
+        if self.offload.timed_waits == "none":
+            return False
+        return load.waiter is None or load.timer is not None
+
     def _layer_wait(self, load: Load) -> Callable[[int], None]:
         host = self.host
         assert host is not None
-        if self.offload.time_waits:  # on the device, by the waits themselves (StallTimer)
-            load.timer = host.stall_timer()
+        self._restores += 1
+        timing = self.offload.timed_waits
+        if timing == "all" or (timing == "alternate" and self._restores % 2 == 1):
+            load.timer = host.stall_timer()  # on the device, by the waits themselves
 
         def before_read(layer: int) -> None:
             t0 = time.perf_counter()

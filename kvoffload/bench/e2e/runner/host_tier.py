@@ -230,11 +230,12 @@ class HostTier:
             load.failed = True
         return not load.failed
 
-    def poll(self) -> list[kvo.JobResult]:
+    def poll(self, background: bool = False) -> list[kvo.JobResult]:
         """Hand the queued jobs over and apply the jobs finished since the last poll (stats;
-        loads' results for finish_load): one ``TransferWorker.step`` call."""
+        loads' results for finish_load): one ``TransferWorker.step`` call (``background``: its
+        copies enqueued by kvoffload's thread, for a caller about to wait on the device)."""
         queued, self._queued = self._queued, []
-        results = self.worker.step(queued)
+        results = self.worker.step(queued, background=background)
         jobs = {j.job_id: j for j in self.offloader.complete(results)}
         s = self.stats
         for r in results:

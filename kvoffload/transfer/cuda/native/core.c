@@ -3,7 +3,8 @@
  *
  * Quiet beside the engine's forward: a job is enqueued whole at submit by the caller's thread
  * when its direction is idle (the GIL released), so no thread of ours makes a driver call while
- * the engine launches its forward afterwards; completion is found by reading the flag words the
+ * the engine launches its forward afterwards (a `background` submit leaves it to the
+ * direction's worker thread, for a caller about to wait on the device, not launch); completion is found by reading the flag words the
  * GPU writes (flags.h), not by driver queries, and by whoever asks (a job's done() and wait()
  * read its done word and finish it, waits.c): the completion thread only finishes jobs nobody
  * asks about, sleeping ~1/16 of the youngest job's age (at most poll_max_ns), so no thread of
@@ -201,7 +202,8 @@ static void drop_all(kvo_core *e, kvo_job **jobs) {
 }
 
 kvo_status kvo_core_submit(kvo_core *e, const kvo_input *in, int64_t n_in, kvo_stream order,
-                             int has_order, kvo_job **out, int *n_out, char *msg) {
+                             int has_order, int background, kvo_job **out, int *n_out,
+                             char *msg) {
     *n_out = 0;
     kvo_status rc = validate(e, in, n_in, msg);
     if (rc != KVO_OK) return rc;
@@ -250,7 +252,7 @@ kvo_status kvo_core_submit(kvo_core *e, const kvo_input *in, int64_t n_in, kvo_s
         job->refs = 2; /* the caller's, the core's */
         e->submitted++;
         out[(*n_out)++] = job;
-        if (e->queue_head[d] == NULL && !e->running[d] &&
+        if (!background && e->queue_head[d] == NULL && !e->running[d] &&
             kvo_job_bytes(job, &e->spec) <= e->spec.inline_bytes) {
             job->state = KVO_RUNNING; /* enqueued here, without waking a thread */
             job->t_start = now;

@@ -30,10 +30,12 @@ typedef struct {
 kvo_status kvo_core_open(const kvo_driver *d, const int64_t *spec, int64_t n, kvo_core **out,
                            char *msg);
 /* Validate every spec (a refusal changes nothing), then enqueue a store job and/or a load job:
- * here, where its direction is idle and it is at most inline_bytes, else by the direction's
- * worker thread. out[0..*n_out): the jobs, each holding a reference the caller releases. */
+ * here, where its direction is idle, it is at most inline_bytes and `background` is 0, else by
+ * the direction's worker thread. out[0..*n_out): the jobs, each holding a reference the caller
+ * releases. */
 kvo_status kvo_core_submit(kvo_core *e, const kvo_input *in, int64_t n_in, kvo_stream order,
-                             int has_order, kvo_job **out, int *n_out, char *msg);
+                             int has_order, int background, kvo_job **out, int *n_out,
+                             char *msg);
 /* Ids of the jobs finished since the last call (tracking starts at the first call); *ids is
  * malloc'd, the caller frees it. */
 kvo_status kvo_core_finished(kvo_core *e, int64_t **ids, int64_t *n);

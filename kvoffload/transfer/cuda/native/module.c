@@ -135,8 +135,9 @@ static int ids_of(PyObject *spec, const char *name, Py_buffer *view) {
 
 static PyObject *core_submit(CoreObject *self, PyObject *args) {
     PyObject *specs, *order_obj = Py_None;
+    int background = 0;
     if (check_open(self) < 0) return NULL;
-    if (!PyArg_ParseTuple(args, "O|O", &specs, &order_obj)) return NULL;
+    if (!PyArg_ParseTuple(args, "O|Op", &specs, &order_obj, &background)) return NULL;
     PyObject *seq = PySequence_Fast(specs, "expected a sequence of TransferSpec");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -225,7 +226,7 @@ static PyObject *core_submit(CoreObject *self, PyObject *args) {
         kvo_status rc;
         kvo_core *e = self->e;
         Py_BEGIN_ALLOW_THREADS rc = kvo_core_submit(e, in, n, (kvo_stream)(uintptr_t)order,
-                                                      has_order, jobs, &n_out, msg);
+                                                      has_order, background, jobs, &n_out, msg);
         Py_END_ALLOW_THREADS if (rc != KVO_OK) {
             raise_status(rc, msg);
             Py_CLEAR(result);
@@ -370,7 +371,8 @@ static PyObject *core_gate_open(CoreObject *self, PyObject *args) {
 
 static PyMethodDef core_methods[] = {
     {"submit", (PyCFunction)core_submit, METH_VARARGS,
-     "submit(specs, order_stream=None) -> tuple of Job (one per direction)"},
+     "submit(specs, order_stream=None, background=False) -> tuple of Job (one per direction); "
+     "background: the core's worker threads enqueue the copies, never this thread"},
     {"finished", (PyCFunction)core_finished, METH_NOARGS,
      "ids of the jobs finished since the last call (tracking starts at the first call)"},
     {"close", (PyCFunction)core_close, METH_NOARGS,
