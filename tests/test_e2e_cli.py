@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from kvoffload.cli import main
@@ -38,18 +37,10 @@ def test_bench_e2e_writes_json_and_plot(tmp_path, capsys):
         calls = {n: ms for n, ms in r["kvo_ms"].items() if not n.startswith("probe:")}
         assert r["kvo_ms_total"] == pytest.approx(sum(calls.values()))
         assert 0 < r["kvo_ms_in_ttft"] <= r["kvo_ms_total"]
-        waits = r["kvo_calls"]["worker.layer_waiter(layer)"]
-        assert len(r["layer_wait_ms"]) in (0, waits)  # timed waits on every other restore
+        assert r["kvo_calls"]["worker.layer_waiter(layer)"] == len(r["layer_wait_ms"])
         assert r["wait_call_us"] > 0 and r["launch_ms"] > 0 and r["load_bytes"] > 0
-    timed = [r for r in restored if r["layer_wait_ms"]]
-    assert 0 < len(timed) < len(restored) and len(timed) == (len(restored) + 1) // 2
     att = eager["workloads"]["chat"]["attribution"]
     assert att["requests"] == len(restored) and att["kvo_ms_total_p50"] > 0
-    assert att["timed_requests"] == len(timed)
-    untimed_us = [r["wait_call_us"] for r in restored if not r["layer_wait_ms"]]
-    assert att["wait_call_us_p50"] == pytest.approx(float(np.median(untimed_us)))
-    timed_us = [r["wait_call_us"] for r in timed]
-    assert att["wait_call_timed_us_p50"] == pytest.approx(float(np.median(timed_us)))
     assert att["launch_vs_gpu_all"] > 0 and len(att["gpu_wait_ms_per_layer_p50"]) == 2
     assert {"launch", "store_ahead", "token", "first_token"} <= set(att["gpu_all_host_ms_p50"])
     grown = att["growth_ms_p50"]  # against the same requests in gpu_all, per request

@@ -237,11 +237,6 @@ def _print_attribution(kind: str, graph: str, att: dict[str, Any]) -> None:
         f"  launch {ms(att['launch_ms_p50'])} ms vs gpu_all {ms(att['gpu_all_launch_ms_p50'])} "
         f"ms ({'-' if ratio is None else f'{ratio:.2f}x'}); GPU waited {ms(att['gpu_wait_ms_p50'])}"
         f" ms; a per-layer wait call {'-' if wait is None else f'{wait:.1f}'} us"
-        + (
-            f" ({timed:.1f} us timed)"
-            if (timed := att.get("wait_call_timed_us_p50")) is not None and timed != wait
-            else ""
-        )
     )
     side = att.get("beside")
     if side:  # --modes with gpu_all_copy: the same bytes copied beside gpu_all's forward

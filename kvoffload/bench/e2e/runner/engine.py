@@ -130,7 +130,6 @@ class PagedEngine:
         self._largest = 0  # the most blocks one request has allocated
         self._allocated = 0  # blocks the current request has allocated
         self._ids = itertools.count()
-        self._restores = 0  # layered restores so far (timed_waits "alternate" times the odd ones)
 
     def run(
         self,
@@ -249,7 +248,7 @@ class PagedEngine:
             len(tokens) - loaded * bs,
             self._load_seconds(load) if loaded > gpu_hit else 0.0,
             self.host.layer_waits(load, sections, layers)
-            if self.host is not None and load is not None and layered and self._timed(load)
+            if self.host is not None and load is not None and layered and self.offload.time_waits
             else [],
             host_time.seconds,
             sections,
@@ -462,20 +461,11 @@ class PagedEngine:
             torch.tensor(blocks, dtype=torch.int64, device=device),
         )
 
-    def _timed(self, load: Load) -> bool:
-        """Whether ``load``'s per-layer GPU waits were timed: a full graph's by the events in
-        the graph (unless ``timed_waits`` is "none"), a waiter's by its StallTimer."""
-        if self.offload.timed_waits == "none":
-            return False
-        return load.waiter is None or load.timer is not None
-
     def _layer_wait(self, load: Load) -> Callable[[int], None]:
         host = self.host
         assert host is not None
-        self._restores += 1
-        timing = self.offload.timed_waits
-        if timing == "all" or (timing == "alternate" and self._restores % 2 == 1):
-            load.timer = host.stall_timer()  # on the device, by the waits themselves
+        if self.offload.time_waits:  # on the device, by the waits themselves (StallTimer)
+            load.timer = host.stall_timer()
 
         def before_read(layer: int) -> None:
             t0 = time.perf_counter()

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 ADMISSIONS = ("all", "reuse", "none")
 STORES = ("behind", "evict")
 HANDOVERS = ("background", "inline")
-WAIT_TIMINGS = ("alternate", "all", "none")
 LOADS = ("layered", "blocking")
 
 
@@ -28,14 +27,11 @@ class Offload:
     # How a host hit meets prefill: "layered" (layer i's attention waits for layer i's blocks
     # only) or "blocking" (prefill starts once the whole load has arrived).
     load: str = "layered"
-    # Which restored requests time each layer's wait on the GPU (the exposed wait per layer):
-    # eager and piecewise through kvoffload's StallTimer (two events per wait the waiter
-    # enqueues, recorded by the native core in the wait's own call: the benchmark's
-    # instrumentation, ~1-2 us a call), full graphs by events captured in the graph (every
-    # replay). "alternate": every other restored request, so one run gives both the GPU's wait
-    # per layer (the timed ones) and the wait call an engine makes (the untimed ones); "all"
-    # (before 2026-11-27); "none" (diagnostic): load_exposed_ms then reads "not measured".
-    timed_waits: str = "alternate"
+    # Time each layer's wait on the GPU (the exposed wait per layer): eager and piecewise through
+    # kvoffload's StallTimer (two events per wait the waiter enqueues, recorded by the native
+    # core in the wait's own call), full graphs by events captured in the graph. False
+    # (diagnostic): the waits without that timing; load_exposed_ms then reads "not measured".
+    time_waits: bool = True
     # The stores a request hands over once its forward is launched, before its token is read
     # (``evict``): "background": kvoffload's thread enqueues their copies while this thread
     # waits for the device (``TransferWorker.step(jobs, background=True)``); "inline": this
@@ -48,7 +44,6 @@ class Offload:
             ("store", STORES),
             ("load", LOADS),
             ("store_handover", HANDOVERS),
-            ("timed_waits", WAIT_TIMINGS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"expected {name} in {allowed}, got {getattr(self, name)!r}")

@@ -126,11 +126,10 @@ def _ttft_by_turn(ax: Any, modes: dict[str, Any]) -> None:
 def _overlap(ax: Any, restored: list[dict[str, Any]]) -> None:
     prefill = _by_turn(restored, "prefill_ms")
     turns = np.array(list(prefill))
-    shown = np.zeros(len(turns))  # --timed-waits none: the waits were not timed
-    timed = [r for r in restored if r["load_exposed_ms"] is not None]  # alternate: half
-    if timed:
-        exposed = _by_turn(timed, "load_exposed_ms")
-        shown = np.array([np.median(exposed[t]) if t in exposed else 0.0 for t in turns])
+    shown = np.zeros(len(turns))  # --untimed-waits: the waits were not timed
+    if all(r["load_exposed_ms"] is not None for r in restored):
+        exposed = _by_turn(restored, "load_exposed_ms")
+        shown = np.array([np.median(exposed[t]) for t in turns])
         ax.bar(turns, shown, color="#c0392b", label="load exposed (attention waited)")
     if all(r["load_ms"] is not None for r in restored):  # timed on the device
         load = _by_turn(restored, "load_ms")

@@ -127,22 +127,20 @@ def overlap(restored: list[dict[str, Any]], layers: int) -> dict[str, Any] | Non
     if not restored:
         return None
     timed = all(r["load_ms"] is not None for r in restored)
+    load = sum(r["load_ms"] for r in restored) if timed else None
+    known = all(r["load_exposed_ms"] is not None for r in restored)  # --untimed-waits: not
+    exposed = sum(r["load_exposed_ms"] for r in restored) if known else None
+    waits = [r["layer_wait_ms"] for r in restored if r["layer_wait_ms"]]
     load_med = statistics.median(r["load_ms"] for r in restored) if timed else None
     prefill_med = statistics.median(r["prefill_ms"] for r in restored)
-    # the requests whose waits were timed (--timed-waits alternate: every other one; none: none)
-    known = [r for r in restored if r["load_exposed_ms"] is not None]
-    load = sum(r["load_ms"] for r in known) if timed and known else None
-    exposed = sum(r["load_exposed_ms"] for r in known) if known else None
-    waits = [r["layer_wait_ms"] for r in known if r["layer_wait_ms"]]
     return {
         "requests": len(restored),
-        "timed_requests": len(known),
-        "load_ms": load,  # of the timed requests, as exposed_ms
+        "load_ms": load,
         "exposed_ms": exposed,
         "hidden_share": max(0.0, 1.0 - exposed / load) if load and exposed is not None else None,
         "median_per_request_ms": {
             "load": load_med,
-            "exposed": statistics.median(r["load_exposed_ms"] for r in known) if known else None,
+            "exposed": statistics.median(r["load_exposed_ms"] for r in restored) if known else None,
             "prefill": prefill_med,
         },
         "per_layer_ms": {
@@ -181,8 +179,7 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
     paired = [(r, ideal[request_key(r)]) for r in restored if request_key(r) in ideal]
     launch = med([r["launch_ms"] for r in restored])
     ideal_launch = med([g["launch_ms"] for _, g in paired]) if paired else None
-    layers = max(len(r["layer_wait_ms"]) for r in restored)
-    timed = [r for r in restored if len(r["layer_wait_ms"]) == layers and layers]
+    layers = len(restored[0]["layer_wait_ms"])
     return {
         "requests": len(restored),
         "kvo_ms_total_p50": med([r["kvo_ms_total"] for r in restored]),
@@ -190,13 +187,7 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
         "kvo_ms_in_ttft_p50": med([r["kvo_ms_in_ttft"] for r in restored]),
         "kvo_ms_p50": {n: med([r["kvo_ms"].get(n, 0.0) for r in restored]) for n in names},
         "kvo_calls_p50": {n: med([r["kvo_calls"].get(n, 0) for r in restored]) for n in names},
-        # the per-layer wait call as an engine makes it (untimed); the timed ones apart (their
-        # StallTimer's two event records per call are the benchmark's); all where none differ
-        "wait_call_us_p50": med([r["wait_call_us"] for r in restored if not r["layer_wait_ms"]])
-        if any(not r["layer_wait_ms"] for r in restored)
-        else med([r["wait_call_us"] for r in restored]),
-        "wait_call_timed_us_p50": med([r["wait_call_us"] for r in timed]),
-        "timed_requests": len(timed),
+        "wait_call_us_p50": med([r["wait_call_us"] for r in restored]),
         "launch_ms_p50": launch,
         "gpu_all_launch_ms_p50": ideal_launch,
         "launch_vs_gpu_all": launch / ideal_launch if launch and ideal_launch else None,
@@ -206,9 +197,9 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
         "load_runs_p50": med([r.get("load_runs", 0) for r in restored]),
         "load_runs_max": max(r.get("load_runs", 0) for r in restored),
         "gpu_wait_ms_per_layer_p50": [
-            float(np.median([r["layer_wait_ms"][i] for r in timed])) for i in range(layers)
+            float(np.median([r["layer_wait_ms"][i] for r in restored])) for i in range(layers)
         ]
-        if timed
+        if all(len(r["layer_wait_ms"]) == layers for r in restored)
         else [],
         "host_ms_p50": {
             step: med([r["host_ms"].get(step, 0.0) for r in restored])
