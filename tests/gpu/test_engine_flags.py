@@ -74,10 +74,10 @@ def as_bytes(got: torch.Tensor, block_dim: int, n: int) -> np.ndarray:
     return got.movedim(block_dim, 0).contiguous().view(torch.uint8).cpu().numpy().reshape(n, -1)
 
 
-def held_load(backend, tensors, block_dim, dest, slots):
+def held_load(backend, tensors, block_dim, dest, slots, **submit):
     """Poison ``dest``, then submit its load behind ~100 ms of GPU sleep. The kernels the test
     launches later are launched once first: a kernel's first launch loads its module, which
-    waits for the device to go idle (here: for the sleep)."""
+    waits for the device to go idle (here: for the sleep). ``submit``: the submit's options."""
     index = torch.tensor(dest, device="cuda")
     for t in tensors:  # -1 never occurs in the arena's bytes (1..255 each)
         t.index_fill_(block_dim, index, -1)
@@ -88,19 +88,22 @@ def held_load(backend, tensors, block_dim, dest, slots):
         torch.cuda._sleep(SLEEP_CYCLES)
     slept = torch.cuda.Event()
     slept.record(late)
-    pending = backend.submit([TransferSpec.of("load", dest, slots)], order_after=late)
+    pending = backend.submit([TransferSpec.of("load", dest, slots)], order_after=late, **submit)
     return index, slept, pending
 
 
-@pytest.mark.parametrize("config", ["default", "fine", "fine-coupled"])
+@pytest.mark.parametrize("config", ["default", "fine", "fine-coupled", "background"])
 def test_layer_waits_are_enqueued_before_the_copy_starts_and_order_each_layer(engine, config):
+    """... also for a load the core's thread enqueues (``background``): each wait_on waits on
+    the host for the enqueue only, never for the copy."""
     tensors, block_dim, kv, arena = engine
     group = kv.groups[0]
-    chosen = None if config == "default" else fine(kv, coupled=config == "fine-coupled")
+    chosen = None if config in ("default", "background") else fine(kv, config == "fine-coupled")
     backend = NativeStagedBackend(kv, arena, config=chosen)
     try:
         dest, slots = [7, 2, 9, 4, 11], [3, 8, 0, 5, 10]
-        index, slept, pending = held_load(backend, tensors, block_dim, dest, slots)
+        bg = config == "background"
+        index, slept, pending = held_load(backend, tensors, block_dim, dest, slots, background=bg)
         side = torch.cuda.Stream()
         seen, host = [], []
         for layer in range(group.num_layers):
