@@ -341,6 +341,10 @@ def test_small_jobs_are_enqueued_by_the_caller_when_the_direction_is_idle(
 
         swap_launch(fake_cuda, named)
         try:
+            before = len(fake_cuda.log)
+            with pytest.raises(ValueError, match="expected background True or False, got 1"):
+                backend.submit([TransferSpec.of("store", [0], [0])], background=1)
+            assert len(fake_cuda.log) == before  # refused: nothing enqueued
             for k in range(3):
                 spec = TransferSpec.of("store", [k], [k])
                 assert backend.submit([spec], background=background).wait(10)

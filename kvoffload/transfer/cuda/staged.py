@@ -270,6 +270,8 @@ class NativeStagedBackend(CopyBackend):
         hand-over")."""
         if self._closed:
             raise ValueError(f"submit: expected an open {self.name} backend, got a closed one")
+        if not isinstance(background, bool):
+            raise ValueError(f"submit: expected background True or False, got {background!r}")
         if not specs:
             return _Nothing()
         # The Pending is made first: once the core has the jobs nothing here allocates, so no

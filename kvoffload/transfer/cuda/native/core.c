@@ -4,12 +4,13 @@
  * Quiet beside the engine's forward: a job is enqueued whole at submit by the caller's thread
  * when its direction is idle (the GIL released), so no thread of ours makes a driver call while
  * the engine launches its forward afterwards (a `background` submit leaves it to the
- * direction's worker thread, for a caller about to wait on the device, not launch); completion is found by reading the flag words the
- * GPU writes (flags.h), not by driver queries, and by whoever asks (a job's done() and wait()
- * read its done word and finish it, waits.c): the completion thread only finishes jobs nobody
- * asks about, sleeping ~1/16 of the youngest job's age (at most poll_max_ns), so no thread of
- * ours polls fast beside the forward. A driver query (cuEventQuery) is made only for a job in
- * flight longer than KVO_ERROR_POLL_S, to report a copy that failed on the device. */
+ * direction's worker thread, for a caller about to wait on the device, not launch); completion
+ * is found by reading the flag words the GPU writes (flags.h), not by driver queries, and by
+ * whoever asks (a job's done() and wait() read its done word and finish it, waits.c): the
+ * completion thread only finishes jobs nobody asks about, sleeping ~1/16 of the youngest job's
+ * age (at most poll_max_ns), so no thread of ours polls fast beside the forward. A driver query
+ * (cuEventQuery) is made only for a job in flight longer than KVO_ERROR_POLL_S, to report a copy
+ * that failed on the device. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
