@@ -130,13 +130,15 @@ def test_a_layer_wait_is_one_flag_wait_enqueued_at_once_and_released_when_it_lan
 @needs_core
 @pytest.mark.parametrize("where", ["launch", "flags"])
 @pytest.mark.parametrize("coupled", [False, True])
+@pytest.mark.parametrize("background", [False, True])
 def test_a_load_that_fails_mid_way_still_writes_every_flag_and_reports_failed(
-    fake_cuda: Calls, where: str, coupled: bool
+    fake_cuda: Calls, where: str, coupled: bool, background: bool
 ) -> None:
     """A scatter refused at the second slice (or every flag write refused on the stream that
     writes the slices' flags): the job fails, every flag word a wait could name is written
     anyway (no stream is left waiting), wait_on says so, and the next load runs; also with
-    coupled loads (copy and scatter on one DMA stream)."""
+    coupled loads (copy and scatter on one DMA stream), and with the load enqueued by the core's
+    thread (``background``: the gate's open waits for that enqueue, failure included)."""
     config = {"load_coupled": True, "dma_streams": 2, "depth": 2} if coupled else {}
     with engine_on("llama3-8b", "kv_split", **config) as (pair, backend):
         slots = np.arange(8)
@@ -154,7 +156,8 @@ def test_a_load_that_fails_mid_way_still_writes_every_flag_and_reports_failed(
         else:
             fake_cuda.fail_flags_on = backend.spec.dmas[1][1] if coupled else backend.spec.gather[1]
         try:
-            pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
+            load = [TransferSpec.of("load", np.arange(8, 16), slots)]
+            pending = backend.submit(load, background=background)
             gate.open(77, [pending])  # before the step's replay, as an engine opens it
             gate.wait(77, 3)  # the replay's wait on the gate of a layer never loaded
         finally:
