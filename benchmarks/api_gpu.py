@@ -241,7 +241,9 @@ def shape(
                         raise RuntimeError(f"{model} {layout} {n}: loaded bytes differ")
                 wire = link_us(n * kv.slot_bytes, device)
                 for (w, d), rs in runs.items():
-                    med = {p: statistics.median(x[p] for x in rs[1:]) for p in rs[0]}
+                    # a phase a rep did not reach (a layer wait with no driver call) counts 0
+                    keys = {p: None for x in rs for p in x}
+                    med = {p: statistics.median(x.get(p, 0.0) for x in rs[1:]) for p in keys}
                     frac = wire[d] / med["total"] if device != "cpu" else None
                     rows.append(
                         {

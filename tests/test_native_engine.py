@@ -849,8 +849,9 @@ def test_a_coupled_load_scatters_each_chunk_on_its_areas_dma_stream_without_even
     of its staging area (areas alternate between the two streams), with no event wait between
     them (but, before a stream's first scatter, the wait for the caller's stream) and no launch
     on the kernels' stream; each slice's flag words are written on the stream of its last chunk
-    after a wait for the other stream, and the job's done word on the kernels' stream after both
-    streams joined it."""
+    after a wait for the other stream; the last slice's words and the job's done word go together
+    on the stream of the job's last chunk, after the other stream joined it (nothing waits on the
+    kernels' stream: the job's end needs no join there)."""
     with engine_on("llama3-8b", "page", load_coupled=True, dma_streams=2, depth=2) as (
         pair,
         backend,
@@ -882,19 +883,21 @@ def test_a_coupled_load_scatters_each_chunk_on_its_areas_dma_stream_without_even
         recorded = {e[2]: e[1] for e in log if e[0] == "record"}
         cross = [e for e in log if e[0] == "wait" and recorded.get(e[2], e[1]) != e[1]]
         waits_on = {e[1] for e in cross}
-        assert kernels in waits_on  # the end joins the DMA streams into the kernels' stream
-        assert not [e for e in log if e[0] == "wait" and e[1] == kernels and e not in cross]
+        assert kernels not in waits_on and waits_on <= dmas
+        assert not [e for e in log if e[1] == kernels]
         slices = int(pending.layer_slice.max()) + 1 if pending.layer_slice is not None else 1
         assert slices > 1
         flags = [i for i, e in enumerate(log) if e[0] == "write32"]
-        assert flags and all(log[i][1] in dmas or log[i][1] == kernels for i in flags)
-        firsts = [i for i in flags if log[i - 1][0] != "write32"]  # each slice's, then the end's
-        assert len(firsts) == slices + 1
-        for i in firsts[:-1]:  # after the slice's other stream joined the one that writes
+        assert flags and all(log[i][1] in dmas for i in flags)
+        firsts = [i for i in flags if log[i - 1][0] != "write32"]  # each slice's (last: the end's)
+        assert len(firsts) == slices
+        for i in firsts:  # after the slice's other stream joined the one that writes
             joined = log[i - 1]
             assert joined[0] == "wait" and joined[1] == log[i][1]
             assert recorded[joined[2]] in dmas - {log[i][1]}
-        assert log[firsts[-1]][1] == kernels
+        last = log[launches[-1]][1]
+        assert log[firsts[-1]][1] == last and flags[-1] == len(log) - 2  # then the done event
+        assert log[-1][:2] == ("record", last)
 
 
 @pytest.mark.parametrize("flag", ["load_coupled", "store_coupled"])
@@ -1210,22 +1213,72 @@ def test_a_layer_waiter_makes_one_flag_wait_per_slice(fake_cuda: Calls, max_slic
 
 
 @needs_core
+@pytest.mark.parametrize("direction", ["load", "store"])
+def test_a_one_chunk_coupled_job_ends_on_its_chunks_stream_with_no_join(
+    fake_cuda: Calls, direction: str
+) -> None:
+    """A job of one chunk (one block; a load in one layer slice) on two DMA streams, twice (its
+    staging area, hence its stream, alternates): everything of it after the caller's record is
+    on that chunk's stream, and after its copy come only its flag words (a load: every layer's
+    and the done word; no join of another stream) and the done event; a load's layer waits and
+    the job's wait both pass, and the bytes are the oracle's."""
+    config = {"load_coupled": True, "store_coupled": True, "dma_streams": 2, "depth": 2}
+    config["max_layer_slices"] = 1
+    with engine_on("llama3-8b", "page", **config) as (pair, backend):
+        d = 0 if direction == "store" else 1
+        dmas = set(backend.spec.dmas[d][:2])
+        ours = dmas | {backend.spec.gather[d]}
+        store = [TransferSpec.of("store", [1], [5])]
+        assert backend.submit(store).wait(10)
+        pair.oracle.copy(store)
+        seen = set()
+        for k in range(2):
+            specs = [TransferSpec.of(direction, [2 + k], [5])]
+            start = len(fake_cuda.log)
+            pending = backend.submit(specs)
+            assert pending.wait(10) and pending.error() is None
+            log = [e for e in fake_cuda.log[start:] if e[0] != "wait32"]
+            assert log[0][0] == "record" and log[0][1] not in ours  # the caller's stream
+            stream = log[1][1]
+            assert stream in dmas and all(e[1] == stream for e in log[1:])
+            work = max(
+                i for i, e in enumerate(log) if e[0] in ("launch", "copy", "batch", "copy2d")
+            )
+            after = [e[0] for e in log[work + 1 :]]  # a store: its area's record (pacing) first
+            words = after.count("write32")
+            assert after == ["record"] * (direction == "store") + ["write32"] * words + ["record"]
+            assert words == (32 + 1 if direction == "load" else 1)  # layers, then done
+            seen.add(stream)
+            pair.oracle.copy(specs)
+            pair.check()
+            if direction == "load":
+                waiter = pending.layer_waiter(125)
+                for layer in range(32):
+                    waiter(layer)
+                assert not fake_cuda.stream_held(125)
+        assert seen == dmas
+
+
+@needs_core
 def test_a_coupled_load_is_done_only_once_every_dma_stream_it_used_is_past_its_work(
     fake_cuda: Calls,
 ) -> None:
-    """Coupled loads run on both DMA streams and join them to the tail stream with event waits
-    before the done word is written: with one DMA stream held (a GPU still busy there), the job
-    is not done and the tail stream waits (the fake holds a stream at cuStreamWaitEvent until the
-    record it follows is reached, as a GPU does); released, the job lands."""
+    """Coupled loads run on both DMA streams and join the other one to the tail (the stream of
+    the last chunk) with an event wait before the done word is written: with one DMA stream held
+    (a GPU still busy there), the job is not done whichever stream is the tail (the fake holds a
+    stream at cuStreamWaitEvent until the record it follows is reached, as a GPU does), and the
+    kernels' stream is not involved; released, the job lands."""
     config = {"load_coupled": True, "dma_streams": 2, "depth": 2, "max_layer_slices": 4}
     with engine_on("llama3-8b", "kv_split", **config) as (pair, backend):
         slots = np.arange(8)
         assert backend.submit([TransferSpec.of("store", np.arange(8), slots)]).wait(10)
         release = hold_stream(fake_cuda, backend.spec.dmas[1][1])
         pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
-        assert not pending.wait(0.2) and not pending.done()
-        assert fake_cuda.stream_held(backend.spec.gather[1])  # the tail, joined to the held one
-        release()
+        try:
+            assert not pending.wait(0.2) and not pending.done()
+            assert not fake_cuda.stream_held(backend.spec.gather[1])
+        finally:
+            release()
         assert pending.wait(10) and pending.error() is None
         assert not any(fake_cuda.held.values())
         pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])

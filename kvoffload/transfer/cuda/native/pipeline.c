@@ -184,20 +184,18 @@ static int launch(part_run *r, int64_t c) {
 }
 
 /* Coupled loads (spec->load_coupled): chunk c is copied into its staging area and scattered
- * from it on one DMA stream, the area's own (area % n_dmas), so no event passes between them
- * and the area's next use (the same stream, depth being a multiple of n_dmas) is ordered by
- * the stream. Per chunk that is its copies and one launch, where the default path adds four
- * event calls; and each DMA stream holds at most one chunk's copies ahead of its scatter, so
- * the copy engine's queue holds at most n_dmas chunks. A slice's flag words are written on the
- * stream of its last chunk once the other streams that had chunks of it joined it. */
+ * from it on one DMA stream, the area's own (area % n_dmas): no event passes between them, the
+ * area's next use (the same stream; depth a multiple of n_dmas) is ordered by the stream. Per
+ * chunk: its copies and one launch (the default path adds four event calls); the copy engine's
+ * queue holds at most n_dmas chunks. A slice's flag words are written on the stream of its last
+ * chunk once the other streams that had chunks of it joined it (the last slice's: finish). */
 static kvo_stream area_stream(const part_run *r, int64_t c) {
     const kvo_spec *s = r->p->spec;
     return (kvo_stream)s->dmas[r->job->dir][area_of(r, c) % s->n_dmas];
 }
 
-/* Before a DMA stream's first kernel of the job (coupled chunks): the caller's work (a load's
- * scatter overwrites blocks the engine may still read; a store's gather reads blocks the engine
- * is still writing) and the block ids' upload. The copies need neither. */
+/* Before a DMA stream's first kernel of the job (coupled chunks): the caller's work (a scatter
+ * overwrites blocks the engine may read; a gather reads blocks it writes) and the ids' upload. */
 static int order_once(part_run *r, int64_t c, kvo_stream st, int j) {
     const kvo_pipe *p = r->p;
     kvo_job *job = r->job;
@@ -219,7 +217,8 @@ static int coupled_chunk(part_run *r, int64_t c) {
     if (!err) err = launch_on(r, c, st);
     if (!err) {
         lane->slice_streams |= 1u << j;
-        lane->slice_last = j;
+        lane->job_streams |= 1u << j;
+        lane->slice_last = lane->job_last = j;
     }
     return err;
 }
@@ -275,7 +274,7 @@ static int coupled_store_chunk(part_run *r, int64_t c) {
     if (!err) err = copies(r, c, st);
     if (!err && p->spec->n_dmas > 1) /* the next chunk's copies wait for these */
         TRY(p->d->record(r->lane->freed[area_of(r, c)], st), STEP_RECORD, c);
-    if (!err) r->lane->slice_streams |= 1u << j;
+    if (!err) r->lane->job_streams |= 1u << (r->lane->job_last = j);
     return err;
 }
 
@@ -426,7 +425,7 @@ static int run_parts(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, kvo_dptr i
                 return err;
             at += (kvo_dptr)job->count[s] * 8;
         }
-        if ((err = mark_slice(p, lane, job, k))) return err;
+        if (k + 1 < job->n_slices && (err = mark_slice(p, lane, job, k))) return err;
     }
     return 0;
 }
@@ -437,29 +436,30 @@ static kvo_stream stream_of(const kvo_pipe *p, int dir, int j) {
     return (kvo_stream)(j == 0 ? p->spec->gather[dir] : p->spec->dmas[dir][j - 1]);
 }
 
-/* The job's end, on its tail stream (a store's first DMA stream, a load's kernels' stream):
- * every stream of the direction joins the tail where the job may have left work on it (all of
- * them after a failure), then the flag words are written and the done event recorded. Where any
- * of that cannot be enqueued, the host waits for the direction's streams and writes the words
- * itself. */
+/* The job's end on its tail: a coupled job's last chunk's stream, else (or after a failure) a
+ * store's first DMA stream or a load's kernels' stream. The other streams the job used join it
+ * (all after a failure), then one call writes the flag words (a load's last slice's and the done
+ * word) and the done event is recorded. Where that cannot be enqueued, the host waits for the
+ * direction's streams and writes the words itself. */
 static int finish(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
     int dir = job->dir;
+    int coupled = dir == KVO_LOAD ? p->spec->load_coupled != 0 : p->spec->store_coupled != 0;
     int tail_j = dir == KVO_STORE ? 1 : 0;
+    if (coupled && !job->failed && lane->job_streams) tail_j = 1 + lane->job_last;
     kvo_stream tail = stream_of(p, dir, tail_j);
     int err = 0;
     for (int j = 0; j < n_streams(p) && !err; j++) {
-        int coupled = dir == KVO_LOAD && p->spec->load_coupled && j >= 1;
-        /* a store's other DMA streams: those it used (coupled stores mark them), else all */
-        int used = !p->spec->store_coupled || (lane->slice_streams >> (j - 1) & 1u);
-        int joins = j != tail_j && (job->failed || (dir == KVO_STORE && j > 1 && used) || coupled);
-        if (!joins) continue;
+        int used = j >= 1 && (lane->job_streams >> (j - 1) & 1u);
+        int joins = job->failed || (coupled ? used : dir == KVO_STORE && j > 1);
+        if (j == tail_j || !joins) continue;
         err = p->d->record(lane->joins[j], stream_of(p, dir, j));
         if (!err) err = p->d->wait(tail, lane->joins[j], 0);
     }
     kvo_ops ops;
     kvo_ops_begin(&ops, p->d, p->flags, tail);
-    for (int64_t l = 0; l < job->n_layers && job->failed; l++)
-        kvo_ops_write(&ops, kvo_word_layer(p->flags, l), job->seq);
+    for (int64_t l = 0; l < job->n_layers; l++) /* the last slice's, or all after a failure */
+        if (job->failed || job->layer_slice[l] == job->n_slices - 1)
+            kvo_ops_write(&ops, kvo_word_layer(p->flags, l), job->seq);
     kvo_ops_write(&ops, kvo_word_done(dir), job->seq);
     if (!err) err = kvo_ops_end(&ops);
     if (!err && job->done_ev != NULL) err = p->d->record(job->done_ev, tail);
@@ -487,7 +487,7 @@ int kvo_pipeline_run(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
         err = p->d->wait(stream_of(p, job->dir, 0), job->order, 0);
         if (err) kvo_job_fail(job, p->d, err, STEP_WAIT, -1, -1, "the wait for the caller's stream");
     }
-    lane->slice_streams = 0;
+    lane->slice_streams = lane->job_streams = 0;
     lane->unordered = coupled ? (1u << p->spec->n_dmas) - 1 : 0;
     if (!err) err = kvo_upload_ids(p, lane, job, &ids);
     if (!err && coupled && job->total > p->spec->host_ids) { /* up on the kernels' stream: marked */
