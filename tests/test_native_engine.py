@@ -20,7 +20,7 @@ import pytest
 
 from kvoffload.transfer.cuda import extension
 from kvoffload.transfer.cuda.driver import CudaCopyError
-from kvoffload.transfer.spec import TransferSpec
+from kvoffload.transfer.spec import Direction, TransferSpec
 from tests.fake_cuda import Calls, fake_cuda, hold_stream
 from tests.test_cuda_backends_on_cpu import POOL, Pair
 
@@ -1215,7 +1215,7 @@ def test_a_layer_waiter_makes_one_flag_wait_per_slice(fake_cuda: Calls, max_slic
 @needs_core
 @pytest.mark.parametrize("direction", ["load", "store"])
 def test_a_one_chunk_coupled_job_ends_on_its_chunks_stream_with_no_join(
-    fake_cuda: Calls, direction: str
+    fake_cuda: Calls, direction: Direction
 ) -> None:
     """A job of one chunk (one block; a load in one layer slice) on two DMA streams, twice (its
     staging area, hence its stream, alternates): everything of it after the caller's record is
