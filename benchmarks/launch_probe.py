@@ -30,7 +30,7 @@ import triton
 from kvoffload.bench.common import machine_info
 from kvoffload.transfer.cuda.chunks import tile
 from kvoffload.transfer.cuda.driver import driver_version
-from kvoffload.transfer.cuda.kernels import CopyLauncher
+from kvoffload.transfer.cuda.kernels import CopyLauncher, launch_shape
 from kvoffload.transfer.cuda.staged_config import StagedConfig
 
 N = 1000
@@ -43,17 +43,6 @@ ATTRIBUTES = {"regs": 4, "local_bytes": 3, "shared_bytes": 1, "max_threads": 0}
 @triton.jit
 def empty(x):  # type: ignore[no-untyped-def]
     pass
-
-
-def _handle(compiled: Any) -> tuple[int, int, int]:
-    if hasattr(compiled, "_init_handles"):
-        compiled._init_handles()
-    md = compiled.metadata
-    return (
-        int(compiled.function),
-        32 * int(md.num_warps),
-        int(getattr(compiled, "shared", 0) or md.shared),
-    )
 
 
 def _attributes(cu: Any, f: int) -> dict[str, int]:
@@ -92,9 +81,7 @@ def main() -> int:
         "copy_w8": (info.function, info.block, info.shared, copy_args),
     }
     for name, compiled in (("empty_w4", e4), ("empty_w8", e8)):
-        f, block, shared = _handle(compiled)
-        hidden = int(hasattr(compiled.metadata, "global_scratch_size"))
-        hidden += int(hasattr(compiled.metadata, "profile_scratch_size"))
+        f, block, shared, hidden = launch_shape(compiled)
         kernels[name] = (f, block, shared, [ptr(x.data_ptr())] + [ptr(0)] * hidden)
     attrs = {name: _attributes(cu, k[0]) for name, k in kernels.items()}
     print(attrs, flush=True)

@@ -175,11 +175,20 @@ def native_info(kernel: Any) -> NativeKernel:
         if ty not in ("i32", "i64"):
             raise ValueError(f"expected {name} typed i32 or i64, got {ty!r}")
         wide |= (ty == "i64") << j
+    function, block, shared, hidden = launch_shape(kernel)
+    return NativeKernel(function, block, shared, wide, hidden)
+
+
+def launch_shape(kernel: Any) -> tuple[int, int, int, int]:
+    """How ``cuLaunchKernel`` takes a Triton ``CompiledKernel`` (its module loaded here): its
+    ``CUfunction``, threads per program, dynamic shared memory bytes and the count of trailing
+    pointer parameters the compiler added."""
+    md = kernel.metadata
     if hasattr(kernel, "_init_handles"):
         kernel._init_handles()
     hidden = int(hasattr(md, "global_scratch_size")) + int(hasattr(md, "profile_scratch_size"))
     shared = int(getattr(kernel, "shared", None) or md.shared)
-    return NativeKernel(int(kernel.function), 32 * int(md.num_warps), shared, wide, hidden)
+    return int(kernel.function), 32 * int(md.num_warps), shared, hidden
 
 
 @functools.cache

@@ -183,12 +183,11 @@ static int launch(part_run *r, int64_t c) {
     return launch_on(r, c, (kvo_stream)r->p->spec->gather[r->job->dir]);
 }
 
-/* Coupled loads (spec->load_coupled): chunk c is copied into its staging area and scattered
- * from it on one DMA stream, the area's own (area % n_dmas): no event passes between them, the
- * area's next use (the same stream; depth a multiple of n_dmas) is ordered by the stream. Per
- * chunk: its copies and one launch (the default path adds four event calls); the copy engine's
- * queue holds at most n_dmas chunks. A slice's flag words are written on the stream of its last
- * chunk once the other streams that had chunks of it joined it (the last slice's: finish). */
+/* Coupled loads (spec->load_coupled): chunk c is copied into its staging area and scattered from
+ * it on one DMA stream, the area's own (area % n_dmas): no event between them, the area's next
+ * use (the same stream; depth a multiple of n_dmas) ordered by the stream. Per chunk: its copies
+ * and one launch (split adds four event calls); the copy engine holds at most n_dmas chunks. A
+ * slice's words go on its last chunk's stream once the others joined it (the last's: finish). */
 static kvo_stream area_stream(const part_run *r, int64_t c) {
     const kvo_spec *s = r->p->spec;
     return (kvo_stream)s->dmas[r->job->dir][area_of(r, c) % s->n_dmas];
@@ -218,7 +217,7 @@ static int coupled_chunk(part_run *r, int64_t c) {
     if (!err) {
         lane->slice_streams |= 1u << j;
         lane->job_streams |= 1u << j;
-        lane->slice_last = lane->job_last = j;
+        lane->job_last = j;
     }
     return err;
 }
@@ -257,12 +256,11 @@ static int pace_store(part_run *r, int64_t c, kvo_stream dma) {
     return 0;
 }
 
-/* Coupled stores (spec->store_coupled): chunk c is gathered into its staging area and copied
- * out of it on one DMA stream, the area's own, so no event passes between gather and copy and
- * the area's next use (the same stream) is ordered by the stream. Per chunk that is one launch,
- * its copies, and the pacing (pace_store) where the default path adds three event calls more:
- * with the fake driver a Llama-3-8B store of 1, 16 and 256 blocks took 13, 34 and 140 driver
- * calls split, 8, 23 and 87 coupled (a stream the job did not use is not joined at its end). */
+/* Coupled stores (spec->store_coupled): chunk c is gathered into its staging area and copied out
+ * of it on one DMA stream, the area's own (no event between them; its next use is ordered by the
+ * stream). Per chunk: one launch, its copies and the pacing (pace_store), three event calls fewer
+ * than split (fake driver, Llama-3-8B stores of 1, 16, 256 blocks: 13, 34, 140 calls split, 8,
+ * 23, 87 coupled before a job's end joined only the streams it used). */
 static int coupled_store_chunk(part_run *r, int64_t c) {
     const kvo_pipe *p = r->p;
     kvo_job *job = r->job;
@@ -386,9 +384,9 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
 static int mark_slice(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t k) {
     kvo_stream on = (kvo_stream)p->spec->gather[KVO_LOAD];
     if (p->spec->load_coupled) { /* on the slice's last stream, the others joined to it */
-        on = (kvo_stream)p->spec->dmas[KVO_LOAD][lane->slice_last];
+        on = (kvo_stream)p->spec->dmas[KVO_LOAD][lane->job_last];
         for (int j = 0; j < (int)p->spec->n_dmas; j++) {
-            if (j == lane->slice_last || !(lane->slice_streams >> j & 1u)) continue;
+            if (j == lane->job_last || !(lane->slice_streams >> j & 1u)) continue;
             kvo_stream other = (kvo_stream)p->spec->dmas[KVO_LOAD][j];
             int err = p->d->record(lane->joins[1 + j], other);
             if (!err) err = p->d->wait(on, lane->joins[1 + j], 0);
@@ -438,12 +436,14 @@ static kvo_stream stream_of(const kvo_pipe *p, int dir, int j) {
 
 /* The job's end on its tail: a coupled job's last chunk's stream, else (or after a failure) a
  * store's first DMA stream or a load's kernels' stream. The other streams the job used join it
- * (all after a failure), then one call writes the flag words (a load's last slice's and the done
- * word) and the done event is recorded. Where that cannot be enqueued, the host waits for the
- * direction's streams and writes the words itself. */
+ * (all after a failure), one call writes the flag words (a load's last slice's, the done word),
+ * the done event is recorded; else the host waits for the streams and writes the words. */
+static int is_coupled(const kvo_pipe *p, int dir) {
+    return dir == KVO_LOAD ? p->spec->load_coupled != 0 : p->spec->store_coupled != 0;
+}
+
 static int finish(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
-    int dir = job->dir;
-    int coupled = dir == KVO_LOAD ? p->spec->load_coupled != 0 : p->spec->store_coupled != 0;
+    int dir = job->dir, coupled = is_coupled(p, dir);
     int tail_j = dir == KVO_STORE ? 1 : 0;
     if (coupled && !job->failed && lane->job_streams) tail_j = 1 + lane->job_last;
     kvo_stream tail = stream_of(p, dir, tail_j);
@@ -479,7 +479,7 @@ int kvo_pipeline_run(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
     if (job->seq == 0) job->seq = ++lane->seq; /* 0 is "never used" (index buffers) */
     int err = 0;
     kvo_dptr ids = 0;
-    int coupled = job->dir == KVO_LOAD ? p->spec->load_coupled != 0 : p->spec->store_coupled != 0;
+    int coupled = is_coupled(p, job->dir);
     /* only the kernels touch the engine's memory: their stream waits for the caller's work; the
      * DMA streams follow the kernels (coupled chunks: each DMA stream waits before its first
      * kernel, order_once) */

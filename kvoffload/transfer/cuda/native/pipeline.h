@@ -27,9 +27,9 @@ typedef struct {
     uint32_t seq;  /* the last sequence number given to a job */
     int64_t parts; /* parts enqueued (stats) */
     unsigned slice_streams; /* coupled loads: bit j, DMA stream j had a chunk of this slice */
-    int slice_last;         /* ... and the DMA stream of its last chunk */
     unsigned job_streams;   /* coupled chunks: bit j, DMA stream j had a chunk of this job */
-    int job_last;           /* ... and the DMA stream of its last chunk: the job's tail */
+    int job_last;           /* ... and the DMA stream of its latest chunk (a slice's last, once
+                             * the slice is enqueued; the job's tail, once the job is) */
     unsigned unordered;     /* coupled loads: bit j, DMA stream j has not yet waited for the
                              * caller's stream and the ids (before its first scatter) */
 } kvo_lane;
