@@ -44,9 +44,10 @@ from kvoffload.bench.store.api import TARGETS, line, met
 from kvoffload.transfer.cuda.extension import driver_times
 from kvoffload.transfer.shapes import MODELS, engine_tensors
 
-SWEEP = (  # (model, layout): bf16 pages, K/V split, fp8 2 KiB pieces, a K-only latent
+SWEEP = (  # (model, layout): bf16 pages, K/V split (32, 8 KiB pieces), fp8 2 KiB, K-only latent
     ("llama3-8b", "page"),
     ("llama3-8b", "kv_split"),
+    ("qwen2.5-1.5b", "kv_split"),
     ("llama3-70b-tp8-fp8", "page"),
     ("deepseek-v2-lite-mla", "page"),
 )

@@ -201,3 +201,24 @@ def test_the_gpu_scripts_e2e_step_builds_its_runs():
         bs = cfg.block_size
         longest = max(r.workload.longest_request_blocks(bs) for r in cfg.workloads)
         assert max_context(cfg) >= longest * bs
+
+
+@pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-1.5b", "qwen2.5-14b"])
+def test_the_sweeps_gpu_models_build_the_standard_run(name):
+    """The sweep's other GPU shapes (docs/e2e.md, "Models") take the GPU workloads and the
+    standard command's arguments, and their published shapes give the KV block the docs state."""
+    import argparse
+
+    from kvoffload.bench.e2e import args as e2e
+    from kvoffload.bench.e2e.runner.config import GPU_MODELS, model_config
+
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    argv = ["--model", name, "--workloads", "chat,docs", "--graph", "eager,piecewise,full"]
+    cfg = e2e.build_config(parser.parse_args(argv), True, "bfloat16")
+    assert name in GPU_MODELS and cfg.model == name
+    assert [r.workload.kind for r in cfg.workloads] == ["chat", "docs"]
+    assert cfg.chunk_tokens == e2e.CHUNK["llama3-8b"]
+    m = model_config(name)
+    block = 2 * m.layers * m.kv_heads * m.head_size * 16 * 2  # K and V, 16 tokens, bf16
+    assert block == {"llama3.2-1b": 512, "qwen2.5-1.5b": 448, "qwen2.5-14b": 3072}[name] << 10

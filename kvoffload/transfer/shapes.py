@@ -41,6 +41,9 @@ MODELS: dict[str, ModelShape] = {
     for m in (
         ModelShape("llama3-8b", 32, 8, 128),
         ModelShape("qwen2.5-7b", 28, 4, 128),
+        ModelShape("llama3.2-1b", 16, 8, 64),
+        ModelShape("qwen2.5-1.5b", 28, 2, 128),
+        ModelShape("qwen2.5-14b", 48, 8, 128),
         ModelShape("llama3-70b-tp8", 80, 1, 128),
         ModelShape("llama3-70b-tp8-fp8", 80, 1, 128, dtype_bytes=1),
         ModelShape("deepseek-v2-lite-mla", 27, 1, 576, kv=1),

@@ -10,6 +10,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from kvoffload.bench.e2e.runner.config import GPU_MODELS
+
 WORKLOADS = ("chat", "fits", "docs", "mixed")
 MODES = ("recompute", "gpu", "gpu_all", "kvoffload")  # the default
 # gpu_all_copy (opt-in): gpu_all with the bytes of kvoffload's restore copied beside its forward
@@ -55,8 +57,8 @@ _MICRO = {
     "fits": _chat(6, 3, 64, 16, 16),
     "docs": _docs(6, 64, 12, 16, 16, 16),
 }
-SHAPES = {"llama3-8b": _GPU, "qwen2.5-7b": _GPU, "tiny": _TINY, "micro": _MICRO}
-CHUNK = {"llama3-8b": 2048, "qwen2.5-7b": 2048, "tiny": 512, "micro": 64}
+SHAPES = {**dict.fromkeys(GPU_MODELS, _GPU), "tiny": _TINY, "micro": _MICRO}
+CHUNK = {**dict.fromkeys(GPU_MODELS, 2048), "tiny": 512, "micro": 64}
 UNIQUE_SHARE = 0.25  # mixed: the share of unique prompts
 FITS_ROUNDS = 3  # fits compares gpu and kvoffload to 1%: several rounds, alternating
 FITS_POOL = 2.0  # fits: the GPU pool holds this many times the workload's distinct blocks

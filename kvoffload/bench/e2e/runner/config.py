@@ -1,4 +1,6 @@
-"""Model shapes: the published configs of Llama-3-8B and Qwen2.5-7B, and tiny ones for CPU runs."""
+"""Model shapes: published configs of GPU-sized models (Llama-3-8B and Qwen2.5-7B, the standard
+runs; Llama-3.2-1B, Qwen2.5-1.5B and Qwen2.5-14B, the sweep beside them), and tiny ones for CPU
+runs."""
 
 from __future__ import annotations
 
@@ -40,12 +42,22 @@ MODELS: dict[str, ModelConfig] = {
         ModelConfig("llama3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 500000.0),
         # Qwen/Qwen2.5-7B config.json
         ModelConfig("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, 1e6, True, 1e-6),
+        # meta-llama/Llama-3.2-1B: 16 layers, 64-wide heads (a 512 KiB block of 16 tokens)
+        ModelConfig("llama3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, 500000.0),
+        # Qwen/Qwen2.5-1.5B: 2 KV heads (GQA 6:1, a 448 KiB block)
+        ModelConfig("qwen2.5-1.5b", 28, 1536, 12, 2, 128, 8960, 151936, 1e6, True, 1e-6),
+        # Qwen/Qwen2.5-14B: 48 layers (a 3 MiB block)
+        ModelConfig("qwen2.5-14b", 48, 5120, 40, 8, 128, 13824, 152064, 1e6, True, 1e-5),
         # CPU shapes: small enough that a multi-turn run takes about a minute on two cores
         ModelConfig("tiny", 4, 512, 8, 2, 64, 1536, 4096, 10000.0),
         # unit tests: a forward pass in milliseconds
         ModelConfig("micro", 2, 128, 4, 2, 32, 256, 512, 10000.0, True),
     )
 }
+
+
+# the models the GPU workload shapes apply to (the rest are CPU scales)
+GPU_MODELS = ("llama3-8b", "qwen2.5-7b", "llama3.2-1b", "qwen2.5-1.5b", "qwen2.5-14b")
 
 
 def model_config(name: str) -> ModelConfig:

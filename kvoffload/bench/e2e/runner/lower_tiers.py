@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 import kvoffload as kvo
-from kvoffload.bench.e2e.runner.config import model_config
+from kvoffload.bench.e2e.args import CHUNK
+from kvoffload.bench.e2e.runner.config import GPU_MODELS, model_config
 from kvoffload.bench.e2e.runner.engine import PagedEngine, TurnResult
 from kvoffload.bench.e2e.runner.host_tier import HostTier
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
@@ -62,8 +63,7 @@ from kvoffload.bench.e2e.runner.offload_mode import Offload
 WORKLOADS = ("valkey", "valkey-cluster", "disk")
 # documents, document tokens, question tokens per model scale
 SHAPES = {
-    "llama3-8b": (6, 4096, 128),
-    "qwen2.5-7b": (6, 4096, 128),
+    **dict.fromkeys(GPU_MODELS, (6, 4096, 128)),
     "tiny": (10, 2048, 64),
     "micro": (5, 256, 16),
 }
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace, device: str, dtype: str) -> dict[str, Any]:
         device,
         dtype,
         args.block_size,
-        args.chunk_tokens or {"llama3-8b": 2048, "qwen2.5-7b": 2048, "tiny": 512}.get(model, 64),
+        args.chunk_tokens or CHUNK[model],
         args.documents if args.documents is not None else docs,
         args.document_tokens if args.document_tokens is not None else doc_tokens,
         question,
