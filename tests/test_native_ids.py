@@ -53,6 +53,9 @@ def test_the_settings_are_checked() -> None:
         ("completion_poll_us", 0),
         ("completion_poll_us", 100_001),
         ("completion_poll_us", 1.5),
+        ("wait_spin_us", -1),
+        ("wait_spin_us", 100_001),
+        ("wait_spin_us", True),
     ):
         with pytest.raises(ValueError, match=name):
             StagedConfig(**{name: bad})  # type: ignore[arg-type]

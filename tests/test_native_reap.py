@@ -4,6 +4,7 @@ engine that polls; jobs nobody asks about are still finished by that thread."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -58,4 +59,35 @@ def test_the_completion_thread_finishes_jobs_nobody_asks_about(fake_cuda: Calls)
         assert after["in_flight"] == 0
         assert pending.done() and pending.error() is None
         pair.oracle.copy(spec)
+        pair.check()
+
+
+@needs_core
+@pytest.mark.parametrize("spin_us", [0, 100_000])
+def test_a_waiter_sees_the_done_word_land_whether_it_spins_or_sleeps(
+    fake_cuda: Calls,  # noqa: F811
+    spin_us: int,
+) -> None:
+    """``wait_spin_us``: 0 sleeps between reads from the start, 100 ms spins for all of the held
+    copy below; either way the waiter returns True once the word lands, with the bytes in place."""
+    with engine_on("llama3-8b", "page", completion_poll_us=SLOW, wait_spin_us=spin_us) as (
+        pair,
+        backend,
+    ):
+        slots = np.arange(4)
+        store = [TransferSpec.of("store", np.arange(4), slots)]
+        assert backend.submit(store).wait(10)
+        pair.oracle.copy(store)
+        release = hold_stream(fake_cuda, backend.spec.gather[1])  # the load's done word waits
+        load = [TransferSpec.of("load", np.arange(8, 12), slots)]
+        pending = backend.submit(load)
+        got: list[bool] = []
+        waiter = threading.Thread(target=lambda: got.append(pending.wait(10)))
+        waiter.start()
+        time.sleep(0.05)
+        assert not got  # held: still waiting
+        release()
+        waiter.join(10)
+        assert got == [True] and pending.error() is None
+        pair.oracle.copy(load)
         pair.check()

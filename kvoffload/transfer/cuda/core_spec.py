@@ -68,6 +68,7 @@ class CoreSpec:
     host_ids: int  # jobs of at most this many blocks: the kernels read their ids from host memory
     poll_max_us: int  # the completion thread's longest pause between reads of the done words
     max_programs: int  # the device's SMs: the most a group's load_program_bytes rule gives
+    wait_spin_us: int  # a job's waiter reads its done word back to back this long, then sleeps
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
     groups: tuple[GroupSpec, ...]
 
@@ -102,6 +103,7 @@ class CoreSpec:
             self.host_ids,
             self.poll_max_us * 1000,
             self.max_programs,
+            self.wait_spin_us * 1000,
             *self.bases[0],
             *self.bases[1],
         ]

@@ -175,6 +175,7 @@ class NativeStagedBackend(CopyBackend):
                 host_ids=config.host_ids,
                 poll_max_us=config.completion_poll_us,
                 max_programs=self._sms,
+                wait_spin_us=config.wait_spin_us,
                 bases=(bases["store"], bases["load"]),
                 groups=groups,
             )

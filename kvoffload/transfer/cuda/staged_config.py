@@ -117,6 +117,12 @@ class StagedConfig:
     # read its done word themselves, so this pace delays neither (docs/transfer.md, "eleventh
     # round"). 1000: no thread of ours wakes every few microseconds beside the engine's forward.
     completion_poll_us: int = 1000
+    # A job's waiter (``TransferWorker.wait``, ``Pending.wait``) reads its done word back to back
+    # this long (us), then sleeps ~1/16 of the job's age between reads. A sleep overshoots by the
+    # kernel's timer slack (50 us by default on Linux): at 100 (before 2026-11-27) a waited 37-block
+    # job was done 20-30 us later than a caller polling ``get_finished`` saw it (H200,
+    # docs/transfer.md, "seventeenth round"). The waiter is a thread blocked in our call anyway.
+    wait_spin_us: int = 2000
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -159,6 +165,7 @@ class StagedConfig:
             ("exposed_programs", 0, 65535),
             ("host_ids", 0, 1 << 20),
             ("completion_poll_us", 1, 100_000),
+            ("wait_spin_us", 0, 100_000),
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:

@@ -28,7 +28,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 # copies on N DMA streams per direction, ``fcN`` starts a store's chunks at N KiB, ``xpN`` runs
 # the exposed chunk's kernel (a store's first, a load's last) on at least N programs, ``hiN``
 # reads the ids of jobs up to N blocks from host memory, ``cpN`` polls completion every <= N us,
-# ``pbN`` scatters a load's chunk on one program per N KiB
+# ``pbN`` scatters a load's chunk on one program per N KiB, ``wsN`` spins a job's waiter N us
 NUMBERED = {
     "lp": ("load_programs", 1),
     "ms": ("max_layer_slices", 1),
@@ -40,6 +40,7 @@ NUMBERED = {
     "hi": ("host_ids", 1),
     "cp": ("completion_poll_us", 1),
     "pb": ("load_program_bytes", 1024),
+    "ws": ("wait_spin_us", 1),
 }
 
 
@@ -60,7 +61,7 @@ def configured(backend: str, flags: list[str]) -> str:
     if bad:
         raise ValueError(
             f"expected engine flags from {sorted(SETTINGS)} or lpN / msN / pN / wN / dsN / "
-            f"fcN / xpN / hiN / cpN / pbN, got {bad} in {'-'.join([backend, *flags])!r}"
+            f"fcN / xpN / hiN / cpN / pbN / wsN, got {bad} in {'-'.join([backend, *flags])!r}"
         )
     if backend != "staged":
         raise ValueError(

@@ -6,7 +6,7 @@
 
 #include "spec.h"
 
-#define HEAD 33 /* fields before the staging bases */
+#define HEAD 34 /* fields before the staging bases */
 
 typedef struct {
     const int64_t *p;
@@ -33,7 +33,7 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     cursor c = {packed, n, 0};
     int64_t head[HEAD];
     memset(s, 0, sizeof *s);
-    if (take(&c, head, HEAD) != 0) return "expected a core spec of at least 33 fields";
+    if (take(&c, head, HEAD) != 0) return "expected a core spec of at least 34 fields";
     if (head[0] != KVO_ABI) return "expected a core spec of this build's ABI (a stale build)";
     s->n_groups = head[1];
     s->num_slots = head[2];
@@ -74,6 +74,9 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     s->max_grid = head[32];
     if (s->max_grid < 1 || s->max_grid > 65535)
         return "expected 1 <= most programs <= 65535 in the core spec";
+    s->wait_spin_ns = head[33];
+    if (s->wait_spin_ns < 0 || s->wait_spin_ns > 100000000)
+        return "expected 0 <= a waiter's spin <= 100 ms in the core spec";
     for (int j = 22; j < 27; j++)
         if (head[j] < 0) return "expected enqueue costs and a link rate >= 0 in the core spec";
     if (s->n_groups < 1 || s->num_slots < 1 || s->arena_slot_bytes < 1 || s->depth < 1 ||

@@ -71,6 +71,9 @@ typedef struct {
      * (pipeline.c, "coupled stores"); 0: gathered on the kernels' stream, copied after an event. */
     int64_t store_coupled;
     int64_t max_grid; /* the device's SMs: the most programs a load_program_bytes rule gives */
+    /* a job's waiter (kvo_job_wait) reads its done word back to back this long before it
+     * sleeps between reads (waits.c) */
+    int64_t wait_spin_ns;
     int64_t *bases[2];                 /* per direction: staging area addresses (depth) */
     kvo_group *groups;
 } kvo_spec;

@@ -12,9 +12,9 @@
 
 #include "core_state.h"
 
-/* A waiter spins this long on a job in flight before it sleeps: a condition-variable wake-up
- * costs ~20 us (H100 VM), more than a small transfer's remaining time. */
-#define SPIN_S 100e-6
+/* A waiter reads the done word back to back for the spec's wait_spin_ns before it sleeps: a
+ * condition-variable wake-up costs ~20 us (H100 VM) and a timed sleep overshoots by the kernel's
+ * timer slack (50 us by default), more than a small transfer's remaining time. */
 #define WAIT_PAUSE_MIN_S 10e-6
 #define WAIT_PAUSE_MAX_S 20e-6
 
@@ -64,16 +64,17 @@ kvo_status kvo_job_done(kvo_core *e, kvo_job *job, int *done) {
     return KVO_OK;
 }
 
-/* The waiter reads the done word itself: it spins SPIN_S, then sleeps ~1/16 of the job's age
+/* The waiter reads the done word itself: it spins wait_spin_ns, then sleeps ~1/16 of the job's age
  * between reads (WAIT_PAUSE_MIN_S..WAIT_PAUSE_MAX_S) on `changed`, which a cancel, a failure
  * the completion thread found, or the job's enqueue also wakes. */
 kvo_status kvo_job_wait(kvo_core *e, kvo_job *job, double timeout, int *finished) {
     double start = kvo_now(), deadline = timeout < 0 ? 0 : start + timeout;
+    double spin = (double)e->spec.wait_spin_ns * 1e-9;
     int done = reap(e, job);
     while (!done && timeout != 0) {
         double now = kvo_now();
         if (timeout > 0 && now >= deadline) break;
-        if (now - start < SPIN_S) {
+        if (now - start < spin) {
             CPU_RELAX();
         } else {
             double pause = (now - job->t_submit) / 16;
