@@ -121,8 +121,11 @@ class TransferWorker:
             if self._closed:
                 raise ValueError("submit: expected an open TransferWorker, got a closed one")
             self._take(job, "submit")
-            try:
-                self._start(job)
+            try:  # ``_start``, written out: one per job on the engine's thread
+                pending = self.backend.submit_checked(job.specs)
+                now = perf_counter()
+                deadline = now + self.load_timeout_s if job.direction == "load" else None
+                self._running[job.job_id] = _Running(job, pending, now, deadline)
             except BaseException:
                 self._ledger.untake(job)
                 raise
@@ -194,11 +197,14 @@ class TransferWorker:
     def get_finished(self) -> list[JobResult]:
         """Results of jobs finished (or past their deadline) since the last call; never blocks."""
         with self._lock:
-            if self._running:
+            running = self._running
+            if running:
                 now = perf_counter()
-                for job_id, run in list(self._running.items()):
+                for job_id, run in list(running.items()) if len(running) > 1 else running.items():
                     if run.pending.done():
                         self._finish(job_id, now)
+                        if not running:  # it was the only one: the loop is over
+                            break
                     elif not run.late and run.deadline is not None and now >= run.deadline:
                         self._expire(run, now)
             out = self._finished
