@@ -120,7 +120,10 @@ class TransferWorker:
         with self._lock:
             if self._closed:
                 raise ValueError("submit: expected an open TransferWorker, got a closed one")
-            self._take(job, "submit")
+            if type(job) is TransferJob and job.job_id not in self._running:
+                self._ledger.take(job, "submit")  # ``_take`` without its frame
+            else:
+                self._take(job, "submit")
             try:  # ``_start``, written out: one per job on the engine's thread
                 pending = self.backend.submit_checked(job.specs)
                 now = perf_counter()
@@ -394,11 +397,12 @@ class TransferWorker:
                 )
             )
         elif error is None:
+            nbytes = job.nbytes
             stats.ok += 1
-            stats.bytes += job.nbytes
+            stats.bytes += nbytes
             stats.seconds += seconds
             self.latency[job.direction].observe(seconds)
-            self._finished.append(JobResult(job_id, True, job.nbytes, seconds))
+            self._finished.append(JobResult(job_id, True, nbytes, seconds))
         else:
             stats.failed += 1
             self._finished.append(
