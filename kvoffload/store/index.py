@@ -243,7 +243,7 @@ class BlockIndex:
         not WRITING is refused by the keys, as without them."""
         n = -1
         if slots is not None and type(keys) in _SIZED and len(slots) == len(keys):  # type: ignore[arg-type]
-            try:  # ``_by_slots``, written out: one per store on the engine's thread
+            try:  # by the job's own slots where they match its keys one for one
                 n = self._ix.complete_store_slots(slots, success)
             except self._refused:
                 n = -1  # nothing changed: the call by keys says what is wrong
@@ -281,7 +281,7 @@ class BlockIndex:
         ``complete_store``."""
         n = -1
         if slots is not None and type(keys) in _SIZED and len(slots) == len(keys):  # type: ignore[arg-type]
-            try:  # ``_by_slots``, written out as in ``complete_store``
+            try:  # by slots, as in ``complete_store``
                 n = self._ix.release_slots(slots)
             except self._refused:
                 n = -1
@@ -307,36 +307,14 @@ class BlockIndex:
         """Release one ``pin`` of each key; counts nothing."""
         self._release(keys, "unpin: expected pinned keys")
 
-    def _release(
-        self,
-        keys: Iterable[BlockKey] | np.ndarray,
-        expected: str,
-        slots: np.ndarray | None = None,
-    ) -> int:
-        """Drop one reader of each key (a key may repeat; by ``slots`` where given: their slots);
-        ValueError, changing nothing, if a key has fewer readers than asked. Returns the number
-        of keys."""
-        n = self._by_slots(keys, slots, self._ix.release_slots)
-        if n is not None:
-            return n
+    def _release(self, keys: Iterable[BlockKey] | np.ndarray, expected: str) -> int:
+        """Drop one reader of each key (a key may repeat); ValueError, changing nothing, if a key
+        has fewer readers than asked. Returns the number of keys."""
         keys = _sequence(keys)
         try:
             return int(self._ix.release(keys))
         except self._refused as refusal:
             raise self._refusal(expected, keys, refusal) from None
-
-    def _by_slots(
-        self, keys: object, slots: np.ndarray | None, call: Callable[..., int], *args: object
-    ) -> int | None:
-        """``call(slots, *args)`` (the native index by a job's own slots) where ``slots`` match
-        ``keys`` one for one; None where they are not given or the index refused them (nothing
-        changed: the caller's call by keys then says what is wrong)."""
-        if slots is None or type(keys) not in _SIZED or len(slots) != len(keys):  # type: ignore[arg-type]
-            return None
-        try:
-            return int(call(slots, *args))
-        except self._refused:
-            return None
 
     def touch(self, keys: Iterable[BlockKey] | np.ndarray) -> None:
         self._ix.touch(_sequence(keys))
