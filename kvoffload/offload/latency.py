@@ -24,8 +24,8 @@ and count give the mean whatever the buckets.
 
 from __future__ import annotations
 
-import bisect
 import threading
+from bisect import bisect_left
 from typing import Any
 
 TRANSFER_BUCKETS = (
@@ -53,7 +53,7 @@ class Histogram:
         self._lock = threading.Lock()
 
     def observe(self, seconds: float) -> None:
-        i = bisect.bisect_left(self.bounds, seconds)
+        i = bisect_left(self.bounds, seconds)
         with self._lock:
             self._counts[i] += 1
             self._sum += seconds

@@ -13,9 +13,10 @@ builds both) holds the same ledger. A job's life, each step taken under the Offl
   before: a finished job, a copy, another Offloader's job, a job submitted twice are refused
   (ValueError, nothing touched). ``untake`` undoes it when the backend refused the job.
 - ``report`` records each result the worker hands out; ``accept`` (``Offloader.complete``) takes
-  only a result recorded so, each once: a result for a job never submitted, a forged one (an
-  ``ok=True`` the worker did not report), a second copy of one are refused, so no key becomes
-  readable unless its copy really succeeded, and a store's real result can never be preempted.
+  only a result recorded so, each once, and settles its job with a final one: a result for a job
+  never submitted, a forged one (an ``ok=True`` the worker did not report), a second copy of one
+  are refused, so no key becomes readable unless its copy really succeeded, and a store's real
+  result can never be preempted.
 - ``close`` settles every job (``Offloader.close`` then releases what they held) and refuses
   further takes.
 """
@@ -66,8 +67,9 @@ class JobLedger:
 
     def accept(self, result: JobResult) -> tuple[TransferJob | None, str, bool]:
         """The job ``result`` belongs to, if the worker reported exactly this result; else None
-        and why (``unknown``, ``unsubmitted`` or ``unreported``). Each result is accepted once.
-        Third: whether the job was reported late (``mark_late``) before this result."""
+        and why (``unknown``, ``unsubmitted`` or ``unreported``). Each result is accepted once:
+        a final one settles its job (as ``settle``), one that is not (a load past its deadline)
+        marks the job late. Third: whether the job was late before this result."""
         job_id = result.job_id
         entry = self._entries.get(job_id) if isinstance(job_id, int) else None
         if entry is None:
@@ -81,10 +83,17 @@ class JobLedger:
             reported.remove(result)
         else:
             return None, "unreported", False
-        return entry.job, "", entry.late
-
-    def mark_late(self, job_id: int) -> None:
-        self._entries[job_id].late = True
+        late = entry.late
+        if not result.final:
+            entry.late = True
+            return entry.job, "", late
+        job = entry.job
+        del self._entries[job_id]  # ``settle``, written out: one per result on the engine's thread
+        jobs = self._by_req[job.req_id]
+        jobs.discard(job_id)
+        if not jobs:
+            del self._by_req[job.req_id]
+        return job, "", late
 
     def is_late(self, job_id: int) -> bool:
         return self._entries[job_id].late

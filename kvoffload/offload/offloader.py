@@ -54,7 +54,7 @@ from kvoffload.offload.ledger import JobLedger
 from kvoffload.offload.load_rule import LoadRule
 from kvoffload.offload.lower import LowerTiers, TierLookup
 from kvoffload.offload.tiers import TierMover
-from kvoffload.store.index import BlockIndex
+from kvoffload.store.index import BlockIndex, native_index
 from kvoffload.store.keys import BlockKey, KeyArray, checked_keys, key_list, key_rows
 from kvoffload.transfer.spec import Direction, TransferSpec
 
@@ -67,6 +67,7 @@ _REFUSED = {
 
 # ``lookup``'s check of a list of keys, run by the index only when one is missed
 _check_lookup = functools.partial(checked_keys, where="lookup")
+_INT64 = np.dtype(np.int64)
 
 
 class Offloader:
@@ -108,6 +109,10 @@ class Offloader:
         self.block_size = block_size
         self.token = secrets.token_hex(8)  # stamped on every job: whose it is
         self.index = BlockIndex(config.num_slots(slot_bytes), slot_bytes, config.eviction_policy)
+        # ``_checked``'s common case: a list of keys and int block ids that one native call
+        # checks and copies (``engine_block_ids`` takes every other case); -1: only ``>= 0``
+        self._native_ids = native_index().ids
+        self._uppers = (-1,) if self.engine_blocks is None else self.engine_blocks
         self.lower: LowerTiers | None = None
         self._lock = threading.RLock()
         self._ids = itertools.count()
@@ -126,7 +131,8 @@ class Offloader:
     def lookup(self, keys: Sequence[BlockKey] | KeyArray) -> int:
         """How many leading ``keys`` are held on host, ready to load."""
         with self._lock:
-            self._check_open("lookup")
+            if self._closed:
+                self._check_open("lookup")
             if isinstance(keys, list):  # scanned only if a key is missed (``BlockIndex.lookup``)
                 return self.index.lookup(keys, _check_lookup)
             if isinstance(keys, np.ndarray):  # read in place: the index keeps nothing of them
@@ -215,20 +221,20 @@ class Offloader:
             items: list[object] = results if type(results) is list else list(results)
             if len(items) > 1:  # sorted as a copy: the caller's list stays as given
                 items = sorted(items, key=lambda r: not isinstance(r, JobResult) or r.final)
+            accept = self._ledger.accept
             for result in items:
                 if not isinstance(result, JobResult):
                     refused = refused or {why: [] for why in _REFUSED}
                     refused["unknown"].append(result)
                     continue
-                job, why, late = self._ledger.accept(result)
+                job, why, late = accept(result)  # a final one settles its job, else it is late
                 if job is None:
                     refused = refused or {why: [] for why in _REFUSED}
                     refused[why].append(result.job_id)
                     continue
                 if result.final:  # a late load was reported failed: the engine recomputed
-                    self._apply(self._ledger.settle(job.job_id), result.ok and not late)
+                    self._apply(job, result.ok and not late)
                 else:
-                    self._ledger.mark_late(job.job_id)
                     self._timed_out += 1
                 done.append(job)
             if self.lower is not None:
@@ -382,6 +388,16 @@ class Offloader:
 
         A list of keys is left to the index to check (``_scanned``): it finds only non-empty
         ``bytes``, so a call whose keys it accepts needs no scan of them in Python."""
+        uppers = self._uppers  # the common case first, as ``engine_block_ids`` checks it
+        if (
+            type(keys) is list
+            and type(req_id) is str
+            and type(group) is int
+            and 0 <= group < len(uppers)
+        ):
+            fast = self._native_ids(blocks, uppers[group], direction == "load")
+            if fast is not None and len(fast) == 8 * len(keys):
+                return keys, np.frombuffer(fast, _INT64)  # read-only: bytes
         if not isinstance(keys, list):
             checked = checked_keys(keys, f"schedule_{direction}")
             return checked, engine_block_ids(
@@ -431,17 +447,17 @@ class Offloader:
     ) -> TransferJob:
         # a job is data that cannot change once checked: its id arrays are read-only already
         # (``engine_block_ids``, the index's slots), keys given as an array are made so here
-        if isinstance(keys, np.ndarray) and keys.flags.writeable:  # rows chosen from the keys
-            keys.setflags(write=False)
-        job = TransferJob(
-            next(self._ids),
-            req_id,
-            direction,
-            keys if isinstance(keys, np.ndarray) else tuple(keys),
-            (spec,),
-            len(keys) * self.slot_bytes,
-            self.token,
-        )
+        held: tuple[BlockKey, ...] | np.ndarray
+        if type(keys) is list:
+            held = tuple(keys)
+        elif isinstance(keys, np.ndarray):
+            if keys.flags.writeable:  # rows chosen from the keys
+                keys.setflags(write=False)
+            held = keys
+        else:
+            held = tuple(keys)
+        nbytes = len(held) * self.slot_bytes
+        job = TransferJob(next(self._ids), req_id, direction, held, (spec,), nbytes, self.token)
         self._ledger.add(job)
         return job
 

@@ -120,9 +120,15 @@ class TransferWorker:
         with self._lock:
             if self._closed:
                 raise ValueError("submit: expected an open TransferWorker, got a closed one")
-            self._take(job, "submit")
-            try:
-                self._start(job)
+            if type(job) is TransferJob and job.job_id not in self._running:
+                self._ledger.take(job, "submit")  # ``_take`` without its frame
+            else:
+                self._take(job, "submit")
+            try:  # ``_start``, written out: one per job on the engine's thread
+                pending = self.backend.submit_checked(job.specs)
+                now = perf_counter()
+                deadline = now + self.load_timeout_s if job.direction == "load" else None
+                self._running[job.job_id] = _Running(job, pending, now, deadline)
             except BaseException:
                 self._ledger.untake(job)
                 raise
@@ -148,15 +154,17 @@ class TransferWorker:
         with self._lock:
             if self._closed and jobs:
                 raise ValueError("step: expected an open TransferWorker, got a closed one")
-            taken: list[TransferJob] = []
-            try:
-                for job in jobs:
-                    self._take(job, "step")
-                    taken.append(job)
-            except BaseException:
-                for job in taken:
-                    self._ledger.untake(job)
-                raise
+            running, take = self._running, self._ledger.take
+            for i, job in enumerate(jobs):
+                try:
+                    if type(job) is TransferJob and job.job_id not in running:
+                        take(job, "step")  # ``_take`` without its frame, as in ``submit``
+                    else:
+                        self._take(job, "step")
+                except BaseException:
+                    for done in jobs[:i]:
+                        self._ledger.untake(done)
+                    raise
             for k, job in enumerate(jobs):
                 try:
                     self._start(job, background)
@@ -164,7 +172,7 @@ class TransferWorker:
                     for left in jobs[k:]:
                         self._ledger.untake(left)
                     raise
-        return self.get_finished()
+            return self._collect()  # ``get_finished`` under the same hold of the lock
 
     def layer_gate(self, layers: int) -> WorkerGate:
         """A ``LayerGate`` (``kvoffload.transfer.backend``) whose ``open`` takes job ids: for an
@@ -194,19 +202,7 @@ class TransferWorker:
     def get_finished(self) -> list[JobResult]:
         """Results of jobs finished (or past their deadline) since the last call; never blocks."""
         with self._lock:
-            if self._running:
-                now = perf_counter()
-                for job_id, run in list(self._running.items()):
-                    if run.pending.done():
-                        self._finish(job_id, now)
-                    elif not run.late and run.deadline is not None and now >= run.deadline:
-                        self._expire(run, now)
-            out = self._finished
-            if out:
-                self._finished = []
-                self._ledger.report(out)  # what Offloader.complete will accept
-                return out
-            return []
+            return self._collect()
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> set[int]:
         """Block until ``job_ids`` finish or ``timeout`` s pass; returns those still running.
@@ -348,6 +344,25 @@ class TransferWorker:
         deadline = now + self.load_timeout_s if job.direction == "load" else None
         self._running[job.job_id] = _Running(job, pending, now, deadline)
 
+    def _collect(self) -> list[JobResult]:
+        """``get_finished``'s work."""
+        running = self._running
+        if running:
+            now = perf_counter()
+            for job_id, run in list(running.items()) if len(running) > 1 else running.items():
+                if run.pending.done():
+                    self._finish(job_id, now)
+                    if not running:  # it was the only one: the loop is over
+                        break
+                elif not run.late and run.deadline is not None and now >= run.deadline:
+                    self._expire(run, now)
+        out = self._finished
+        if out:
+            self._finished = []
+            self._ledger.report(out)  # what Offloader.complete will accept
+            return out
+        return []
+
     def _cancel_locked(self, job_ids: list[int]) -> list[int]:
         cancelled = []
         for job_id in job_ids:
@@ -388,11 +403,12 @@ class TransferWorker:
                 )
             )
         elif error is None:
+            nbytes = job.nbytes
             stats.ok += 1
-            stats.bytes += job.nbytes
+            stats.bytes += nbytes
             stats.seconds += seconds
             self.latency[job.direction].observe(seconds)
-            self._finished.append(JobResult(job_id, True, job.nbytes, seconds))
+            self._finished.append(JobResult(job_id, True, nbytes, seconds))
         else:
             stats.failed += 1
             self._finished.append(

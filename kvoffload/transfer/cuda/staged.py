@@ -120,6 +120,7 @@ class NativeStagedBackend(CopyBackend):
             raise NativeUnavailable(f"the core runs 1-4 DMA streams, got {config.dma_streams}")
         index = torch.device(layout.device).index
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self._device_index = self.device.index
         self._sms = int(torch.cuda.get_device_properties(self.device).multi_processor_count)
         area = max(config.staging_bytes // config.depth, layout.slot_bytes)
         self.area_bytes = (area + 255) // 256 * 256
@@ -282,8 +283,15 @@ class NativeStagedBackend(CopyBackend):
         pending.jobs = self._core.submit(specs, order, background)
         return pending
 
-    def submit_checked(self, specs: Sequence[TransferSpec], **kw: Any) -> Pending:
-        return self.submit(specs, **kw)  # the core's checks cost O(n) in C: nothing to skip
+    def submit_checked(self, specs: Sequence[TransferSpec], *, background: bool = False) -> Pending:
+        """``submit`` (the core's checks cost O(n) in C: nothing to skip), its common case
+        written out: one call per job on the engine's thread."""
+        if self._closed or not specs or type(background) is not bool:
+            return self.submit(specs, background=background)  # which refuses or does nothing
+        order = order_stream("current", self._device_index)
+        pending = NativePending((), self._core)  # made first, as in ``submit``
+        pending.jobs = self._core.submit(specs, order, background)
+        return pending
 
     def layer_gate(self, layers: int) -> LayerGate:
         """A gate of flag words in the core (at most 8 per core)."""
@@ -311,7 +319,7 @@ class NativeStagedBackend(CopyBackend):
         self._keep.clear()
 
     def _order(self, order_after: Any) -> int | None:
-        return order_stream(order_after, self.device.index)
+        return order_stream(order_after, self._device_index)
 
 
 class NativePending(Pending):
@@ -336,7 +344,10 @@ class NativePending(Pending):
         return tuple(int(j.id) for j in self.jobs)
 
     def done(self) -> bool:
-        return all(j.done() for j in self.jobs)
+        for j in self.jobs:  # noqa: SIM110 (``all`` over a generator: 0.35 us, this loop 0.15)
+            if not j.done():
+                return False
+        return True
 
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.perf_counter() + timeout
