@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +19,22 @@ from tests.test_native_engine import engine_on, needs_core
 SLOW = 100_000  # us: the completion thread's longest pause, the most StagedConfig accepts
 
 
+def held_load(
+    fake_cuda: Calls,  # noqa: F811
+    pair: Any,
+    backend: Any,
+) -> tuple[list[TransferSpec], Any, Callable[[], None]]:
+    """Four blocks stored, then loaded back with the load's done word held: (the load, its
+    pending, the release of the held stream)."""
+    slots = np.arange(4)
+    store = [TransferSpec.of("store", np.arange(4), slots)]
+    assert backend.submit(store).wait(10)
+    pair.oracle.copy(store)
+    release = hold_stream(fake_cuda, backend.spec.gather[1])  # the load's done word waits
+    load = [TransferSpec.of("load", np.arange(8, 12), slots)]
+    return load, backend.submit(load), release
+
+
 @needs_core
 @pytest.mark.parametrize("asker", ["done", "wait"])
 def test_an_asker_finishes_a_job_the_moment_its_done_word_lands(
@@ -24,13 +42,7 @@ def test_an_asker_finishes_a_job_the_moment_its_done_word_lands(
     asker: str,
 ) -> None:
     with engine_on("llama3-8b", "page", completion_poll_us=SLOW) as (pair, backend):
-        slots = np.arange(4)
-        store = [TransferSpec.of("store", np.arange(4), slots)]
-        assert backend.submit(store).wait(10)
-        pair.oracle.copy(store)
-        release = hold_stream(fake_cuda, backend.spec.gather[1])  # the load's done word waits
-        load = [TransferSpec.of("load", np.arange(8, 12), slots)]
-        pending = backend.submit(load)
+        load, pending, release = held_load(fake_cuda, pair, backend)
         time.sleep(0.05)  # the completion thread now sleeps ~1/16 of the job's age between reads
         assert not pending.done() and not pending.wait(0.001)
         completed = backend.stats()["completed"]
@@ -74,13 +86,7 @@ def test_a_waiter_sees_the_done_word_land_whether_it_spins_or_sleeps(
         pair,
         backend,
     ):
-        slots = np.arange(4)
-        store = [TransferSpec.of("store", np.arange(4), slots)]
-        assert backend.submit(store).wait(10)
-        pair.oracle.copy(store)
-        release = hold_stream(fake_cuda, backend.spec.gather[1])  # the load's done word waits
-        load = [TransferSpec.of("load", np.arange(8, 12), slots)]
-        pending = backend.submit(load)
+        load, pending, release = held_load(fake_cuda, pair, backend)
         got: list[bool] = []
         waiter = threading.Thread(target=lambda: got.append(pending.wait(10)))
         waiter.start()
