@@ -28,7 +28,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 # copies on N DMA streams per direction, ``fcN`` starts a store's chunks at N KiB, ``xpN`` runs
 # the exposed chunk's kernel (a store's first, a load's last) on at least N programs, ``hiN``
 # reads the ids of jobs up to N blocks from host memory, ``cpN`` polls completion every <= N us,
-# ``pbN`` scatters a load's chunk on one program per N KiB, ``wsN`` spins a job's waiter N us
+# ``pbN`` scatters a load's chunk on one program per N KiB, ``wsN`` spins a job's waiter N us,
+# ``ltN`` allows a load one layer slice per N KiB
 NUMBERED = {
     "lp": ("load_programs", 1),
     "ms": ("max_layer_slices", 1),
@@ -41,6 +42,7 @@ NUMBERED = {
     "cp": ("completion_poll_us", 1),
     "pb": ("load_program_bytes", 1024),
     "ws": ("wait_spin_us", 1),
+    "lt": ("layer_slice_transfer_bytes", 1024),
 }
 
 
@@ -61,7 +63,7 @@ def configured(backend: str, flags: list[str]) -> str:
     if bad:
         raise ValueError(
             f"expected engine flags from {sorted(SETTINGS)} or lpN / msN / pN / wN / dsN / "
-            f"fcN / xpN / hiN / cpN / pbN / wsN, got {bad} in {'-'.join([backend, *flags])!r}"
+            f"fcN / xpN / hiN / cpN / pbN / wsN / ltN, got {bad} in {'-'.join([backend, *flags])!r}"
         )
     if backend != "staged":
         raise ValueError(
