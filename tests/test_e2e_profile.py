@@ -60,6 +60,8 @@ def test_numbered_core_flags_and_refusals():
     assert settings_of("p32") == {"programs": 32}
     assert settings_of("ms8") == {"max_layer_slices": 8}
     assert settings_of("w16") == {"num_warps": 16}
+    assert settings_of("ws100") == {"wait_spin_us": 100}  # not w + "s100"
+    assert settings_of("lt4096") == {"layer_slice_transfer_bytes": 4 << 20}
     assert settings_of("wide") == {"load_programs": 0}
     assert settings_of("whole") == {"max_layer_slices": 1}  # a flag, not w + "hole"
     assert settings_of("most") == {"plan_link_GBps": 0.0}  # a flag, not ms + "ost"
