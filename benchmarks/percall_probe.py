@@ -101,8 +101,11 @@ def main() -> int:
     p.add_argument("--warm", type=int, default=100)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    if args.rounds <= args.warm:
-        raise SystemExit(f"expected --rounds > --warm ({args.warm}), got {args.rounds}")
+    if args.warm < 0 or args.rounds <= args.warm:
+        raise SystemExit(
+            f"expected --warm >= 0 and --rounds > --warm, got --warm {args.warm}, "
+            f"--rounds {args.rounds}"
+        )
     us = measure(args.rounds, args.warm)
     store = sum(us[ph] for ph in PHASES[:4])
     load = sum(us[ph] for ph in PHASES[5:])
