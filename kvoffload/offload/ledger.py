@@ -87,13 +87,7 @@ class JobLedger:
         if not result.final:
             entry.late = True
             return entry.job, "", late
-        job = entry.job
-        del self._entries[job_id]  # ``settle``, written out: one per result on the engine's thread
-        jobs = self._by_req[job.req_id]
-        jobs.discard(job_id)
-        if not jobs:
-            del self._by_req[job.req_id]
-        return job, "", late
+        return self.settle(job_id), "", late
 
     def is_late(self, job_id: int) -> bool:
         return self._entries[job_id].late

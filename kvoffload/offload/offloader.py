@@ -54,7 +54,7 @@ from kvoffload.offload.ledger import JobLedger
 from kvoffload.offload.load_rule import LoadRule
 from kvoffload.offload.lower import LowerTiers, TierLookup
 from kvoffload.offload.tiers import TierMover
-from kvoffload.store.index import BlockIndex, native_index
+from kvoffload.store.index import BlockIndex
 from kvoffload.store.keys import BlockKey, KeyArray, checked_keys, key_list, key_rows
 from kvoffload.transfer.spec import Direction, TransferSpec
 
@@ -67,7 +67,6 @@ _REFUSED = {
 
 # ``lookup``'s check of a list of keys, run by the index only when one is missed
 _check_lookup = functools.partial(checked_keys, where="lookup")
-_INT64 = np.dtype(np.int64)
 
 
 class Offloader:
@@ -109,10 +108,6 @@ class Offloader:
         self.block_size = block_size
         self.token = secrets.token_hex(8)  # stamped on every job: whose it is
         self.index = BlockIndex(config.num_slots(slot_bytes), slot_bytes, config.eviction_policy)
-        # ``_checked``'s common case: a list of keys and int block ids that one native call
-        # checks and copies (``engine_block_ids`` takes every other case); -1: only ``>= 0``
-        self._native_ids = native_index().ids
-        self._uppers = (-1,) if self.engine_blocks is None else self.engine_blocks
         self.lower: LowerTiers | None = None
         self._lock = threading.RLock()
         self._ids = itertools.count()
@@ -388,16 +383,6 @@ class Offloader:
 
         A list of keys is left to the index to check (``_scanned``): it finds only non-empty
         ``bytes``, so a call whose keys it accepts needs no scan of them in Python."""
-        uppers = self._uppers  # the common case first, as ``engine_block_ids`` checks it
-        if (
-            type(keys) is list
-            and type(req_id) is str
-            and type(group) is int
-            and 0 <= group < len(uppers)
-        ):
-            fast = self._native_ids(blocks, uppers[group], direction == "load")
-            if fast is not None and len(fast) == 8 * len(keys):
-                return keys, np.frombuffer(fast, _INT64)  # read-only: bytes
         if not isinstance(keys, list):
             checked = checked_keys(keys, f"schedule_{direction}")
             return checked, engine_block_ids(

@@ -120,15 +120,9 @@ class TransferWorker:
         with self._lock:
             if self._closed:
                 raise ValueError("submit: expected an open TransferWorker, got a closed one")
-            if type(job) is TransferJob and job.job_id not in self._running:
-                self._ledger.take(job, "submit")  # ``_take`` without its frame
-            else:
-                self._take(job, "submit")
-            try:  # ``_start``, written out: one per job on the engine's thread
-                pending = self.backend.submit_checked(job.specs)
-                now = perf_counter()
-                deadline = now + self.load_timeout_s if job.direction == "load" else None
-                self._running[job.job_id] = _Running(job, pending, now, deadline)
+            self._take(job, "submit")
+            try:
+                self._start(job)
             except BaseException:
                 self._ledger.untake(job)
                 raise
@@ -154,13 +148,9 @@ class TransferWorker:
         with self._lock:
             if self._closed and jobs:
                 raise ValueError("step: expected an open TransferWorker, got a closed one")
-            running, take = self._running, self._ledger.take
             for i, job in enumerate(jobs):
                 try:
-                    if type(job) is TransferJob and job.job_id not in running:
-                        take(job, "step")  # ``_take`` without its frame, as in ``submit``
-                    else:
-                        self._take(job, "step")
+                    self._take(job, "step")
                 except BaseException:
                     for done in jobs[:i]:
                         self._ledger.untake(done)
@@ -349,11 +339,9 @@ class TransferWorker:
         running = self._running
         if running:
             now = perf_counter()
-            for job_id, run in list(running.items()) if len(running) > 1 else running.items():
+            for job_id, run in list(running.items()):
                 if run.pending.done():
                     self._finish(job_id, now)
-                    if not running:  # it was the only one: the loop is over
-                        break
                 elif not run.late and run.deadline is not None and now >= run.deadline:
                     self._expire(run, now)
         out = self._finished

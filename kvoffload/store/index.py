@@ -225,7 +225,7 @@ class BlockIndex:
                 if rows.ndim != 2:  # a flat buffer of 16 * n bytes
                     rows = rows.reshape(-1, 16)
                 plan_keys = rows if positions is None else rows[positions]
-            return plan_keys, np.frombuffer(slots, _INT64), positions, evicted, present, full
+            return plan_keys, _ids(slots), positions, evicted, present, full
         except BaseException:  # out of memory or interrupted here: the reserved slots go back
             new, pos = result[0], result[1]
             reserved = new if new is not None else np.asarray(keys).reshape(-1, 16)[_ids(pos)]
@@ -241,13 +241,8 @@ class BlockIndex:
         """``slots``: the int64 slots ``prepare_store`` gave these keys, same order (a job's own
         record): the index then finds none of the keys again (~0.03 µs a block less); a slot
         not WRITING is refused by the keys, as without them."""
-        n = -1
-        if slots is not None and type(keys) in _SIZED and len(slots) == len(keys):  # type: ignore[arg-type]
-            try:  # by the job's own slots where they match its keys one for one
-                n = self._ix.complete_store_slots(slots, success)
-            except self._refused:
-                n = -1  # nothing changed: the call by keys says what is wrong
-        if n < 0:
+        n = self._by_slots(keys, slots, self._ix.complete_store_slots, success)
+        if n is None:
             keys = _sequence(keys)
             try:
                 n = self._ix.complete_store(keys, success)
@@ -267,7 +262,7 @@ class BlockIndex:
         if type(keys) is not list:
             keys = _sequence(keys)
         try:
-            return np.frombuffer(self._ix.prepare_load(keys), _INT64)  # read-only, as ``_ids``
+            return _ids(self._ix.prepare_load(keys))
         except self._refused as refusal:
             raise self._refusal("prepare_load", keys, refusal) from None
 
@@ -279,13 +274,8 @@ class BlockIndex:
     ) -> None:
         """``slots``: the slots ``prepare_load`` gave these keys, same order, as for
         ``complete_store``."""
-        n = -1
-        if slots is not None and type(keys) in _SIZED and len(slots) == len(keys):  # type: ignore[arg-type]
-            try:  # by slots, as in ``complete_store``
-                n = self._ix.release_slots(slots)
-            except self._refused:
-                n = -1
-        if n < 0:
+        n = self._by_slots(keys, slots, self._ix.release_slots)
+        if n is None:
             n = self._release(keys, "complete_load: expected keys prepared for load")
         stats = self.stats
         if success:
@@ -315,6 +305,19 @@ class BlockIndex:
             return int(self._ix.release(keys))
         except self._refused as refusal:
             raise self._refusal(expected, keys, refusal) from None
+
+    def _by_slots(
+        self, keys: object, slots: np.ndarray | None, call: Callable[..., int], *args: object
+    ) -> int | None:
+        """``call(slots, *args)`` (the native index by a job's own slots) where ``slots`` match
+        ``keys`` one for one; None where they are not given or the index refused them (nothing
+        changed: the caller's call by keys then says what is wrong)."""
+        if slots is None or type(keys) not in _SIZED or len(slots) != len(keys):  # type: ignore[arg-type]
+            return None
+        try:
+            return int(call(slots, *args))
+        except self._refused:
+            return None
 
     def touch(self, keys: Iterable[BlockKey] | np.ndarray) -> None:
         self._ix.touch(_sequence(keys))

@@ -284,14 +284,7 @@ class NativeStagedBackend(CopyBackend):
         return pending
 
     def submit_checked(self, specs: Sequence[TransferSpec], *, background: bool = False) -> Pending:
-        """``submit`` (the core's checks cost O(n) in C: nothing to skip), its common case
-        written out: one call per job on the engine's thread."""
-        if self._closed or not specs or type(background) is not bool:
-            return self.submit(specs, background=background)  # which refuses or does nothing
-        order = order_stream("current", self._device_index)
-        pending = NativePending((), self._core)  # made first, as in ``submit``
-        pending.jobs = self._core.submit(specs, order, background)
-        return pending
+        return self.submit(specs, background=background)  # the core's checks cost O(n) in C
 
     def layer_gate(self, layers: int) -> LayerGate:
         """A gate of flag words in the core (at most 8 per core)."""
