@@ -176,7 +176,7 @@ def test_a_load_that_fails_mid_way_still_writes_every_flag_and_reports_failed(
 
 
 @needs_core
-def test_a_gate_opens_each_step_once_the_listed_loads_landed_and_closes_as_it_is_passed(
+def test_a_gate_opens_each_step_once_the_listed_loads_landed_and_each_open_closes_it_first(
     fake_cuda: Calls,
 ) -> None:
     with engine_on("llama3-8b", "kv_split") as (_pair, backend):
@@ -195,13 +195,22 @@ def test_a_gate_opens_each_step_once_the_listed_loads_landed_and_closes_as_it_is
         assert fake_cuda.stream_held(77)
         release()
         assert not fake_cuda.stream_held(77)
-        # step 2: no load; the gate was closed by step 1's waits, and opens at once
+        # step 2: another load; the open closes what step 1 opened before it opens anything, so
+        # the replay waits for this load, not the last
+        release = hold_stream(fake_cuda, backend.spec.gather[1])
+        second = backend.submit([TransferSpec.of("load", np.arange(16, 24), slots)])
+        gate.open(77, [second])
         gate.wait(77, 0)
         assert fake_cuda.stream_held(77)
-        gate.open(78, [])  # another stream's open does not reach a replay ahead of it on 77 ...
+        release()
+        assert not fake_cuda.stream_held(77)
+        # step 3: no load: the gate opens at once
         gate.open(77, [])
+        gate.wait(77, 0)
+        gate.wait(77, 31)
         assert not fake_cuda.stream_held(77)
         assert pending.wait(10) and pending.error() is None
+        assert second.wait(10) and second.error() is None
 
 
 @needs_core

@@ -99,9 +99,11 @@ class LayerGate:
 
     A graph replays the waits it captured with the values it captured, so a wait on "job j's
     layer i" cannot be captured once and replayed for the next job. A gate can: ``wait(stream,
-    layer)`` is captured inside the graph ("wait until ``layer`` is open, then close it"), and
-    ``open(stream, pendings)``, called eagerly once per step before the replay on the same stream,
-    opens each layer once every listed transfer has landed it (at once for none).
+    layer)`` is captured inside the graph ("wait until ``layer`` is open"), and ``open(stream,
+    pendings)``, called eagerly once per step before the replay on the same stream, closes every
+    layer (after the replays enqueued so far) and opens each once every listed transfer has
+    landed it (at once for none). Call it before every replay: a replay without its own ``open``
+    passes the layers the last one opened.
 
     This default, for backends without GPU flag words (and CPU ones), keeps the contract the
     plain way: ``wait`` enqueues nothing and ``open`` makes ``stream`` wait for each listed
@@ -117,11 +119,12 @@ class LayerGate:
         check_layer(layer, self.layers)
 
     def wait(self, stream: object, layer: int) -> None:
-        """Enqueue on ``stream`` (capturable): wait until ``layer`` is open, then close it."""
+        """Enqueue on ``stream`` (capturable): wait until ``layer`` is open."""
         self.check(layer)
 
     def open(self, stream: object, pendings: Sequence[Pending]) -> None:
-        """Open every layer for the next replay on ``stream`` once ``pendings`` landed it."""
+        """Close every layer, then open each for the next replay on ``stream`` once ``pendings``
+        landed it."""
         for pending in pendings:
             pending.wait_on(stream)
 

@@ -431,8 +431,9 @@ class NativePending(Pending):
 
 
 class NativeGate(LayerGate):
-    """``LayerGate`` on the core's flag words: ``wait`` is one captured stream memory operation
-    (wait until 1, write 0), ``open`` one batch of them on the core's gate stream."""
+    """``LayerGate`` on the core's flag words (device memory): ``wait`` is one captured stream
+    memory operation (wait until 1); ``open`` writes every layer's word 0 on the replay's stream
+    in one call, then, on the core's gate stream, each 1 once its loads landed."""
 
     def __init__(self, core: Any, layers: int) -> None:
         super().__init__(layers)

@@ -374,9 +374,10 @@ static kvo_status start(kvo_core *e, char *msg) {
     e->seen_blocks = calloc((size_t)(most_blocks / 8 + 1), 1);
     if (!e->seen_slots || !e->seen_blocks) return kvo_say(msg, KVO_FAILED, "out of host memory");
     if (e->d.ctx_get(&e->ctx) != 0) e->ctx = NULL;
-    int err = kvo_flags_init(&e->flags, &e->d, e->spec.max_layers, KVO_MAX_GATES);
+    int err = kvo_flags_init(&e->flags, &e->d, e->spec.max_layers, KVO_MAX_GATES,
+                             (kvo_stream)e->spec.gate);
     if (err)
-        return kvo_say(msg, KVO_FAILED, "the flag words (cuMemHostAlloc) failed: %s",
+        return kvo_say(msg, KVO_FAILED, "the flag words (host and device memory) failed: %s",
                        kvo_error_name(&e->d, err));
     e->pipe = (kvo_pipe){&e->d, &e->spec, &e->flags};
     for (int d = 0; d < 2; d++)
@@ -465,10 +466,13 @@ void kvo_core_close(kvo_core *e) {
     __atomic_store_n(&e->closed, 1, __ATOMIC_SEQ_CST);
     while (__atomic_load_n(&e->flag_users, __ATOMIC_SEQ_CST) > 0) CPU_RELAX();
     void *prev = kvo_ctx_enter(e);
-    if (e->flags.host != NULL) {
+    if (e->flags.host != NULL) { /* open every gate: a replay waiting on one passes */
+        kvo_ops ops;
+        kvo_ops_begin(&ops, &e->d, &e->flags, (kvo_stream)e->spec.gate);
         for (int64_t g = 0; g < e->gates; g++)
             for (int64_t l = 0; l < e->gate_layers[g]; l++)
-                kvo_flag_set(&e->flags, kvo_word_gate(&e->flags, g, l), 1);
+                kvo_ops_write(&ops, kvo_word_gate(&e->flags, g, l), 1);
+        (void)kvo_ops_end(&ops); /* refused: the context is broken, nothing more can run */
         e->d.ctx_sync();
     }
     for (int d = 0; d < 2; d++) kvo_lane_free(&e->lane[d], &e->pipe);

@@ -8,7 +8,8 @@
 #define OP_WAIT_32 1              /* CU_STREAM_MEM_OP_WAIT_VALUE_32 */
 #define OP_WRITE_32 2             /* CU_STREAM_MEM_OP_WRITE_VALUE_32 */
 
-int kvo_flags_init(kvo_flags *f, const kvo_driver *d, int64_t layers, int64_t gates) {
+int kvo_flags_init(kvo_flags *f, const kvo_driver *d, int64_t layers, int64_t gates,
+                   kvo_stream stream) {
     memset(f, 0, sizeof *f);
     f->layers = layers;
     f->gates = gates;
@@ -20,14 +21,18 @@ int kvo_flags_init(kvo_flags *f, const kvo_driver *d, int64_t layers, int64_t ga
     memset(host, 0, bytes);
     f->host = host;
     err = d->host_dptr(&f->dev, host, 0);
-    if (err) {
-        d->host_free(host);
-        f->host = NULL;
-    }
+    size_t gate_bytes = (size_t)(gates * layers) * sizeof(uint32_t);
+    if (!err && gate_bytes > 0) err = d->mem_alloc(&f->gates_dev, gate_bytes);
+    if (!err && gate_bytes > 0) /* from the host words' zeros at the gates' places */
+        err = d->copy(f->gates_dev, f->dev + (kvo_dptr)(2 + layers) * sizeof(uint32_t),
+                      gate_bytes, stream);
+    if (!err && gate_bytes > 0) err = d->stream_sync(stream);
+    if (err) kvo_flags_free(f, d);
     return err;
 }
 
 void kvo_flags_free(kvo_flags *f, const kvo_driver *d) {
+    if (f->gates_dev) d->mem_free(f->gates_dev);
     if (f->host != NULL) d->host_free((void *)f->host);
     memset(f, 0, sizeof *f);
 }
@@ -66,7 +71,9 @@ static void add(kvo_ops *o, uint32_t op, int64_t word, uint32_t value, unsigned 
     kvo_memop *m = &o->ops[o->n++];
     memset(m, 0, sizeof *m);
     m->op = op;
-    m->address = o->f->dev + (uint64_t)word * sizeof(uint32_t);
+    int64_t gate = word - 2 - o->f->layers; /* >= 0: a gate word, in device memory */
+    m->address = gate >= 0 ? o->f->gates_dev + (uint64_t)gate * sizeof(uint32_t)
+                           : o->f->dev + (uint64_t)word * sizeof(uint32_t);
     m->value = value;
     m->flags = how;
 }

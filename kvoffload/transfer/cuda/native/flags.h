@@ -1,18 +1,24 @@
-/* Flag words: 32-bit counters in pinned, device-mapped host memory that the copy streams write
- * (cuStreamWriteValue32 / cuStreamBatchMemOp) and that streams wait on (cuStreamWaitValue32) or
- * the host reads (no driver call). Layout: done[2] (per direction, the sequence number of the
- * last job finished), layer[layers] (per layer, the sequence number of the last load whose copy
- * of that layer landed), then gate[gates][layers] (0 closed, 1 open: waits captured in CUDA
- * graphs). Sequence numbers grow by one per job of a direction and compare cyclically, as the
- * driver's GEQ does: (int32_t)(word - target) >= 0. */
+/* Flag words: 32-bit counters that the copy streams write (cuStreamWriteValue32 /
+ * cuStreamBatchMemOp) and that streams wait on (cuStreamWaitValue32). Numbering: done[2] (per
+ * direction, the sequence number of the last job finished), layer[layers] (per layer, the
+ * sequence number of the last load whose copy of that layer landed), then gate[gates][layers]
+ * (0 closed, 1 open: waits captured in CUDA graphs). Sequence numbers grow by one per job of a
+ * direction and compare cyclically, as the driver's GEQ does: (int32_t)(word - target) >= 0.
+ *
+ * The done and layer words are in pinned, device-mapped host memory: the host reads them with
+ * no driver call. The gate words, which only streams read and write, are in device memory: a
+ * captured wait on a word in host memory reads it across the link, which a restore's copy keeps
+ * busy (benchmarks/gate_graph_probe.py: a wait of a replayed graph +7.6 us beside a 1 GiB
+ * host-to-device copy on an H200, +4.8 us on a word in device memory). */
 #ifndef KVO_FLAGS_H
 #define KVO_FLAGS_H
 
 #include "driver.h"
 
 typedef struct {
-    volatile uint32_t *host;
-    kvo_dptr dev;
+    volatile uint32_t *host; /* every word; the gate words' places there stay 0 */
+    kvo_dptr dev;            /* the host words as the device sees them */
+    kvo_dptr gates_dev;      /* the gate words in device memory (0: no gates) */
     int64_t layers, gates, words;
 } kvo_flags;
 
@@ -25,12 +31,14 @@ static inline int64_t kvo_word_gate(const kvo_flags *f, int64_t gate, int64_t la
     return 2 + f->layers + gate * f->layers + layer;
 }
 
-/* 0 or a CUresult. */
-int kvo_flags_init(kvo_flags *f, const kvo_driver *d, int64_t layers, int64_t gates);
+/* 0 or a CUresult. The gate words start closed: zeroed on `stream`, which is then synchronized. */
+int kvo_flags_init(kvo_flags *f, const kvo_driver *d, int64_t layers, int64_t gates,
+                   kvo_stream stream);
 void kvo_flags_free(kvo_flags *f, const kvo_driver *d);
 /* Whether word has reached target (cyclic), read on the host. */
 int kvo_flag_reached(const kvo_flags *f, int64_t word, uint32_t target);
-/* A host write (after every earlier GPU write it may overtake has landed: the caller's job). */
+/* A host write of a done or layer word (after every earlier GPU write it may overtake has
+ * landed: the caller's job). */
 void kvo_flag_set(kvo_flags *f, int64_t word, uint32_t value);
 
 /* Stream memory operations, gathered and enqueued in as few driver calls as fit. */

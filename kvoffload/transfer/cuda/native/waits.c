@@ -241,17 +241,16 @@ kvo_status kvo_gate_wait(kvo_core *e, int64_t gate, kvo_stream stream, int64_t l
     if (rc != KVO_OK) return rc;
     if (!flags_enter(e))
         return kvo_say(msg, KVO_FAILED, "expected an open native core, got a closed one");
-    kvo_ops ops;
+    kvo_ops ops; /* one wait: the next open closes the layer again, not the replay */
     kvo_ops_begin(&ops, &e->d, &e->flags, stream);
-    int64_t word = kvo_word_gate(&e->flags, gate, layer);
-    kvo_ops_wait(&ops, word, 1, KVO_WAIT_EQ);
-    kvo_ops_write(&ops, word, 0);
+    kvo_ops_wait(&ops, kvo_word_gate(&e->flags, gate, layer), 1, KVO_WAIT_EQ);
     void *prev = kvo_ctx_enter(e);
     int err = kvo_ops_end(&ops);
     kvo_ctx_leave(e, prev);
     flags_leave(e);
     if (err)
-        return kvo_say(msg, KVO_FAILED, "cuStreamBatchMemOp failed: %s", kvo_error_name(&e->d, err));
+        return kvo_say(msg, KVO_FAILED, "cuStreamWaitValue32 failed: %s",
+                       kvo_error_name(&e->d, err));
     return KVO_OK;
 }
 
@@ -277,8 +276,15 @@ kvo_status kvo_gate_open(kvo_core *e, int64_t gate, kvo_stream stream, kvo_job *
     }
     kvo_stream opener = (kvo_stream)e->spec.gate;
     void *prev = kvo_ctx_enter(e);
-    /* after the replays enqueued so far on `stream` (they close the gate as they pass it) */
-    int err = e->d.record(e->gate_event[gate], stream);
+    /* on `stream`, after the replays enqueued so far (they passed the layers the last open
+     * opened) and before the next: every layer closed, in one call; then, on the opener, each
+     * layer opens once its loads landed */
+    kvo_ops close;
+    kvo_ops_begin(&close, &e->d, &e->flags, stream);
+    for (int64_t l = 0; l < e->gate_layers[gate]; l++)
+        kvo_ops_write(&close, kvo_word_gate(&e->flags, gate, l), 0);
+    int err = kvo_ops_end(&close);
+    if (!err) err = e->d.record(e->gate_event[gate], stream);
     if (!err) err = e->d.wait(opener, e->gate_event[gate], 0);
     if (!err) {
         kvo_ops ops;
