@@ -16,9 +16,12 @@ replayed (as a full-graph forward), with before each layer:
 - ``host_wait_write`` / ``device_wait_write``: a wait until 1 then a write of 0 (two captured
   operations), words set to 1 before each replay (host: a store; device: a fill on the stream).
 
-Each alone and beside a ``MIB`` MiB host-to-device copy started just before the replay (the link
-busy for the whole loop), ``REPS`` times alternated. Reported: the replay's device time by CUDA
-events and, per layer, what each adds against ``none`` in the same setting.
+Each alone, beside a ``MIB`` MiB host-to-device copy started just before the replay (a plain
+``copy_``: the link busy for the whole loop), and beside a restore of as many bytes through
+kvoffload's public API (``schedule_load`` + ``submit`` on the same worker as the gate, its copies,
+scatter kernels and flag writes; the gate is opened for no load, so no layer waits for it),
+``REPS`` times alternated. Reported: the replay's device time by CUDA events and, per layer, what
+each adds against ``none`` in the same setting.
 
     python -m benchmarks.gate_graph_probe OUT.json   # CUDA only (needs cuda-bindings)
 """
@@ -40,6 +43,24 @@ LAYERS = 32
 SLEEP_US = 40
 MIB = 1024
 REPS = 15
+# beside nothing, a plain copy, a restore through kvoffload, and the plain copy in 32 MiB chunks
+# each followed by a stream write of a word in pinned host memory / in device memory (as the
+# restore writes its layer slices' flag words)
+# each followed by ...; the plain copy's chunks alternating over two streams (as the restore's
+# two DMA streams); the plain copy beside device-to-device copies on a third stream (HBM traffic
+# and SM work, as the restore's scatter kernels); the same bytes as 16 pitched copies of 512 rows
+# of 128 KiB out of 2 MiB host slots (as a restore's layer slices of a run of slots)
+SETTINGS = (
+    "alone",
+    "copy",
+    "load",
+    "copy_host_writes",
+    "copy_device_writes",
+    "copy_two_streams",
+    "copy_beside_d2d",
+    "copy_pitched",
+)
+CHUNK_MIB = 32
 KINDS = (
     "none",
     "gate",
@@ -59,8 +80,10 @@ def main() -> int:
     out_path = sys.argv[1]
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     run = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side2 = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     dev_a = torch.empty(MIB << 20, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(MIB << 20, dtype=torch.uint8, pin_memory=True)
+    dev_b = torch.empty(MIB << 20, dtype=torch.uint8, device="cuda")
     err, host = cu.cuMemHostAlloc(4 * LAYERS, cu.CU_MEMHOSTALLOC_DEVICEMAP)
     assert err == cu.CUresult.CUDA_SUCCESS, err
     err, hptr = cu.cuMemHostGetDevicePointer(host, 0)
@@ -69,10 +92,22 @@ def main() -> int:
     dwords = torch.zeros(LAYERS, dtype=torch.int32, device="cuda")
     host_addr = [cu.CUdeviceptr(int(hptr) + 4 * i) for i in range(LAYERS)]
     dev_addr = [cu.CUdeviceptr(dwords.data_ptr() + 4 * i) for i in range(LAYERS)]
+    # the side stream's own words (the graphs' are armed and reset by the graphs)
+    err, side_host = cu.cuMemHostAlloc(4 * LAYERS, cu.CU_MEMHOSTALLOC_DEVICEMAP)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    err, side_hptr = cu.cuMemHostGetDevicePointer(side_host, 0)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    side_dwords = torch.zeros(LAYERS, dtype=torch.int32, device="cuda")
+    side_words = {
+        "copy_host_writes": [cu.CUdeviceptr(int(side_hptr) + 4 * i) for i in range(LAYERS)],
+        "copy_device_writes": [
+            cu.CUdeviceptr(side_dwords.data_ptr() + 4 * i) for i in range(LAYERS)
+        ],
+    }
     eq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
     geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-    tensors, _dim, kv = probe_util.engine("llama3-8b", "page", 8)
-    local = probe_util.offload(kv, 8, "staged")
+    tensors, keys, dest, offloads = probe_util.stored_llama(MIB << 20, ("staged",))
+    local = offloads["staged"]
     gate = local.worker.layer_gate(LAYERS)
     sleep: Any = torch.cuda._sleep
     cycles = int(probe_util.sleep_cycles_per_ms() * SLEEP_US / 1e3)
@@ -120,23 +155,66 @@ def main() -> int:
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
-    def replay(kind: str, beside: bool) -> float:
+    loads = iter(range(1 << 30))
+
+    def replay(kind: str, beside: str) -> float:
         torch.cuda.synchronize()
         arm(kind, gate, run, hwords, dwords)
-        if beside:
+        job = None
+        if beside == "copy":
             with torch.cuda.stream(side):
                 dev_a.copy_(pinned, non_blocking=True)
+        elif beside == "copy_two_streams":
+            for k, at in enumerate(range(0, MIB << 20, CHUNK_MIB << 20)):
+                with torch.cuda.stream(side if k % 2 == 0 else side2):
+                    dev_a[at : at + (CHUNK_MIB << 20)].copy_(
+                        pinned[at : at + (CHUNK_MIB << 20)], non_blocking=True
+                    )
+        elif beside == "copy_beside_d2d":
+            with torch.cuda.stream(side):
+                dev_a.copy_(pinned, non_blocking=True)
+            with torch.cuda.stream(side2):
+                for _ in range(4):
+                    dev_b.copy_(dev_a, non_blocking=True)
+        elif beside == "copy_pitched":
+            rows, width = 512, (MIB << 20) // 512 // 16
+            for k in range(16):
+                m = cu.CUDA_MEMCPY2D()
+                m.srcMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_HOST
+                m.srcHost = pinned.data_ptr() + k * width
+                m.srcPitch = (MIB << 20) // 512
+                m.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+                m.dstDevice = dev_a.data_ptr() + k * rows * width
+                m.dstPitch = width
+                m.WidthInBytes = width
+                m.Height = rows
+                (err,) = cu.cuMemcpy2DAsync(m, cu.CUstream(side.cuda_stream))
+                assert err == cu.CUresult.CUDA_SUCCESS, err
+        elif beside.startswith("copy_"):
+            words = side_words[beside]
+            with torch.cuda.stream(side):
+                for k, at in enumerate(range(0, MIB << 20, CHUNK_MIB << 20)):
+                    dev_a[at : at + (CHUNK_MIB << 20)].copy_(
+                        pinned[at : at + (CHUNK_MIB << 20)], non_blocking=True
+                    )
+                    cu.cuStreamWriteValue32(cu.CUstream(side.cuda_stream), words[k % LAYERS], 0, 0)
+        elif beside == "load":
+            job = local.offloader.schedule_load(f"load{next(loads)}", keys, dest)
+            local.worker.submit(job)
         with torch.cuda.stream(run):
             start.record()
             graphs[kind].replay()
             end.record()
         torch.cuda.synchronize()
+        if job is not None:
+            probe_util.finish(local, job.job_id, "the load beside")
         return float(start.elapsed_time(end))
 
     for kind in KINDS:
-        replay(kind, True)
+        for beside in SETTINGS:
+            replay(kind, beside)
     rows: list[dict[str, Any]] = []
-    for beside in (False, True):
+    for beside in SETTINGS:
         times: dict[str, list[float]] = {k: [] for k in KINDS}
         for r in range(REPS):
             for kind in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
@@ -146,13 +224,13 @@ def main() -> int:
             ms = statistics.median(times[kind])
             row = {
                 "before_layer": kind,
-                "beside_copy": beside,
+                "beside": beside,
                 "replay_ms": ms,
                 "us_per_layer": (ms - base) / LAYERS * 1e3 if kind != "none" else 0.0,
             }
             rows.append(row)
             print(
-                f"{'beside copy' if beside else 'alone':11} {kind:18} replay {ms:7.3f} ms  "
+                f"{beside:5} {kind:18} replay {ms:7.3f} ms  "
                 f"{row['us_per_layer']:+6.2f} us per layer"
             )
     probe_util.dump(
