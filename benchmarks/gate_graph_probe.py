@@ -24,6 +24,8 @@ scatter kernels and flag writes; the gate is opened for no load, so no layer wai
 each adds against ``none`` in the same setting.
 
     python -m benchmarks.gate_graph_probe OUT.json   # CUDA only (needs cuda-bindings)
+    python -m benchmarks.gate_graph_probe OUT.json staged-ds1 alone,load   # a core variant
+                                                                          # (core_flags), settings
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 
 from benchmarks import probe_util
+from kvoffload.bench.e2e.runner.core_flags import configured
 
 LAYERS = 32
 SLEEP_US = 40
@@ -78,6 +81,13 @@ def main() -> int:
     from cuda.bindings import driver as cu
 
     out_path = sys.argv[1]
+    backend = sys.argv[2] if len(sys.argv) > 2 else "staged"
+    settings = tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 else SETTINGS
+    if "alone" not in settings or not set(settings) <= set(SETTINGS):
+        raise SystemExit(f"expected settings from {SETTINGS} with 'alone', got {settings}")
+    if backend != "staged":
+        name, *flags = backend.split("-")
+        configured(name, flags)
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     run = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     side2 = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -106,8 +116,8 @@ def main() -> int:
     }
     eq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
     geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-    tensors, keys, dest, offloads = probe_util.stored_llama(MIB << 20, ("staged",))
-    local = offloads["staged"]
+    tensors, keys, dest, offloads = probe_util.stored_llama(MIB << 20, (backend,))
+    local = offloads[backend]
     gate = local.worker.layer_gate(LAYERS)
     sleep: Any = torch.cuda._sleep
     cycles = int(probe_util.sleep_cycles_per_ms() * SLEEP_US / 1e3)
@@ -211,10 +221,10 @@ def main() -> int:
         return float(start.elapsed_time(end))
 
     for kind in KINDS:
-        for beside in SETTINGS:
+        for beside in settings:
             replay(kind, beside)
     rows: list[dict[str, Any]] = []
-    for beside in SETTINGS:
+    for beside in settings:
         times: dict[str, list[float]] = {k: [] for k in KINDS}
         for r in range(REPS):
             for kind in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
@@ -236,6 +246,7 @@ def main() -> int:
     probe_util.dump(
         out_path,
         "gate_graph_probe",
+        backend=backend,
         cuda_driver_api=cu.cuDriverGetVersion()[1],
         layers=LAYERS,
         sleep_us=SLEEP_US,
