@@ -31,7 +31,7 @@ each adds against ``none`` in the same setting.
 from __future__ import annotations
 
 import ctypes
-import statistics
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -225,23 +225,20 @@ def main() -> int:
             replay(kind, beside)
     rows: list[dict[str, Any]] = []
     for beside in settings:
-        times: dict[str, list[float]] = {k: [] for k in KINDS}
-        for r in range(REPS):
-            for kind in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
-                times[kind].append(replay(kind, beside))
-        base = statistics.median(times["none"])
+        medians = probe_util.rotated_medians(KINDS, REPS, functools.partial(replay, beside=beside))
+        added = {k: (ms - medians["none"]) / LAYERS * 1e3 for k, ms in medians.items()}
         for kind in KINDS:
-            ms = statistics.median(times[kind])
-            row = {
-                "before_layer": kind,
-                "beside": beside,
-                "replay_ms": ms,
-                "us_per_layer": (ms - base) / LAYERS * 1e3 if kind != "none" else 0.0,
-            }
-            rows.append(row)
+            rows.append(
+                {
+                    "before_layer": kind,
+                    "beside": beside,
+                    "replay_ms": medians[kind],
+                    "us_per_layer": added[kind],
+                }
+            )
             print(
-                f"{beside:5} {kind:18} replay {ms:7.3f} ms  "
-                f"{row['us_per_layer']:+6.2f} us per layer"
+                f"{beside:5} {kind:18} replay {medians[kind]:7.3f} ms  "
+                f"{added[kind]:+6.2f} us per layer"
             )
     probe_util.dump(
         out_path,

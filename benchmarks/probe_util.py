@@ -5,7 +5,9 @@ through the public API, a result file with the device and the date."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -78,6 +80,19 @@ def stored_llama(
     for each in offloads.values():
         store(each, "store", keys, np.arange(blocks))
     return tensors, keys, np.arange(blocks, 2 * blocks), offloads
+
+
+def rotated_medians(
+    kinds: Sequence[str], reps: int, run: Callable[[str], float]
+) -> dict[str, float]:
+    """Per kind, the median of ``run(kind)`` over ``reps`` rounds; each round runs every kind once,
+    starting one kind later than the round before (no kind always runs first)."""
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    order = list(kinds)
+    for r in range(reps):
+        for kind in order[r % len(order) :] + order[: r % len(order)]:
+            times[kind].append(run(kind))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def dump(path: str, benchmark: str, **fields: Any) -> None:

@@ -21,7 +21,7 @@ same setting.
 
 from __future__ import annotations
 
-import statistics
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -90,13 +90,10 @@ def main() -> int:
         loop(kind, True)
     rows: list[dict[str, Any]] = []
     for beside in (False, True):
-        times: dict[str, list[float]] = {k: [] for k in kinds}
-        for r in range(REPS):
-            for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
-                times[kind].append(loop(kind, beside))
-        base = statistics.median(times["none"])
+        medians = probe_util.rotated_medians(kinds, REPS, functools.partial(loop, beside=beside))
+        base = medians["none"]
         for kind in kinds:
-            ms = statistics.median(times[kind])
+            ms = medians[kind]
             row = {
                 "wait": kind,
                 "beside_copy": beside,
