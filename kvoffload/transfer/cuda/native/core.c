@@ -472,7 +472,7 @@ void kvo_core_close(kvo_core *e) {
         for (int64_t g = 0; g < e->gates; g++)
             for (int64_t l = 0; l < e->gate_layers[g]; l++)
                 kvo_ops_write(&ops, kvo_word_gate(&e->flags, g, l), 1);
-        (void)kvo_ops_end(&ops); /* refused: the context is broken, nothing more can run */
+        (void)kvo_ops_end(&ops); /* refused only by a context that failed (a sticky error) */
         e->d.ctx_sync();
     }
     for (int d = 0; d < 2; d++) kvo_lane_free(&e->lane[d], &e->pipe);
