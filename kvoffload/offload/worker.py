@@ -434,13 +434,14 @@ class WorkerGate:
         self.layers = gate.layers
 
     def wait(self, stream: object, layer: int) -> None:
-        """Enqueue on ``stream`` (capturable in a CUDA graph): wait until ``layer`` is open,
-        then close it. ValueError for a layer outside the gate."""
+        """Enqueue on ``stream`` (capturable in a CUDA graph): wait until ``layer`` is open.
+        ValueError for a layer outside the gate."""
         self.gate.wait(stream, layer)
 
     def open(self, stream: object, job_ids: Iterable[int]) -> None:
-        """Once per step, before the replay on ``stream``: open each layer once every job in
-        ``job_ids`` has landed it; the host does not wait for the copies."""
+        """Once per step, before the replay on ``stream`` (also with no jobs): close every layer,
+        then open each once every job in ``job_ids`` has landed it; the host does not wait for
+        the copies. A replay without an ``open`` of its own passes what the last one opened."""
         ids = _job_ids(job_ids, "open")
         with self._worker._lock:
             pendings = [run.pending for j in ids if (run := self._worker._running.get(j))]

@@ -382,9 +382,10 @@ static PyMethodDef core_methods[] = {
     {"stall_timer", (PyCFunction)core_stall_timer, METH_VARARGS,
      "stall_timer(layers) -> a Timer for Job.wait_on"},
     {"gate_wait", (PyCFunction)core_gate_wait, METH_VARARGS,
-     "gate_wait(gate, stream, layer): enqueue 'wait until open, then close' (capturable)"},
+     "gate_wait(gate, stream, layer): enqueue 'wait until open' (capturable)"},
     {"gate_open", (PyCFunction)core_gate_open, METH_VARARGS,
-     "gate_open(gate, stream, jobs, timeout=30): open each layer once the jobs landed it"},
+     "gate_open(gate, stream, jobs, timeout=30): close every layer on stream, then open each "
+     "once the jobs landed it"},
     {NULL, NULL, 0, NULL},
 };
 
