@@ -26,6 +26,10 @@ each adds against ``none`` in the same setting.
     python -m benchmarks.gate_graph_probe OUT.json   # CUDA only (needs cuda-bindings)
     python -m benchmarks.gate_graph_probe OUT.json staged-ds1 alone,load   # a core variant
                                                                           # (core_flags), settings
+    python -m benchmarks.gate_graph_probe OUT.json staged alone,copy,load gemm  # layers of GEMMs
+
+A layer is a spin kernel of ``SLEEP_US`` on one program (``spin``, default) or a bf16 GEMM of
+``GEMM`` x ``GEMM`` x ``GEMM`` on every SM (``gemm``, as a model's dense layers).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from kvoffload.bench.e2e.runner.core_flags import configured
 
 LAYERS = 32
 SLEEP_US = 40
+GEMM = 4096
 MIB = 1024
 REPS = 15
 # beside nothing, a plain copy, a restore through kvoffload, and the plain copy in 32 MiB chunks
@@ -83,6 +88,9 @@ def main() -> int:
     out_path = sys.argv[1]
     backend = sys.argv[2] if len(sys.argv) > 2 else "staged"
     settings = tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 else SETTINGS
+    layer = sys.argv[4] if len(sys.argv) > 4 else "spin"
+    if layer not in ("spin", "gemm"):
+        raise SystemExit(f"expected a layer 'spin' or 'gemm', got {layer!r}")
     if "alone" not in settings or not set(settings) <= set(SETTINGS):
         raise SystemExit(f"expected settings from {SETTINGS} with 'alone', got {settings}")
     if backend != "staged":
@@ -121,6 +129,17 @@ def main() -> int:
     gate = local.worker.layer_gate(LAYERS)
     sleep: Any = torch.cuda._sleep
     cycles = int(probe_util.sleep_cycles_per_ms() * SLEEP_US / 1e3)
+    mats = [torch.randn(GEMM, GEMM, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+    def compute() -> None:
+        if layer == "spin":
+            sleep(cycles)
+        else:
+            torch.mm(mats[0], mats[1], out=mats[2])
+
+    with torch.cuda.stream(run):  # the GEMM's library state made before any capture on it
+        compute()
+    torch.cuda.synchronize()
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(2 * LAYERS)]  # type: ignore[no-untyped-call]
 
     def before(kind: str) -> Callable[[Any, int], None] | None:
@@ -159,7 +178,7 @@ def main() -> int:
             for i in range(LAYERS):
                 if hook is not None:
                     hook(s, i)
-                sleep(cycles)
+                compute()
         graphs[kind] = g
         torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -247,6 +266,8 @@ def main() -> int:
         cuda_driver_api=cu.cuDriverGetVersion()[1],
         layers=LAYERS,
         sleep_us=SLEEP_US,
+        layer=layer,
+        gemm=GEMM,
         mib=MIB,
         reps=REPS,
         results=rows,
