@@ -6,11 +6,13 @@ A GPU-bound loop of ``LAYERS`` short spin kernels on one stream, captured in a C
 replayed (as a full-graph forward), with before each layer:
 
 - ``none``: nothing;
-- ``gate``: the native core's gate (``TransferWorker.layer_gate``: one captured batch of stream
-  memory operations per layer, wait until the word is 1 then write 0, on words in pinned,
-  device-mapped host memory), opened before each replay with no load (``open(stream, [])``);
-- ``gate_timed``: the same between two captured timing events, as ``bench e2e`` times a full
-  graph's waits (``wait{i}``);
+- ``gate``: the native core's gate (``TransferWorker.layer_gate``: since 2026-11-27 one captured
+  wait until the word is 1, on a word in device memory; before, a wait and a write of 0 in one
+  batch, on words in pinned host memory), opened before each replay with no load
+  (``open(stream, [])``);
+- ``gate_timed``: the same between two timing events recorded inside the graph (``external``
+  events: timestamp nodes), as ``bench e2e`` times a full graph's waits (``wait{i}``; before
+  this was a plain event, which a capture records as no timestamp);
 - ``host_wait`` / ``device_wait``: a captured ``cuStreamWaitValue32`` on a word already satisfied,
   in pinned host memory / in device memory;
 - ``host_wait_write`` / ``device_wait_write``: a wait until 1 then a write of 0 (two captured
@@ -140,7 +142,10 @@ def main() -> int:
     with torch.cuda.stream(run):  # the GEMM's library state made before any capture on it
         compute()
     torch.cuda.synchronize()
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(2 * LAYERS)]  # type: ignore[no-untyped-call]
+    marks = [  # recorded inside the graph as timestamp nodes, as bench e2e times a full graph
+        torch.cuda.Event(enable_timing=True, external=True)  # type: ignore[no-untyped-call]
+        for _ in range(2 * LAYERS)
+    ]
 
     def before(kind: str) -> Callable[[Any, int], None] | None:
         if kind == "gate":

@@ -203,8 +203,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--untimed-waits",
         action="store_true",
         help="diagnostic: the per-layer waits without their CUDA-event timing (two events per "
-        "layer), so the launch phase carries none of the benchmark's own cost; the GPU wait per "
-        "layer is then not measured (load_exposed_ms reads the whole load)",
+        "layer; full graphs are captured without them), so neither the launch phase nor a full "
+        "graph's replay carries the benchmark's own cost; the GPU wait per layer is then not "
+        "measured (load_exposed_ms reads the whole load)",
     )
     r = p.add_argument_group("run")
     r.add_argument(

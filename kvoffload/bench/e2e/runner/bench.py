@@ -134,6 +134,7 @@ def graph_runner(
         cache.num_blocks - 1,
         host.layer_gate() if full else None,
         host.open_layers if full else None,
+        time_waits=cfg.offload.time_waits,
     )
     runner.capture()
     return runner

@@ -116,6 +116,7 @@ class GraphRunner:
         open_layers: OpenLayers | None = None,
         capture: bool = True,
         context_step: int = CONTEXT_STEP,
+        time_waits: bool = True,
     ) -> None:
         if mode not in GRAPHS[1:]:
             raise ValueError(f"expected a graph mode in {GRAPHS[1:]}, got {mode!r}")
@@ -131,6 +132,9 @@ class GraphRunner:
             )
         self.model, self.cache, self.mode = model, cache, mode
         self.gate, self.open_layers, self.capturing = gate, open_layers, capture
+        # full: timing events captured around each layer's wait (timestamp nodes, which cost a
+        # replay ~15 us a layer more while the link is busy: gate_graph_probe, H200)
+        self.time_waits = time_waits
         self.scratch = scratch_block
         self.buckets = token_buckets(max_tokens)
         self.contexts = context_buckets(
@@ -344,9 +348,9 @@ class GraphRunner:
                         self._graph(side, pool, self._piece, i, b) for i in range(layers + 1)
                     ]
                     continue
-                events = self._events(layers)
+                events = self._events(layers) if self.time_waits else None
                 self._full[(b, ctx)] = self._graph(side, pool, self._full_step, b, ctx, events)
-                self._wait_events[(b, ctx)] = events
+                self._wait_events[(b, ctx)] = events or []
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 

@@ -30,7 +30,9 @@ class Offload:
     # Time each layer's wait on the GPU (the exposed wait per layer): eager and piecewise through
     # kvoffload's StallTimer (two events per wait the waiter enqueues, recorded by the native
     # core in the wait's own call), full graphs by events captured in the graph. False
-    # (diagnostic): the waits without that timing; load_exposed_ms then reads "not measured".
+    # (diagnostic): the waits without that timing, full graphs captured without those events
+    # (since 2026-11-27; before, ``--untimed-waits`` left them in the graph); load_exposed_ms
+    # then reads "not measured".
     time_waits: bool = True
     # The stores a request hands over once its forward is launched, before its token is read
     # (``evict``): "background": kvoffload's thread enqueues their copies while this thread
