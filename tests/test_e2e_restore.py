@@ -53,9 +53,9 @@ def test_a_wrong_restore_is_caught(monkeypatch):
     host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=24))
     real_load = host.start_load
 
-    def corrupting_load(req_id, keys, blocks):
+    def corrupting_load(req_id, keys, blocks, **how):
         host.local.arena.slots[:] ^= 0x40  # flip one bit of every byte held on host
-        return real_load(req_id, keys, blocks)
+        return real_load(req_id, keys, blocks, **how)
 
     monkeypatch.setattr(host, "start_load", corrupting_load)
     try:

@@ -94,8 +94,8 @@ def held_load(backend, tensors, block_dim, dest, slots, **submit):
 
 @pytest.mark.parametrize("config", ["default", "fine", "fine-coupled", "background"])
 def test_layer_waits_are_enqueued_before_the_copy_starts_and_order_each_layer(engine, config):
-    """... also for a load the core's thread enqueues (``background``): each wait_on waits on
-    the host for the enqueue only, never for the copy."""
+    """... also for a load the core's thread enqueues (``background``): each wait_on returns at
+    once, before that enqueue too (a GPU-side wait on words the enqueue will write)."""
     tensors, block_dim, kv, arena = engine
     group = kv.groups[0]
     chosen = None if config in ("default", "background") else fine(kv, config == "fine-coupled")
@@ -164,18 +164,19 @@ def test_a_stall_timer_reads_each_layers_wait_on_the_device(engine):
         backend.close()
 
 
-@pytest.mark.parametrize("kind", ["native", "auto"])
+@pytest.mark.parametrize("kind", ["native", "auto", "background"])
 def test_a_gate_inside_a_captured_graph_orders_each_layer_every_step(engine, kind):
     """The per-layer waits are captured once in a CUDA graph (fixed addresses); each step opens
     the gate for that step's load (or none) and replays: bytes exact, no hang, three times.
     ``auto`` (the planner): its gate is the native engine's, so the native engine's loads open
     layer by layer (until 2026-11-26 it was the plain gate: every replay waited for the whole
-    load); a load the planner gave another backend is waited for whole."""
+    load); a load the planner gave another backend is waited for whole. ``background``: each load
+    enqueued by the core's thread, the gate opened before its copies are enqueued."""
     tensors, block_dim, kv, arena = engine
     group = kv.groups[0]
     layers = group.num_layers
     backend: CopyBackend
-    if kind == "native":
+    if kind in ("native", "background"):
         backend = NativeStagedBackend(kv, arena, config=fine(kv))
     else:
         backend = make_backend("auto", kv, arena)
@@ -196,7 +197,8 @@ def test_a_gate_inside_a_captured_graph_orders_each_layer_every_step(engine, kin
         for step, slots in enumerate(([3, 8, 0], None, [10, 5, 1])):
             pendings = []
             if slots is not None:
-                _, _slept, pending = held_load(backend, tensors, block_dim, dest, slots)
+                bg = {"background": True} if kind == "background" else {}
+                _, _slept, pending = held_load(backend, tensors, block_dim, dest, slots, **bg)
                 pendings.append(pending)
             gate.open(stream, pendings)
             with torch.cuda.stream(stream):
@@ -215,7 +217,9 @@ def test_a_gate_inside_a_captured_graph_orders_each_layer_every_step(engine, kin
 
 LAZY = textwrap.dedent(
     """
+    import sys
     import numpy as np, torch
+    from kvoffload.transfer.cuda import staged
     from kvoffload.store.arena import HostArena
     from kvoffload.transfer.cuda.staged import NativeGate, NativeStagedBackend
     from kvoffload.transfer.layout import KVLayout
@@ -230,11 +234,13 @@ LAZY = textwrap.dedent(
     arena = HostArena(n, kv.slot_bytes, pin=cuda_pin)
     arena.slots[:] = 7
     backend = NativeStagedBackend(kv, arena)
+    background = sys.argv[1] == "background"
+    staged.RELEASE_S = 1.0
     late = torch.cuda.Stream()
     with torch.cuda.stream(late):
         torch.cuda._sleep(400_000_000)
     pending = backend.submit([TransferSpec.of("load", list(range(n)), list(range(n)))],
-                             order_after=late)
+                             order_after=late, background=background)
     side = torch.cuda.Stream()
     pending.wait_on(side, layer=31)
     with torch.cuda.stream(side):  # kernels never launched before: loaded now, lazily
@@ -242,18 +248,32 @@ LAZY = textwrap.dedent(
         y = torch.special.i1e(x) + torch.special.bessel_j1(x) + torch.special.erfcx(x)
         z = tensors[31][:4].clone()
     side.synchronize()
-    assert pending.wait(60) and pending.error() is None
-    assert bool((z.view(torch.uint8) == 7).all()), "layer 31 not loaded"
+    assert pending.wait(60)
+    released = backend.stats()["released"]
+    if released:  # the lazy load held our thread's enqueue past RELEASE_S: a failed load
+        assert "released" in str(pending.error()), pending.error()
+    else:
+        assert pending.error() is None
+        assert bool((z.view(torch.uint8) == 7).all()), "layer 31 not loaded"
     backend.close()
-    print("ok", float(y.sum()))
+    print("ok", float(y.sum()), "released", released)
     """
 )
 
 
-def test_a_kernel_loaded_lazily_while_waits_are_pending_does_not_hang():
+@pytest.mark.parametrize("handover", ["inline", "background"])
+def test_a_kernel_loaded_lazily_while_waits_are_pending_does_not_hang(handover):
+    """... also where the wait is enqueued before the load's copies (``background``): the core
+    enqueues them, or, if a lazy module load holds its thread in the driver, releases the load
+    as failed after RELEASE_S (the engine recomputes)."""
     env = dict(os.environ, CUDA_MODULE_LOADING="LAZY")
     done = subprocess.run(
-        [sys.executable, "-c", LAZY], env=env, capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", LAZY, handover],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("ok")
+    print(done.stdout.strip())

@@ -200,6 +200,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "background=True)) or by the engine's thread inside the call",
     )
     k.add_argument(
+        "--load-handover",
+        default="inline",
+        choices=("inline", "background"),
+        help="layered: a restore's load handed over before the forward's launch: its copies "
+        "enqueued by the engine's thread inside the call, or by kvoffload's thread while the "
+        "engine launches (its layer waits enqueued at once, before the copies)",
+    )
+    k.add_argument(
         "--untimed-waits",
         action="store_true",
         help="diagnostic: the per-layer waits without their CUDA-event timing (two events per "
@@ -315,6 +323,7 @@ def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
                 load=args.load,
                 time_waits=not args.untimed_waits,
                 store_handover=args.store_handover,
+                load_handover=args.load_handover,
             ),
             backend=args.backend,
             zero_reuse_rounds=args.zero_reuse_rounds,

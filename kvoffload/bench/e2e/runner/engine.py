@@ -178,7 +178,8 @@ class PagedEngine:
                 staged = self._stage(tokens, loaded * bs, blocks)
             host_time.mark("launch")
             with self.timer.section("load_submit"):
-                load = self.host.start_load(req, *restore)
+                bg = self.offload.load == "layered" and self.offload.load_handover == "background"
+                load = self.host.start_load(req, *restore, background=bg)
             host_time.mark("load_submit")
         elif self.beside is not None and self.beside_bytes:  # as kvoffload's load, minus ours
             with self.timer.section("stage"):

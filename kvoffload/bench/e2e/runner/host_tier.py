@@ -107,9 +107,16 @@ class HostTier:
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         return self.offloader.lookup(keys)
 
-    def start_load(self, req_id: str, keys: Sequence[BlockKey], blocks: Sequence[int]) -> Load:
+    def start_load(
+        self,
+        req_id: str,
+        keys: Sequence[BlockKey],
+        blocks: Sequence[int],
+        background: bool = False,
+    ) -> Load:
         """Start copying held ``keys`` into GPU ``blocks`` (ordered after the work enqueued so far
-        on the current stream, which may still read those blocks' old contents)."""
+        on the current stream, which may still read those blocks' old contents). ``background``:
+        kvoffload's thread enqueues the copies (the layer waits need not wait for that)."""
         job = self.offloader.schedule_load(req_id, keys, blocks)
         start = None
         if self.cuda:
@@ -118,7 +125,7 @@ class HostTier:
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
         self._queued.append(job)
-        self.poll()  # the load starts now, with the stores queued before it
+        self.poll(background)  # the load starts now, with the stores queued before it
         load = Load(req_id, job.job_id, len(keys), time.perf_counter(), start, specs=job.specs)
         self.time_load(load)  # its end marked on the device now: load_ms is the load's own time
         return load
@@ -151,9 +158,11 @@ class HostTier:
 
     def time_load(self, load: Load) -> None:
         """On a GPU, record ``load.end`` when the load's last byte lands (a side stream waits for
-        it, enqueued right after the submit, so the event marks the load's end and not when the
-        host got here: before 2026-11-27 it was enqueued after the forward's launch, and an eager
-        forward's ``load_ms`` read its whole launch phase). Once per load; no-op on a CPU."""
+        its last layer, whose words the load writes with its end, enqueued right after the
+        submit, so the event marks the load's end and not when the host got here: before
+        2026-11-27 it was enqueued after the forward's launch, and an eager forward's ``load_ms``
+        read its whole launch phase; a layer's wait, unlike the whole job's, does not wait on the
+        host for a background load's enqueue). Once per load; no-op on a CPU."""
         if self.cuda and load.end is None and self._wait_on(load, self._probe, PROBE):
             import torch
 
@@ -213,9 +222,10 @@ class HostTier:
         self.local.close()
 
     def _wait_on(self, load: Load, stream: Any, label: str) -> bool:
-        """``TransferWorker.wait_on`` for the whole load; False if the copy failed."""
-        wait = self.local.worker.wait_on
-        return self._guard(load, None, f"{label}worker.wait_on", wait, load.job_id, stream)
+        """``TransferWorker.wait_on`` for the load's last layer (landed with the rest of it);
+        False if the copy failed."""
+        wait, last = self.local.worker.wait_on, self.layers - 1
+        return self._guard(load, None, f"{label}worker.wait_on", wait, load.job_id, stream, last)
 
     def _guard(self, load: Load, layer: int | None, name: str, wait: Any, *args: Any) -> bool:
         """A wait for ``load`` (timed as ``name``); False, and ``load.failed``, if the copy

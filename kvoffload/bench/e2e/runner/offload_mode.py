@@ -39,6 +39,12 @@ class Offload:
     # waits for the device (``TransferWorker.step(jobs, background=True)``); "inline": this
     # thread does, inside the call (before 2026-11-27).
     store_handover: str = "background"
+    # A restore's load (``layered``), handed over right before the forward's launch: "inline":
+    # the engine's thread enqueues its copies inside the call; "background": kvoffload's
+    # thread does (``TransferWorker.step(jobs, background=True)``) while the engine launches,
+    # and the forward's per-layer waits (or a full graph's gate) are enqueued at once, before
+    # the copies are (since 2026-11-27; docs/api.md, "Background hand-over").
+    load_handover: str = "inline"
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -46,6 +52,7 @@ class Offload:
             ("store", STORES),
             ("load", LOADS),
             ("store_handover", HANDOVERS),
+            ("load_handover", HANDOVERS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"expected {name} in {allowed}, got {getattr(self, name)!r}")

@@ -475,9 +475,8 @@ static int finish(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
 }
 
 int kvo_pipeline_run(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
-    job->seq = ++lane->seq;
-    if (job->seq == 0) job->seq = ++lane->seq; /* 0 is "never used" (index buffers) */
     int err = 0;
+    if (job->failed) return finish(p, lane, job); /* released before it ran: only its words */
     kvo_dptr ids = 0;
     int coupled = is_coupled(p, job->dir);
     /* only the kernels touch the engine's memory: their stream waits for the caller's work; the

@@ -94,7 +94,7 @@ kvo_status kvo_job_wait(kvo_core *e, kvo_job *job, double timeout, int *finished
 kvo_status kvo_job_cancel(kvo_core *e, kvo_job *job, int *cancelled) {
     *cancelled = 0;
     pthread_mutex_lock(&e->mu);
-    if (job->state == KVO_QUEUED) {
+    if (job->state == KVO_QUEUED && !job->early) { /* an early wait names it: it runs */
         kvo_job **pp = &e->queue_head[job->dir];
         kvo_job *prev = NULL;
         while (*pp != NULL && *pp != job) {
@@ -129,20 +129,32 @@ static kvo_status until_enqueued(kvo_core *e, kvo_job *job, double timeout, char
     return kvo_say(msg, KVO_TIMEOUT, "the copy was not enqueued within %g s", timeout);
 }
 
-kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t layer,
-                           double timeout, kvo_timer *timer, int *ok, char *msg) {
-    *ok = 1;
-    kvo_status rc = until_enqueued(e, job, timeout, msg);
-    if (rc != KVO_OK) return rc;
-    if (job->cancelled) { /* never ran: nothing to wait for, the engine recomputes */
-        *ok = 0;
+/* A load's layer wait is enqueued at once, also before the load's copies are (early, core.c:
+ * bounded by the job's release); any other wait first waits on the host for the job's enqueue. */
+static kvo_status until_waitable(kvo_core *e, kvo_job *job, int early, double timeout, int *ok,
+                                 char *msg) {
+    if (early && state_of(job) < KVO_INFLIGHT) {
+        pthread_mutex_lock(&e->mu);
+        int gone = kvo_mark_early(e, job, timeout);
+        pthread_mutex_unlock(&e->mu);
+        *ok = !gone; /* released or cancelled: nothing to wait for, the engine recomputes */
         return KVO_OK;
     }
-    *ok = !job->failed; /* final for failures found while enqueueing (the job settled) */
+    kvo_status rc = until_enqueued(e, job, timeout, msg);
+    if (rc != KVO_OK) return rc;
+    /* final for failures found while enqueueing (the job settled); a released job failed */
+    *ok = !job->cancelled && !job->failed && !job->released;
+    return KVO_OK;
+}
+
+kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t layer,
+                           double timeout, kvo_timer *timer, int *ok, char *msg) {
+    int layered = job->dir == KVO_LOAD && layer >= 0 && layer < job->n_layers;
+    kvo_status rc = until_waitable(e, job, layered, timeout, ok, msg);
+    if (rc != KVO_OK) return rc;
+    if (job->cancelled || (layered && !*ok)) return KVO_OK; /* never ran, or released */
     if (!flags_enter(e)) return KVO_OK; /* closed: everything ended */
-    int64_t word = job->dir == KVO_LOAD && layer >= 0 && layer < job->n_layers
-                       ? kvo_word_layer(&e->flags, layer)
-                       : kvo_word_done(job->dir);
+    int64_t word = layered ? kvo_word_layer(&e->flags, layer) : kvo_word_done(job->dir);
     int err = 0;
     if (!kvo_flag_reached(&e->flags, word, job->seq)) { /* else landed: nothing to wait */
         void *prev = kvo_ctx_enter(e);
@@ -265,15 +277,18 @@ kvo_status kvo_gate_open(kvo_core *e, int64_t gate, kvo_stream stream, kvo_job *
     kvo_status rc = check_gate(e, gate, 0, 0, msg);
     if (rc != KVO_OK) return rc;
     uint32_t target[2] = {0, 0}; /* per direction: the newest listed job still to land */
-    for (int64_t i = 0; i < n; i++)
-        if ((rc = until_enqueued(e, jobs[i], timeout, msg)) != KVO_OK) return rc;
-    if (!flags_enter(e))
-        return kvo_say(msg, KVO_FAILED, "expected an open native core, got a closed one");
-    for (int64_t i = 0; i < n; i++) {
-        if (jobs[i]->cancelled) continue;
-        if (!kvo_flag_reached(&e->flags, kvo_word_done(jobs[i]->dir), jobs[i]->seq))
+    for (int64_t i = 0; i < n; i++) { /* loads: early (the opener waits on their layer words) */
+        int ok = 1;
+        if ((rc = until_waitable(e, jobs[i], jobs[i]->dir == KVO_LOAD, timeout, &ok, msg)) !=
+            KVO_OK)
+            return rc;
+        if (ok && !jobs[i]->cancelled) /* else never ran, released or failed: not waited for */
             target[jobs[i]->dir] = newest(target[jobs[i]->dir], jobs[i]->seq);
     }
+    if (!flags_enter(e))
+        return kvo_say(msg, KVO_FAILED, "expected an open native core, got a closed one");
+    for (int d = 0; d < 2; d++) /* landed already: nothing to wait for */
+        if (target[d] && kvo_flag_reached(&e->flags, kvo_word_done(d), target[d])) target[d] = 0;
     kvo_stream opener = (kvo_stream)e->spec.gate;
     void *prev = kvo_ctx_enter(e);
     /* on `stream`, after the replays enqueued so far (they passed the layers the last open
@@ -329,6 +344,7 @@ kvo_status kvo_core_stats(kvo_core *e, kvo_stats *out) {
     out->submitted = e->submitted;
     out->completed = e->completed;
     out->reaped = e->reaped;
+    out->released = e->released;
     out->failed = e->failures;
     out->parts = e->lane[0].parts + e->lane[1].parts;
     out->closed = e->closing;
