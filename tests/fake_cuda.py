@@ -88,11 +88,6 @@ class Calls:
     recorded: dict[int, int] = field(default_factory=dict)
     reached: dict[int, int] = field(default_factory=dict)
 
-    def poll(self) -> None:
-        """The GPU looks at its waits again (a real one polls): words the host wrote (a release,
-        a failed enqueue's fallback) let the streams held on them go on."""
-        _memops(self, -1, [])
-
     def stream_held(self, stream: int) -> bool:
         """True while ``stream`` waits on a flag word that has not reached its value, or on an
         event record its stream has not reached."""

@@ -12,7 +12,6 @@ import contextlib
 import gc
 import os
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +19,6 @@ import numpy as np
 import pytest
 
 from kvoffload.transfer.cuda import extension
-from kvoffload.transfer.cuda import staged as staged_module
 from kvoffload.transfer.cuda.driver import CudaCopyError
 from kvoffload.transfer.spec import Direction, TransferSpec
 from tests.fake_cuda import Calls, fake_cuda, hold_stream
@@ -140,8 +138,7 @@ def test_a_load_that_fails_mid_way_still_writes_every_flag_and_reports_failed(
     writes the slices' flags): the job fails, every flag word a wait could name is written
     anyway (no stream is left waiting), wait_on says so, and the next load runs; also with
     coupled loads (copy and scatter on one DMA stream), and with the load enqueued by the core's
-    thread (``background``: the gate's open does not wait for that enqueue; its opener waits on
-    the GPU for the words the failed enqueue still writes)."""
+    thread (``background``: the gate's open waits for that enqueue, failure included)."""
     config = {"load_coupled": True, "dma_streams": 2, "depth": 2} if coupled else {}
     with engine_on("llama3-8b", "kv_split", **config) as (pair, backend):
         slots = np.arange(8)
@@ -163,14 +160,13 @@ def test_a_load_that_fails_mid_way_still_writes_every_flag_and_reports_failed(
             pending = backend.submit(load, background=background)
             gate.open(77, [pending])  # before the step's replay, as an engine opens it
             gate.wait(77, 3)  # the replay's wait on the gate of a layer never loaded
-            assert pending.wait(10)
         finally:
             swap_launch(fake_cuda, launch)
             fake_cuda.fail_flags_on = None
+        assert pending.wait(10)
         assert "FAKE_ERROR_700" in str(pending.error()) if where == "launch" else pending.error()
         with pytest.raises(RuntimeError):
             pending.wait_on(123, 3)  # the engine recomputes: the stream does not wait
-        fake_cuda.poll()  # words the host wrote (the failed flag writes' fallback) are seen
         assert not any(fake_cuda.held.values())  # the gate opened, nothing held
         again = backend.submit([TransferSpec.of("load", np.arange(8, 16), slots)])
         assert again.wait(10) and again.error() is None
@@ -375,14 +371,13 @@ def test_small_jobs_are_enqueued_by_the_caller_when_the_direction_is_idle(
 
 
 @needs_core
-def test_a_layer_wait_on_a_background_load_is_enqueued_at_once_before_its_copies(
+def test_a_wait_on_a_background_load_waits_on_the_host_until_its_copies_are_enqueued(
     fake_cuda: Calls,
 ) -> None:
     """A load handed to the core's thread (``background``) whose enqueue is held in the driver:
-    the engine's ``wait_on(stream, layer)`` does not wait on the host for that enqueue (issue 25:
-    the engine's thread never waits for ours); it enqueues its GPU-side wait at once, the stream
-    holds until the layer lands, and the bytes land. Such a load can no longer be cancelled (a
-    wait names it): it runs."""
+    the engine's ``wait_on`` does not enqueue a GPU wait for copies not yet enqueued (a wait that
+    could outlive a thread blocked in the driver, issue 25); it returns once they are, and the
+    bytes land."""
     with engine_on("llama3-8b", "kv_split") as (pair, backend):
         slots = np.arange(8)
         store = [TransferSpec.of("store", np.arange(8), slots)]
@@ -392,28 +387,17 @@ def test_a_layer_wait_on_a_background_load_is_enqueued_at_once_before_its_copies
             load = [TransferSpec.of("load", np.arange(8, 16), slots)]
             pending = backend.submit(load, background=True)
             assert entered.wait(10)  # the core's thread is inside the load's enqueue
-            queued = backend.submit([TransferSpec.of("load", [20], [0])], background=True)
             before = fake_cuda.memops
-            done = threading.Event()
-
-            def wait_then_say() -> None:
-                pending.wait_on(123, 0)
-                done.set()
-
-            waiter = threading.Thread(target=wait_then_say)
+            waiter = threading.Thread(target=pending.wait_on, args=(123, 0))
             waiter.start()
-            assert done.wait(5)  # returned while the enqueue is still held
-            assert fake_cuda.memops == before + 1 and fake_cuda.stream_held(123)
-            queued.wait_on(124, 0)  # on a load queued behind it: at once too
-            assert not queued.cancel()  # a wait names it: it runs
+            waiter.join(0.2)
+            assert waiter.is_alive() and fake_cuda.memops == before  # no wait enqueued yet
             gate.set()
+            waiter.join(10)
+            assert not waiter.is_alive()
             assert pending.wait(10) and pending.error() is None
-            assert queued.wait(10) and queued.error() is None
-            fake_cuda.poll()
-            assert not fake_cuda.stream_held(123) and not fake_cuda.stream_held(124)
             pair.oracle.copy(store)
             pair.oracle.copy(load)
-            pair.oracle.copy([TransferSpec.of("load", [20], [0])])
             pair.check()
         finally:
             gate.set()
@@ -421,60 +405,53 @@ def test_a_layer_wait_on_a_background_load_is_enqueued_at_once_before_its_copies
 
 
 @needs_core
-@pytest.mark.parametrize("how", ["wait_on", "gate"])
-def test_a_load_whose_enqueue_outlives_its_release_time_is_released_as_failed(
-    fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch, how: str
+def test_a_layer_wait_on_a_background_load_waits_only_for_its_slices_enqueue(
+    fake_cuda: Calls,
 ) -> None:
-    """The bound on an early wait (no hang): the core's thread is blocked in the driver inside a
-    background load's enqueue while the engine's stream waits on that load's layers (as behind a
-    lazy module load on the engine's thread). After ``RELEASE_S`` the core writes the layer words
-    on the host, so the stream goes on; that load and the one queued behind it report failed
-    (the engine recomputes), the queued one never copies, and the next load runs as usual."""
-    monkeypatch.setattr(staged_module, "RELEASE_S", 0.2)
-    with engine_on("llama3-8b", "kv_split") as (pair, backend):
+    """A load the core's thread enqueues, held in the driver at its second slice's scatter: a
+    wait on a layer of the first slice is enqueued at once (that slice's flag writes are), one on
+    a layer of the second waits on the host until its slice is enqueued, never ahead of it (a
+    GPU wait enqueued ahead of its work could hold that work behind it on a shared hardware
+    queue), and the bytes land."""
+    most = {"max_layer_slices": 4, "layer_slice_transfer_bytes": 1, "plan_link_GBps": 0.0}
+    with engine_on("llama3-8b", "kv_split", **most) as (pair, backend):
         slots = np.arange(8)
         store = [TransferSpec.of("store", np.arange(8), slots)]
         assert backend.submit(store).wait(10)
-        layer_gate = backend.layer_gate(4)
-        gate, entered, launch = hold_launches(fake_cuda)
+        launch = fake_cuda_launch(fake_cuda)
+        gate, entered, count = threading.Event(), threading.Event(), [0]
+
+        def second_held(*args: Any) -> int:
+            count[0] += 1
+            if count[0] == 2:
+                entered.set()
+                assert gate.wait(10)
+            return int(launch(*args))
+
+        swap_launch(fake_cuda, second_held)
         try:
-            held = [TransferSpec.of("load", np.arange(8, 16), slots)]
-            pending = backend.submit(held, background=True)
-            assert entered.wait(10)
-            behind = backend.submit([TransferSpec.of("load", [20], [0])], background=True)
-            if how == "wait_on":
-                pending.wait_on(123, 0)
-                behind.wait_on(123, 1)
-            else:
-                layer_gate.open(123, [pending, behind])
-                layer_gate.wait(123, 0)
-            assert fake_cuda.stream_held(123)
-            deadline = time.monotonic() + 10
-            while backend.stats()["released"] == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert backend.stats()["released"] == 1
-            fake_cuda.poll()
-            assert not fake_cuda.stream_held(123)  # released while the enqueue is still held
-            assert not pending.done()
+            load = [TransferSpec.of("load", np.arange(8, 16), slots)]
+            pending = backend.submit(load, background=True)
+            owner = pending.layer_slice
+            assert owner is not None and owner.max() >= 1, owner  # at least two slices
+            first, second = int(np.flatnonzero(owner == 0)[0]), int(np.flatnonzero(owner == 1)[0])
+            assert entered.wait(10)  # the core's thread is at the second slice's scatter
+            pending.wait_on(123, first)  # its slice is enqueued (here: landed): returns at once
+            before = fake_cuda.memops
+            waiter = threading.Thread(target=pending.wait_on, args=(124, second))
+            waiter.start()
+            waiter.join(0.2)
+            assert waiter.is_alive() and fake_cuda.memops == before  # not ahead of its slice
             gate.set()
-            for p in (pending, behind):
-                assert p.wait(10)
-                assert "released" in str(p.error())
-            with pytest.raises(RuntimeError, match="released"):
-                behind.wait_on(125, 0)  # a released load: nothing to wait for
+            waiter.join(10)
+            assert not waiter.is_alive()
+            assert pending.wait(10) and pending.error() is None
+            pair.oracle.copy(store)
+            pair.oracle.copy(load)
+            pair.check()
         finally:
             gate.set()
             swap_launch(fake_cuda, launch)
-        fake_cuda.poll()
-        assert not any(fake_cuda.held.values())
-        fresh = [TransferSpec.of("load", [16, 17, 18, 19, 21, 22, 23], np.arange(7))]
-        again = backend.submit(fresh, background=True)
-        again.wait_on(126, 0)
-        assert again.wait(10) and again.error() is None
-        pair.oracle.copy(store)
-        pair.oracle.copy(held)  # its copies went on once the driver let them: blocks it holds
-        pair.oracle.copy(fresh)
-        pair.check()  # and the queued load behind it never wrote block 20
 
 
 @needs_core

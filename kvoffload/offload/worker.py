@@ -139,10 +139,9 @@ class TransferWorker:
         the hand-over. Use it where the engine is about to wait for the device, e.g. stores
         handed over after a forward is launched and before its token is read; not before a
         launch, where our thread's driver calls would slow the engine's (docs/api.md,
-        "Background hand-over"). A load handed over so is safe to wait on, and its layer waits
-        (``wait_on`` with a layer, a layer waiter, a gate's ``open``) are enqueued at once, before
-        its copies; the core releases them as a failed load should that enqueue not end in time
-        (no hang: docs/transfer.md, "No hang, ever")."""
+        "Background hand-over"). A load handed over so is safe to wait on: ``wait_on`` first
+        waits on the host (bounded) until its copies are enqueued, a layer's wait only until
+        that layer's slice is."""
         if not isinstance(jobs, (list, tuple)):
             raise ValueError(f"step: expected a list of TransferJob, got {type(jobs).__name__}")
         if not isinstance(background, bool):
@@ -181,7 +180,6 @@ class TransferWorker:
 
     def cancel(self, job_ids: Iterable[int]) -> list[int]:
         """Cancel jobs that have not started; they finish as ``cancelled``. Returns those ids.
-        A load that a GPU-side wait already names (enqueued before its copies) has started.
 
         A job of this worker's Offloader that was never submitted is cancelled too (it can then
         never run), so ``worker.cancel(offloader.abort(req))`` always lets ``req`` settle, also

@@ -205,7 +205,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("inline", "background"),
         help="layered: a restore's load handed over before the forward's launch: its copies "
         "enqueued by the engine's thread inside the call, or by kvoffload's thread while the "
-        "engine launches (its layer waits enqueued at once, before the copies)",
+        "engine launches (a layer's wait waits on the host for that layer's slice)",
     )
     k.add_argument(
         "--untimed-waits",

@@ -11,9 +11,7 @@ to C as one frozen ``CoreSpec``.
 ``NativePending`` is the ``Pending`` of one submit (one core job per direction): ``done``,
 ``wait``, ``wait_on(stream, layer)`` and ``cancel`` are single native calls that never hold the
 GIL while they wait. ``wait_on`` enqueues one GPU-side wait on a flag word the copy writes once
-that layer has landed and returns at once: the engine's thread never waits for the copy, nor,
-for a load's layer, for the copy's enqueue (a load handed to the core's thread: the wait is
-enqueued before the copies, bounded by ``RELEASE_S``).
+that layer has landed and returns at once: the engine's thread never waits for the copy.
 ``NativeGate`` is the core's ``LayerGate`` (a forward captured whole in a CUDA graph). Ordering
 and the reuse rule for memory of a timed-out transfer are those of ``base.py``'s module
 docstring.
@@ -51,12 +49,6 @@ from kvoffload.transfer.stall import StallTimer
 log = logging.getLogger(__name__)
 # How long wait_on() waits on the host for a transfer's enqueue before it gives up (seconds).
 ENQUEUE_TIMEOUT = 30.0
-# How long a GPU-side wait may stand on a load whose copies are not enqueued yet (a load handed
-# to the core's thread) before the core releases it: its layer words written on the host, the
-# load reported failed (the engine recomputes). Normally a load is enqueued within a millisecond;
-# this bounds a thread of ours blocked in the driver, e.g. behind a lazy module load on the
-# engine's thread that waits for the device while the device waits on our words (no hang).
-RELEASE_S = 2.0
 
 
 class NativeUnavailable(RuntimeError):
@@ -369,15 +361,13 @@ class NativePending(Pending):
         return all([j.cancel() for j in self.jobs])
 
     def wait_on(self, stream: object = None, layer: int | None = None) -> None:
-        """One GPU-side wait per job, enqueued at once. A load's layer wait never waits on the
-        host, also for a load whose copies are not enqueued yet (the core releases it as failed
-        after ``RELEASE_S``); any other wait first waits on the host for a job still queued
-        behind another. Raises the copy's error where it failed while being enqueued, or was
-        released (the stream then does not wait for it: the engine recomputes)."""
+        """One GPU-side wait per job, enqueued at once (the host waits only for a job still
+        queued behind another); raises the copy's error where it failed while being enqueued (the
+        stream then does not wait for it: the engine recomputes)."""
         handle = stream_handle(stream)
         for j in self.jobs:
             at = -1 if layer is None or j.direction != "load" else int(layer)
-            if not j.wait_on(handle, at, RELEASE_S if at >= 0 else ENQUEUE_TIMEOUT):
+            if not j.wait_on(handle, at, ENQUEUE_TIMEOUT):
                 raise _exception(j.error())
 
     def layer_waiter(
@@ -387,12 +377,12 @@ class NativePending(Pending):
         one load job one per layer slice; everything else resolved here: the stream's handle,
         the job's bound ``wait_on``, its layers' slices, the timeout. With ``timer``, the core
         records the timer's two events around each wait it enqueues, in the same call."""
-        handle, timeout = stream_handle(stream), RELEASE_S
+        handle, timeout = stream_handle(stream), ENQUEUE_TIMEOUT
         native = None if timer is None or self.core is None else timer.native(self.core)
         loads = [j for j in self.jobs if j.direction == "load"]
         whole = [j for j in self.jobs if j.direction != "load"]
         for j in whole:  # a store has no layers: its wait is enqueued once, here
-            if not j.wait_on(handle, -1, ENQUEUE_TIMEOUT):
+            if not j.wait_on(handle, -1, timeout):
                 raise _exception(j.error())
         if len(loads) != 1:
 
@@ -443,8 +433,7 @@ class NativePending(Pending):
 class NativeGate(LayerGate):
     """``LayerGate`` on the core's flag words (device memory): ``wait`` is one captured stream
     memory operation (wait until 1); ``open`` writes every layer's word 0 on the replay's stream
-    in one call, then, on the core's gate stream, each 1 once its loads landed. ``open`` does not
-    wait for a load's enqueue (the gate stream waits on the GPU; ``RELEASE_S`` bounds it)."""
+    in one call, then, on the core's gate stream, each 1 once its loads landed."""
 
     def __init__(self, core: Any, layers: int) -> None:
         super().__init__(layers)
@@ -461,7 +450,7 @@ class NativeGate(LayerGate):
             if not isinstance(p, NativePending):
                 raise ValueError(f"expected this core's transfers, got {type(p).__name__}")
             jobs += p.jobs
-        self._core.gate_open(self.index, stream_handle(stream), jobs, RELEASE_S)
+        self._core.gate_open(self.index, stream_handle(stream), jobs, ENQUEUE_TIMEOUT)
 
 
 class _Nothing(Pending):

@@ -41,9 +41,9 @@ class Offload:
     store_handover: str = "background"
     # A restore's load (``layered``), handed over right before the forward's launch: "inline":
     # the engine's thread enqueues its copies inside the call; "background": kvoffload's
-    # thread does (``TransferWorker.step(jobs, background=True)``) while the engine launches,
-    # and the forward's per-layer waits (or a full graph's gate) are enqueued at once, before
-    # the copies are (since 2026-11-27; docs/api.md, "Background hand-over").
+    # thread does (``TransferWorker.step(jobs, background=True)``) while the engine launches;
+    # a layer's wait waits on the host for that layer's slice to be enqueued, a full graph's
+    # gate for the whole load (since 2026-11-27; docs/api.md, "Background hand-over").
     load_handover: str = "inline"
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
 
 #include "core_state.h"
@@ -23,6 +24,9 @@
 
 #define EVENT_POOL_MAX 4096      /* free events kept for reuse */
 #define FINISHED_FIRST 256       /* finished-id buffer's first capacity */
+#define COMPLETER_BATCH 256      /* in-flight jobs looked at per pass */
+#define KVO_ERROR_POLL_S 0.05    /* a job in flight this long gets a driver query this often */
+#define PAUSE_MIN_S 10e-6        /* the completion thread's shortest sleep (it never spins) */
 #define EVENT_NO_TIMING 2        /* CU_EVENT_DISABLE_TIMING */
 
 void *kvo_ctx_enter(kvo_core *e) {
@@ -114,10 +118,6 @@ static void settle(kvo_core *e, kvo_job *job) {
     pthread_mutex_lock(&e->mu);
     job->t_enqueued = kvo_now();
     e->running[job->dir] = 0;
-    e->current[job->dir] = NULL;
-    if (job->early) e->early_n--;
-    if (job->released) /* released while we enqueued it: its bytes may land, its waits passed */
-        kvo_job_fail(job, &e->d, 0, STEP_RELEASED, -1, -1, KVO_RELEASED_WHAT);
     job->next = e->inflight;
     e->inflight = job;
     __atomic_store_n(&job->state, KVO_INFLIGHT, __ATOMIC_RELEASE);
@@ -127,8 +127,6 @@ static void settle(kvo_core *e, kvo_job *job) {
 }
 
 static void run(kvo_core *e, kvo_job *job) {
-    if (__atomic_load_n(&job->released, __ATOMIC_ACQUIRE)) /* its copies never start */
-        kvo_job_fail(job, &e->d, 0, STEP_RELEASED, -1, -1, KVO_RELEASED_WHAT);
     kvo_pipeline_run(&e->pipe, &e->lane[job->dir], job);
     settle(e, job);
 }
@@ -251,7 +249,6 @@ kvo_status kvo_core_submit(kvo_core *e, const kvo_input *in, int64_t n_in, kvo_s
         kvo_job *job = jobs[d];
         if (job == NULL) continue;
         job->id = e->next_id++;
-        job->seq = kvo_lane_next_seq(&e->lane[d]); /* the direction's jobs run in this order */
         job->t_submit = now;
         job->refs = 2; /* the caller's, the core's */
         e->submitted++;
@@ -261,7 +258,6 @@ kvo_status kvo_core_submit(kvo_core *e, const kvo_input *in, int64_t n_in, kvo_s
             job->state = KVO_RUNNING; /* enqueued here, without waking a thread */
             job->t_start = now;
             e->running[d] = 1;
-            e->current[d] = job;
             here[d] = 1;
             continue;
         }
@@ -304,9 +300,67 @@ static void *worker(void *p) {
         job->state = KVO_RUNNING;
         job->t_start = kvo_now();
         e->running[dir] = 1;
-        e->current[dir] = job;
         pthread_mutex_unlock(&e->mu);
         run(e, job);
+    }
+}
+
+/* 1 finished (0 ok or a device error code in *code), 0 still running. */
+static int check(kvo_core *e, kvo_job *j, double now, int *code) {
+    *code = 0;
+    if (kvo_flag_reached(&e->flags, kvo_word_done(j->dir), j->seq)) return 1;
+    if (j->done_ev == NULL || now - j->t_enqueued < KVO_ERROR_POLL_S ||
+        now - j->t_polled < KVO_ERROR_POLL_S)
+        return 0;
+    j->t_polled = now;
+    int q = e->d.event_query(j->done_ev);
+    if (q == 0 || q == KVO_NOT_READY) return 0; /* 0: the flag's write is about to land */
+    *code = q;
+    return 1;
+}
+
+static void *completer(void *p) {
+    kvo_core *e = p;
+    if (e->ctx) e->d.ctx_set(e->ctx);
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* 1 us: short sleeps stay short */
+    kvo_job *batch[COMPLETER_BATCH];
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        while (e->inflight == NULL && !(e->closing && e->workers_exited))
+            pthread_cond_wait(&e->changed, &e->mu);
+        if (e->inflight == NULL) {
+            pthread_mutex_unlock(&e->mu);
+            return NULL;
+        }
+        int n = 0;
+        double youngest = 1e30, now = kvo_now();
+        for (kvo_job *j = e->inflight; j != NULL && n < COMPLETER_BATCH; j = j->next) {
+            j->refs++; /* kept while we look outside the lock */
+            batch[n++] = j;
+            if (now - j->t_start < youngest) youngest = now - j->t_start;
+        }
+        pthread_mutex_unlock(&e->mu);
+        int codes[COMPLETER_BATCH], ended[COMPLETER_BATCH], any = 0;
+        for (int i = 0; i < n; i++) any |= ended[i] = check(e, batch[i], now, &codes[i]);
+        pthread_mutex_lock(&e->mu);
+        for (int i = 0; i < n; i++) {
+            kvo_job *j = batch[i];
+            if (ended[i] && j->state == KVO_INFLIGHT) { /* not finished by an asker since */
+                if (codes[i] != 0)
+                    kvo_job_fail(j, &e->d, codes[i], STEP_QUERY, -1, -1, "the copy failed on the device");
+                kvo_end_locked(e, j);
+            }
+            kvo_unref(e, j);
+        }
+        pthread_mutex_unlock(&e->mu);
+        if (!any) { /* read again after ~1/16 of the youngest job's age, in [PAUSE_MIN_S,
+                     * poll_max_ns]: askers (done, wait) read the words themselves */
+            double pause = youngest / 16, most = (double)e->spec.poll_max_ns * 1e-9;
+            if (pause > most) pause = most;
+            if (pause < PAUSE_MIN_S) pause = PAUSE_MIN_S;
+            struct timespec ts = {(time_t)pause, (long)((pause - (double)(time_t)pause) * 1e9)};
+            nanosleep(&ts, NULL);
+        }
     }
 }
 
@@ -340,7 +394,7 @@ static kvo_status start(kvo_core *e, char *msg) {
         }
         e->threads_started |= 1 << d;
     }
-    if (pthread_create(&e->completer, NULL, kvo_completer, e) != 0)
+    if (pthread_create(&e->completer, NULL, completer, e) != 0)
         return kvo_say(msg, KVO_FAILED, "could not start the completion thread");
     e->threads_started |= 4;
     return KVO_OK;
@@ -386,23 +440,15 @@ void kvo_core_close(kvo_core *e) {
     }
     e->closing = 1;
     for (int d = 0; d < 2; d++) {
-        kvo_job *keep = NULL, **tail = &keep; /* early jobs: a GPU wait names them, they run */
         while (e->queue_head[d] != NULL) {
             kvo_job *job = e->queue_head[d];
             e->queue_head[d] = job->next;
             job->next = NULL;
-            if (job->early) {
-                *tail = job;
-                tail = &job->next;
-                e->queue_tail[d] = job;
-                continue;
-            }
             job->cancelled = 1;
             kvo_job_fail(job, &e->d, 0, STEP_CLOSED, -1, -1, "the core closed before it started");
             kvo_finish(e, job);
         }
-        e->queue_head[d] = keep;
-        if (keep == NULL) e->queue_tail[d] = NULL;
+        e->queue_tail[d] = NULL;
         pthread_cond_broadcast(&e->work[d]);
     }
     pthread_mutex_unlock(&e->mu);

@@ -13,7 +13,6 @@ typedef struct kvo_timer kvo_timer; /* stall.c */
 typedef struct {
     int64_t submitted, completed, failed, parts, queued, in_flight;
     int64_t reaped; /* of `completed`: finished by a done() or wait() that read the done word */
-    int64_t released; /* times the completion thread released loads whose enqueue was late */
     int closed, batch_copies;
 } kvo_stats;
 
@@ -51,10 +50,9 @@ kvo_status kvo_job_done(kvo_core *e, kvo_job *job, int *done);
 kvo_status kvo_job_wait(kvo_core *e, kvo_job *job, double timeout, int *finished);
 kvo_status kvo_job_cancel(kvo_core *e, kvo_job *job, int *cancelled);
 /* Make `stream` wait on the GPU for the job (or for `layer` of a load): one stream memory
- * operation, enqueued at once. A load's layer wait never waits on the host: on a load not yet
- * enqueued it is an early wait, released by the core after `timeout` s should the enqueue not end
- * (core.c); any other wait waits on the host where the job is still queued behind another
- * (bounded by timeout: KVO_TIMEOUT). *ok: 0 when the job failed or never ran (the engine
+ * operation, enqueued at once; the host waits only where the job is still queued behind another
+ * or being enqueued by a worker thread, a load's layer wait only until that layer's slice is
+ * enqueued (bounded by timeout: KVO_TIMEOUT). *ok: 0 when the job failed or never ran (the engine
  * recomputes: the stream does not wait for it). With a timer (NULL: none), a wait it enqueues
  * for a layer the timer has is timed: the timer's events for that layer are recorded on
  * `stream` around it (kvo_timer_read). */
@@ -68,8 +66,7 @@ kvo_status kvo_job_layer_slices(kvo_core *e, kvo_job *job, int64_t *out, int64_t
  * addresses. gate_wait enqueues (capturable) "wait until open"; gate_open, once per step before
  * the replay, closes every layer on the caller's stream (one call, after the replays enqueued
  * there so far), then opens each on the core's gate stream once every listed job has landed it
- * (its streams wait on the GPU; a load not yet enqueued is waited for early, bounded by timeout as
- * a layer wait is; the host waits only for a store still queued, bounded by timeout).
+ * (its streams wait on the GPU; the host waits only for jobs still queued, bounded by timeout).
  * Until 2026-11-27 each captured wait also closed its layer as the replay passed it, on a word in
  * host memory: +11.0 us a layer beside a copy against +4.6 now (gate_graph_probe, H200). */
 kvo_status kvo_gate_create(kvo_core *e, int64_t layers, int64_t *gate, char *msg);

@@ -22,8 +22,6 @@ struct kvo_core {
     kvo_job *queue_head[2], *queue_tail[2];
     kvo_job *inflight;  /* enqueued, not finished */
     int running[2];     /* a thread is enqueueing a job of this direction */
-    kvo_job *current[2]; /* ... that job */
-    int64_t early_n;    /* jobs with an early wait (job.h) not yet enqueued */
     int closing, closed, threads_started, workers_exited;
     int flag_users; /* waits and gates reading the flag words now (close frees them after) */
     pthread_t worker[2], completer;
@@ -35,7 +33,7 @@ struct kvo_core {
     int64_t *finished; /* ids finished since the last drain (when tracking) */
     int64_t finished_n, finished_cap;
     int track_finished;
-    int64_t submitted, completed, failures, reaped, released;
+    int64_t submitted, completed, failures, reaped;
     int64_t gates, gate_layers[KVO_MAX_GATES];
     kvo_event gate_event[KVO_MAX_GATES];
 };
@@ -47,13 +45,5 @@ void kvo_unref(kvo_core *e, kvo_job *job); /* mu held */
 int kvo_timed_wait(kvo_core *e, double deadline);
 void kvo_finish(kvo_core *e, kvo_job *job); /* mu held; drops the core's reference */
 void kvo_end_locked(kvo_core *e, kvo_job *job); /* mu held: out of `inflight`, kvo_finish */
-/* release.c, mu held. mark_early: a GPU-side wait is about to name the job's layer words before
- * its enqueue (released after timeout s); 0, or 1 where it was released or cancelled already
- * (nothing to wait for). next_release: the earliest release time of a load with an early wait
- * not yet enqueued (0: none). release_stuck: release what is due (the completion thread). */
-int kvo_mark_early(kvo_core *e, kvo_job *job, double timeout);
-double kvo_next_release(kvo_core *e);
-void kvo_release_stuck(kvo_core *e, double now);
-void *kvo_completer(void *e); /* completion.c: the completion thread's body */
 
 #endif

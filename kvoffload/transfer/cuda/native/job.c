@@ -15,8 +15,7 @@ static const char *STEP_NAMES[] = {"",
                                    "cuEventQuery",
                                    "cancel",
                                    "close",
-                                   "a flag write",
-                                   "enqueue"};
+                                   "a flag write"};
 
 int kvo_job_fail(kvo_job *job, const kvo_driver *d, int code, int step, int64_t chunk,
                  int64_t desc, const char *what) {
@@ -26,8 +25,7 @@ int kvo_job_fail(kvo_job *job, const kvo_driver *d, int code, int step, int64_t 
     job->step = step;
     job->chunk = chunk;
     job->desc = desc;
-    int plain = step == STEP_CANCEL || step == STEP_CLOSED || step == STEP_ARG ||
-                step == STEP_ALLOC || step == STEP_RELEASED;
+    int plain = step == STEP_CANCEL || step == STEP_CLOSED || step == STEP_ARG || step == STEP_ALLOC;
     const char *name = plain ? "" : kvo_error_name(d, code);
     char where[80] = "";
     if (chunk >= 0) snprintf(where, sizeof where, " of chunk %lld", (long long)chunk);

@@ -11,12 +11,7 @@ enum { KVO_QUEUED = 0, KVO_RUNNING = 1, KVO_INFLIGHT = 2, KVO_DONE = 3 };
 /* Where a job failed (Python: native.STEP_*). */
 enum { STEP_NONE = 0, STEP_LAUNCH = 1, STEP_COPY = 2, STEP_RECORD = 3, STEP_WAIT = 4,
        STEP_ALLOC = 5, STEP_ARG = 6, STEP_QUERY = 7, STEP_CANCEL = 8, STEP_CLOSED = 9,
-       STEP_FLAG = 10, STEP_RELEASED = 11 };
-
-/* Why a released job failed (core.c, release_stuck). */
-#define KVO_RELEASED_WHAT                                                                          \
-    "its copies were not enqueued in time after a GPU-side wait named them; its layers were "     \
-    "released on the host (the engine recomputes them)"
+       STEP_FLAG = 10 };
 
 /* One spec of a submit, as the binding parsed it (ids borrowed from the caller's arrays). */
 typedef struct { int dir; int64_t group, n; const int64_t *blocks, *slots; } kvo_input;
@@ -33,9 +28,7 @@ typedef struct kvo_job {
     kvo_event order, done_ev;
     uint32_t seq;                     /* the direction's sequence number: flags.h */
     int state, failed, cancelled;
-    int early;        /* a GPU-side wait names this job's layer words before it is enqueued */
-    int released;     /* its words were written on the host (its enqueue took too long) */
-    double release_at; /* early: when the completion thread releases it (kvo_now seconds) */
+    int64_t marked;                   /* loads: slices whose flag writes are enqueued (atomic) */
     int code, step;
     int64_t chunk, desc;
     char message[KVO_MSG];

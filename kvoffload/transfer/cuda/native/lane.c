@@ -12,11 +12,6 @@
         if (err_) return kvo_job_fail(job, p->d, err_, (step), (chunk), -1, NULL);  \
     } while (0)
 
-uint32_t kvo_lane_next_seq(kvo_lane *lane) {
-    uint32_t seq = ++lane->seq;
-    return seq ? seq : ++lane->seq; /* 0 is "never used" (index buffers) */
-}
-
 /* Wait (bounded) until the GPU is done with index buffer k's last job. */
 static int index_free(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t k) {
     if (lane->index[k].seq == 0) return 0;

@@ -283,9 +283,8 @@ static PyObject *core_stats(CoreObject *self, PyObject *noargs) {
     kvo_core *e = self->e;
     Py_BEGIN_ALLOW_THREADS kvo_core_stats(e, &s);
     Py_END_ALLOW_THREADS return Py_BuildValue(
-        "{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:i,s:i}", "submitted", (long long)s.submitted,
-        "completed", (long long)s.completed, "reaped", (long long)s.reaped, "failed",
-        (long long)s.failed, "released", (long long)s.released, "parts", (long long)s.parts,
+        "{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:i,s:i}", "submitted", (long long)s.submitted, "completed",
+        (long long)s.completed, "reaped", (long long)s.reaped, "failed", (long long)s.failed, "parts", (long long)s.parts,
         "queued", (long long)s.queued, "in_flight", (long long)s.in_flight, "closed", s.closed,
         "batch_copies", s.batch_copies);
 }

@@ -6,15 +6,13 @@
  * of every layer of that slice (flags.h), which is what an engine stream waiting for that layer
  * waits on. Chunks go round a ring of `depth` staging areas; `filled` / `freed` events hand an
  * area between the kernels' stream and the DMA stream(s), so the gather of chunk k+1 overlaps
- * the DMA of chunk k, and the ring's reuse is ordered on the GPU: the host never waits for the
- * copy's progress. Chunk sizes: plan_chunks. */
+ * the DMA of chunk k; the ring's reuse is ordered on the GPU (chunk sizes: plan_chunks). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "pipeline.h"
 
-/* CUmemcpyAttributes: source read in stream order (the copies wait for the work enqueued ahead
- * of them on the stream; that is how a store's DMA waits for its gather). */
+/* CUmemcpyAttributes: source read in stream order (a store's DMA waits for its gather so). */
 static struct { int order; int src_type, src_id, dst_type, dst_id; unsigned flags; } attrs = {1, 0, 0, 0, 0, 0};
 static size_t attr_index[1] = {0};
 
@@ -380,7 +378,8 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
     return 0;
 }
 
-/* Slice k's layers are in place: their flag words take the job's sequence number. */
+/* Slice k's layers are in place: their flag words take the job's sequence number; once this is
+ * enqueued, job->marked says so (waits.c: a wait on those layers needs no more of the job). */
 static int mark_slice(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t k) {
     kvo_stream on = (kvo_stream)p->spec->gather[KVO_LOAD];
     if (p->spec->load_coupled) { /* on the slice's last stream, the others joined to it */
@@ -399,6 +398,7 @@ static int mark_slice(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t k
     for (int64_t l = 0; l < job->n_layers; l++)
         if (job->layer_slice[l] == k) kvo_ops_write(&ops, kvo_word_layer(p->flags, l), job->seq);
     int err = kvo_ops_end(&ops);
+    if (!err) __atomic_store_n(&job->marked, k + 1, __ATOMIC_RELEASE);
     return err ? kvo_job_fail(job, p->d, err, STEP_FLAG, -1, -1, "a layer slice's flag") : 0;
 }
 
@@ -475,8 +475,9 @@ static int finish(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
 }
 
 int kvo_pipeline_run(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
+    job->seq = ++lane->seq;
+    if (job->seq == 0) job->seq = ++lane->seq; /* 0 is "never used" (index buffers) */
     int err = 0;
-    if (job->failed) return finish(p, lane, job); /* released before it ran: only its words */
     kvo_dptr ids = 0;
     int coupled = is_coupled(p, job->dir);
     /* only the kernels touch the engine's memory: their stream waits for the caller's work; the

@@ -43,11 +43,7 @@ typedef struct {
 /* 0 or a CUresult. */
 int kvo_lane_init(kvo_lane *lane, const kvo_pipe *p, int dir);
 void kvo_lane_free(kvo_lane *lane, const kvo_pipe *p);
-/* The direction's next sequence number (never 0): the core gives it at submit, under its lock,
- * in the order the jobs of the direction will run. */
-uint32_t kvo_lane_next_seq(kvo_lane *lane);
-/* Enqueue all of the job (its sequence number given at submit; a job failed already, released
- * before it ran, enqueues only its flag words): the wait for the caller's stream, the
+/* Give the job its sequence number and enqueue all of it: the wait for the caller's stream, the
  * ids, every chunk, a flag write per load slice (each layer's word), the direction's done word.
  * Returns 0 or the first CUresult (details in the job). Whatever failed, every flag word a wait
  * on this job can name is written in stream order after the job's work (or, where even that

@@ -94,7 +94,7 @@ kvo_status kvo_job_wait(kvo_core *e, kvo_job *job, double timeout, int *finished
 kvo_status kvo_job_cancel(kvo_core *e, kvo_job *job, int *cancelled) {
     *cancelled = 0;
     pthread_mutex_lock(&e->mu);
-    if (job->state == KVO_QUEUED && !job->early) { /* an early wait names it: it runs */
+    if (job->state == KVO_QUEUED) {
         kvo_job **pp = &e->queue_head[job->dir];
         kvo_job *prev = NULL;
         while (*pp != NULL && *pp != job) {
@@ -117,42 +117,51 @@ kvo_status kvo_job_cancel(kvo_core *e, kvo_job *job, int *cancelled) {
     return KVO_OK;
 }
 
-/* Until the job is enqueued (or will never be): at once unless it is queued behind another. */
-static kvo_status until_enqueued(kvo_core *e, kvo_job *job, double timeout, char *msg) {
-    if (state_of(job) >= KVO_INFLIGHT) return KVO_OK;
-    double deadline = kvo_now() + timeout;
-    pthread_mutex_lock(&e->mu);
-    while (job->state < KVO_INFLIGHT && kvo_now() < deadline) kvo_timed_wait(e, deadline);
-    int state = job->state;
-    pthread_mutex_unlock(&e->mu);
-    if (state >= KVO_INFLIGHT) return KVO_OK;
-    return kvo_say(msg, KVO_TIMEOUT, "the copy was not enqueued within %g s", timeout);
+/* Whether the job is enqueued (or will never be), or, for a load's slice >= 0, that slice's flag
+ * writes are (pipeline.c, mark_slice): all a wait on that slice's layers depends on. */
+static int enqueued(kvo_job *job, int64_t slice) {
+    return state_of(job) >= KVO_INFLIGHT ||
+           (slice >= 0 && __atomic_load_n(&job->marked, __ATOMIC_ACQUIRE) > slice);
 }
 
-/* A load's layer wait is enqueued at once, also before the load's copies are (early, core.c:
- * bounded by the job's release); any other wait first waits on the host for the job's enqueue. */
-static kvo_status until_waitable(kvo_core *e, kvo_job *job, int early, double timeout, int *ok,
+/* Until enqueued(job, slice): at once unless the job is queued behind another or being enqueued
+ * by another thread (a background submit). A slice's mark wakes nobody: its waiter reads it back
+ * to back for the spec's wait_spin_ns (a slice is enqueued in tens of us), then every
+ * WAIT_PAUSE_MIN_S. So no GPU-side wait is enqueued ahead of the work that satisfies it: a wait
+ * ahead of it could also hold that work behind it, where their streams share one of the device's
+ * hardware queues (round 19: the full-graph runs hung so). */
+static kvo_status until_enqueued(kvo_core *e, kvo_job *job, int64_t slice, double timeout,
                                  char *msg) {
-    if (early && state_of(job) < KVO_INFLIGHT) {
-        pthread_mutex_lock(&e->mu);
-        int gone = kvo_mark_early(e, job, timeout);
-        pthread_mutex_unlock(&e->mu);
-        *ok = !gone; /* released or cancelled: nothing to wait for, the engine recomputes */
-        return KVO_OK;
+    if (enqueued(job, slice)) return KVO_OK;
+    double start = kvo_now(), deadline = start + timeout;
+    double spin = (double)e->spec.wait_spin_ns * 1e-9;
+    while (slice >= 0 && !enqueued(job, slice) && kvo_now() - start < spin) CPU_RELAX();
+    pthread_mutex_lock(&e->mu);
+    for (double now = kvo_now(); !enqueued(job, slice) && now < deadline; now = kvo_now()) {
+        double until = slice >= 0 && now + WAIT_PAUSE_MIN_S < deadline ? now + WAIT_PAUSE_MIN_S
+                                                                       : deadline;
+        kvo_timed_wait(e, until);
     }
-    kvo_status rc = until_enqueued(e, job, timeout, msg);
-    if (rc != KVO_OK) return rc;
-    /* final for failures found while enqueueing (the job settled); a released job failed */
-    *ok = !job->cancelled && !job->failed && !job->released;
-    return KVO_OK;
+    int ok = enqueued(job, slice);
+    pthread_mutex_unlock(&e->mu);
+    if (ok) return KVO_OK;
+    return kvo_say(msg, KVO_TIMEOUT, "the copy was not enqueued within %g s", timeout);
 }
 
 kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t layer,
                            double timeout, kvo_timer *timer, int *ok, char *msg) {
+    *ok = 1;
     int layered = job->dir == KVO_LOAD && layer >= 0 && layer < job->n_layers;
-    kvo_status rc = until_waitable(e, job, layered, timeout, ok, msg);
+    kvo_status rc = until_enqueued(e, job, layered ? job->layer_slice[layer] : -1, timeout, msg);
     if (rc != KVO_OK) return rc;
-    if (job->cancelled || (layered && !*ok)) return KVO_OK; /* never ran, or released */
+    if (job->cancelled) { /* never ran: nothing to wait for, the engine recomputes */
+        *ok = 0;
+        return KVO_OK;
+    }
+    /* final for failures found while enqueueing once the job settled; a layer's wait may return
+     * before (its slice is enqueued): a later failure still writes every word, and the job
+     * reports it */
+    *ok = state_of(job) < KVO_INFLIGHT || !job->failed;
     if (!flags_enter(e)) return KVO_OK; /* closed: everything ended */
     int64_t word = layered ? kvo_word_layer(&e->flags, layer) : kvo_word_done(job->dir);
     int err = 0;
@@ -277,18 +286,15 @@ kvo_status kvo_gate_open(kvo_core *e, int64_t gate, kvo_stream stream, kvo_job *
     kvo_status rc = check_gate(e, gate, 0, 0, msg);
     if (rc != KVO_OK) return rc;
     uint32_t target[2] = {0, 0}; /* per direction: the newest listed job still to land */
-    for (int64_t i = 0; i < n; i++) { /* loads: early (the opener waits on their layer words) */
-        int ok = 1;
-        if ((rc = until_waitable(e, jobs[i], jobs[i]->dir == KVO_LOAD, timeout, &ok, msg)) !=
-            KVO_OK)
-            return rc;
-        if (ok && !jobs[i]->cancelled) /* else never ran, released or failed: not waited for */
-            target[jobs[i]->dir] = newest(target[jobs[i]->dir], jobs[i]->seq);
-    }
+    for (int64_t i = 0; i < n; i++)
+        if ((rc = until_enqueued(e, jobs[i], -1, timeout, msg)) != KVO_OK) return rc;
     if (!flags_enter(e))
         return kvo_say(msg, KVO_FAILED, "expected an open native core, got a closed one");
-    for (int d = 0; d < 2; d++) /* landed already: nothing to wait for */
-        if (target[d] && kvo_flag_reached(&e->flags, kvo_word_done(d), target[d])) target[d] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (jobs[i]->cancelled) continue;
+        if (!kvo_flag_reached(&e->flags, kvo_word_done(jobs[i]->dir), jobs[i]->seq))
+            target[jobs[i]->dir] = newest(target[jobs[i]->dir], jobs[i]->seq);
+    }
     kvo_stream opener = (kvo_stream)e->spec.gate;
     void *prev = kvo_ctx_enter(e);
     /* on `stream`, after the replays enqueued so far (they passed the layers the last open
@@ -344,7 +350,6 @@ kvo_status kvo_core_stats(kvo_core *e, kvo_stats *out) {
     out->submitted = e->submitted;
     out->completed = e->completed;
     out->reaped = e->reaped;
-    out->released = e->released;
     out->failed = e->failures;
     out->parts = e->lane[0].parts + e->lane[1].parts;
     out->closed = e->closing;
