@@ -371,77 +371,36 @@ def test_small_jobs_are_enqueued_by_the_caller_when_the_direction_is_idle(
 
 
 @needs_core
-def test_a_wait_on_a_background_load_waits_on_the_host_until_its_copies_are_enqueued(
-    fake_cuda: Calls,
+@pytest.mark.parametrize("held_slice", [0, 1])
+def test_a_layer_wait_on_a_background_load_waits_on_the_host_for_its_slices_enqueue(
+    fake_cuda: Calls, held_slice: int
 ) -> None:
-    """A load handed to the core's thread (``background``) whose enqueue is held in the driver:
-    the engine's ``wait_on`` does not enqueue a GPU wait for copies not yet enqueued (a wait that
-    could outlive a thread blocked in the driver, issue 25); it returns once they are, and the
-    bytes land."""
-    with engine_on("llama3-8b", "kv_split") as (pair, backend):
-        slots = np.arange(8)
-        store = [TransferSpec.of("store", np.arange(8), slots)]
-        assert backend.submit(store).wait(10)
-        gate, entered, launch = hold_launches(fake_cuda)
-        try:
-            load = [TransferSpec.of("load", np.arange(8, 16), slots)]
-            pending = backend.submit(load, background=True)
-            assert entered.wait(10)  # the core's thread is inside the load's enqueue
-            before = fake_cuda.memops
-            waiter = threading.Thread(target=pending.wait_on, args=(123, 0))
-            waiter.start()
-            waiter.join(0.2)
-            assert waiter.is_alive() and fake_cuda.memops == before  # no wait enqueued yet
-            gate.set()
-            waiter.join(10)
-            assert not waiter.is_alive()
-            assert pending.wait(10) and pending.error() is None
-            pair.oracle.copy(store)
-            pair.oracle.copy(load)
-            pair.check()
-        finally:
-            gate.set()
-            swap_launch(fake_cuda, launch)
-
-
-@needs_core
-def test_a_layer_wait_on_a_background_load_waits_only_for_its_slices_enqueue(
-    fake_cuda: Calls,
-) -> None:
-    """A load the core's thread enqueues, held in the driver at its second slice's scatter: a
-    wait on a layer of the first slice is enqueued at once (that slice's flag writes are), one on
-    a layer of the second waits on the host until its slice is enqueued, never ahead of it (a
-    GPU wait enqueued ahead of its work could hold that work behind it on a shared hardware
-    queue), and the bytes land."""
+    """A load handed to the core's thread (``background``) whose enqueue is held in the driver at
+    a slice's scatter: a wait on a layer of that slice does not enqueue a GPU wait for copies not
+    yet enqueued (a wait that could outlive a thread blocked in the driver, or hold those copies
+    behind it on a hardware queue the streams share: issue 25, round 19); it returns once that
+    slice is enqueued. A layer of an earlier slice returns at once (since 2026-11-27: a layer's
+    wait needs its slice only, not the whole load), and the bytes land."""
     most = {"max_layer_slices": 4, "layer_slice_transfer_bytes": 1, "plan_link_GBps": 0.0}
     with engine_on("llama3-8b", "kv_split", **most) as (pair, backend):
         slots = np.arange(8)
         store = [TransferSpec.of("store", np.arange(8), slots)]
         assert backend.submit(store).wait(10)
-        launch = fake_cuda_launch(fake_cuda)
-        gate, entered, count = threading.Event(), threading.Event(), [0]
-
-        def second_held(*args: Any) -> int:
-            count[0] += 1
-            if count[0] == 2:
-                entered.set()
-                assert gate.wait(10)
-            return int(launch(*args))
-
-        swap_launch(fake_cuda, second_held)
+        gate, entered, launch = hold_launches(fake_cuda, at=1 + held_slice)
         try:
             load = [TransferSpec.of("load", np.arange(8, 16), slots)]
             pending = backend.submit(load, background=True)
             owner = pending.layer_slice
             assert owner is not None and owner.max() >= 1, owner  # at least two slices
-            first, second = int(np.flatnonzero(owner == 0)[0]), int(np.flatnonzero(owner == 1)[0])
-            assert entered.wait(10)  # the core's thread is at the second slice's scatter
-            pending.wait_on(123, first)  # its slice is enqueued (here: landed): returns at once
+            assert entered.wait(10)  # the core's thread is at the held slice's scatter
+            if held_slice:
+                pending.wait_on(123, int(np.flatnonzero(owner == 0)[0]))  # enqueued: at once
             before = fake_cuda.memops
-            waiter = threading.Thread(target=pending.wait_on, args=(124, second))
+            layer = int(np.flatnonzero(owner == held_slice)[0])
+            waiter = threading.Thread(target=pending.wait_on, args=(124, layer))
             waiter.start()
             waiter.join(0.2)
-            assert waiter.is_alive() and fake_cuda.memops == before  # not ahead of its slice
+            assert waiter.is_alive() and fake_cuda.memops == before  # no wait enqueued yet
             gate.set()
             waiter.join(10)
             assert not waiter.is_alive()
@@ -682,15 +641,17 @@ def test_a_malformed_core_spec_is_refused() -> None:
         core.Core(extension.address(table), bad_abi)
 
 
-def hold_launches(calls: Calls) -> tuple[threading.Event, threading.Event, Any]:
-    """Make the fake cuLaunchKernel wait for ``gate``; ``entered`` is set once one waits. Returns
-    (gate, entered, the launch to put back with ``swap_launch``)."""
-    gate, entered = threading.Event(), threading.Event()
+def hold_launches(calls: Calls, at: int = 1) -> tuple[threading.Event, threading.Event, Any]:
+    """Make the fake cuLaunchKernel wait for ``gate`` from its ``at``-th call on; ``entered`` is
+    set once one waits. Returns (gate, entered, the launch to put back with ``swap_launch``)."""
+    gate, entered, count = threading.Event(), threading.Event(), [0]
     launch = fake_cuda_launch(calls)
 
     def held(*args: Any) -> int:
-        entered.set()
-        assert gate.wait(10)
+        count[0] += 1
+        if count[0] >= at:
+            entered.set()
+            assert gate.wait(10)
         return int(launch(*args))
 
     swap_launch(calls, held)
