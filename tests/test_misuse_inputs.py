@@ -140,6 +140,10 @@ def test_wait_on_a_job_id_never_handed_out_is_refused(local: LocalOffload) -> No
     worker.wait_on(job.job_id, layer=0)  # finished: returns at once
     with pytest.raises(ValueError, match=r"handed out, got 1$"):
         worker.wait_on(1)
+    assert worker.enqueued(job.job_id)  # finished: nothing left to enqueue
+    for job_id in (1, 12345):
+        with pytest.raises(ValueError, match="enqueued: expected a job id its Offloader handed"):
+            worker.enqueued(job_id)
 
 
 def test_an_unknown_keyword_is_a_value_error() -> None:

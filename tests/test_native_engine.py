@@ -393,6 +393,7 @@ def test_a_layer_wait_on_a_background_load_waits_on_the_host_for_its_slices_enqu
             owner = pending.layer_slice
             assert owner is not None and owner.max() >= 1, owner  # at least two slices
             assert entered.wait(10)  # the core's thread is at the held slice's scatter
+            assert not pending.enqueued()
             if held_slice:
                 pending.wait_on(123, int(np.flatnonzero(owner == 0)[0]))  # enqueued: at once
             before = fake_cuda.memops
@@ -404,7 +405,7 @@ def test_a_layer_wait_on_a_background_load_waits_on_the_host_for_its_slices_enqu
             gate.set()
             waiter.join(10)
             assert not waiter.is_alive()
-            assert pending.wait(10) and pending.error() is None
+            assert pending.wait(10) and pending.error() is None and pending.enqueued()
             pair.oracle.copy(store)
             pair.oracle.copy(load)
             pair.check()

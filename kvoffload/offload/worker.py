@@ -240,6 +240,20 @@ class TransferWorker:
         if layer is not None:
             self.latency["layer_wait"].observe(time.perf_counter() - start)
 
+    def enqueued(self, job_id: int) -> bool:
+        """True once every copy of ``job_id`` is enqueued (or the job finished, or will never
+        run), so ``wait_on(job_id)`` of the whole job would not wait on the host; never blocks.
+        False only for a job handed over with ``step(..., background=True)`` (or queued behind
+        another) whose copies kvoffload's thread is still enqueueing. ValueError for a job id
+        its Offloader never handed out."""
+        with self._lock:
+            run = self._running.get(job_id)
+        if run is None and not self._ledger.handed_out(job_id):
+            raise ValueError(
+                f"enqueued: expected a job id its Offloader handed out, got {job_id!r}"
+            )
+        return run is None or run.pending.enqueued()
+
     def layer_waiter(
         self, job_id: int, stream: object = None, timer: StallTimer | None = None
     ) -> LayerWaiter:

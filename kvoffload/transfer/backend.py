@@ -42,6 +42,12 @@ class Pending(ABC):
         """Try to stop a copy that has not started; True if it will never touch memory."""
         return False
 
+    def enqueued(self) -> bool:
+        """True once everything the copy does is enqueued (or it will never run), so a
+        ``wait_on`` of the whole copy would not wait on the host; never blocks. Backends that
+        hand a copy to a thread of theirs (``submit(background=True)``) override it."""
+        return True
+
     def wait_on(self, stream: object = None, layer: int | None = None) -> None:
         """Order ``stream``'s later work after this copy, or with ``layer`` after the part of it
         that moves that layer (an index into the layer group's layers, ``LayerGroup.layer_starts``:

@@ -360,6 +360,13 @@ class NativePending(Pending):
     def cancel(self) -> bool:
         return all([j.cancel() for j in self.jobs])
 
+    def enqueued(self) -> bool:
+        for j in self.jobs:
+            _, _, enqueued, done = j.times()
+            if not (enqueued > 0 or done > 0):  # enqueued, or ended without running
+                return False
+        return True
+
     def wait_on(self, stream: object = None, layer: int | None = None) -> None:
         """One GPU-side wait per job, enqueued at once (the host waits only for a job still
         queued behind another); raises the copy's error where it failed while being enqueued (the

@@ -127,7 +127,8 @@ class HostTier:
         self._queued.append(job)
         self.poll(background)  # the load starts now, with the stores queued before it
         load = Load(req_id, job.job_id, len(keys), time.perf_counter(), start, specs=job.specs)
-        self.time_load(load)  # its end marked on the device now: load_ms is the load's own time
+        if not background:  # its end marked on the device now: load_ms is the load's own time
+            self.time_load(load)  # (background: once kvoffload's thread has enqueued it)
         return load
 
     def wait_layer(self, load: Load, layer: int) -> None:
@@ -137,6 +138,9 @@ class HostTier:
         if load.waiter is None:  # bound to the current stream, once per load
             load.waiter = self.worker.layer_waiter(load.job_id, timer=load.timer)
         self._guard(load, layer, LAYER_WAIT, load.waiter, layer)
+        enqueued = self.local.worker.enqueued
+        if load.end is None and self.calls.call(f"{PROBE}worker.enqueued", enqueued, load.job_id):
+            self.time_load(load)  # a background load's end, once its copies are enqueued
 
     def stall_timer(self) -> kvo.StallTimer:
         """The tier's StallTimer, reset: for one load's waits (one request at a time)."""
@@ -161,8 +165,10 @@ class HostTier:
         its last layer, whose words the load writes with its end, enqueued right after the
         submit, so the event marks the load's end and not when the host got here: before
         2026-11-27 it was enqueued after the forward's launch, and an eager forward's ``load_ms``
-        read its whole launch phase; a layer's wait, unlike the whole job's, does not wait on the
-        host for a background load's enqueue). Once per load; no-op on a CPU."""
+        read its whole launch phase). A background load's is enqueued at the first layer wait
+        or gate open that finds its copies enqueued (``TransferWorker.enqueued``): earlier, the
+        side stream's wait would make this thread wait for that enqueue. Once per load; no-op on
+        a CPU."""
         if self.cuda and load.end is None and self._wait_on(load, self._probe, PROBE):
             import torch
 
@@ -217,6 +223,9 @@ class HostTier:
         """Before a step's graph replay on ``stream``: layer L opens once every load's layer L
         has landed (at once without loads)."""
         self.layer_gate().open(stream, [load.job_id for load in loads])
+        for load in loads:  # the open waited for their enqueue
+            if load.end is None:
+                self.time_load(load)
 
     def close(self) -> None:
         self.local.close()
