@@ -44,8 +44,9 @@ class Pending(ABC):
 
     def enqueued(self) -> bool:
         """True once everything the copy does is enqueued (or it will never run), so a
-        ``wait_on`` of the whole copy would not wait on the host; never blocks. Backends that
-        hand a copy to a thread of theirs (``submit(background=True)``) override it."""
+        ``wait_on`` of the whole copy would not wait on the host for our enqueue (a CPU
+        backend's ``wait_on`` still waits for the copy itself); never blocks. Backends that hand
+        a copy to a thread of theirs (``submit(background=True)``) override it."""
         return True
 
     def wait_on(self, stream: object = None, layer: int | None = None) -> None:
