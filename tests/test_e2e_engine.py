@@ -107,8 +107,12 @@ def test_chunked_prefill_matches_one_pass(model):
 
 
 def test_offload_refuses_an_unknown_setting_naming_what_it_expected():
-    bad_values = (("store", "soon"), ("load", "lazy"), ("store_handover", "later"))
-    for field, bad in (*bad_values, ("load_handover", "never")):
+    for field, bad in (
+        ("store", "soon"),
+        ("load", "lazy"),
+        ("store_handover", "later"),
+        ("load_handover", "never"),
+    ):
         with pytest.raises(ValueError, match=rf"expected {field} in \(.*\), got '{bad}'"):
             Offload(**{field: bad})  # type: ignore[arg-type]
 

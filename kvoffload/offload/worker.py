@@ -226,10 +226,7 @@ class TransferWorker:
         so layer i's attention can start while later layers are still loading. ValueError for a
         layer the group does not have, and for a job id its Offloader never handed out.
         """
-        with self._lock:
-            run = self._running.get(job_id)
-        if run is None and not self._ledger.handed_out(job_id):
-            raise ValueError(f"wait_on: expected a job id its Offloader handed out, got {job_id!r}")
+        run = self._run_of(job_id, "wait_on")
         if run is None:
             return
         if layer is not None:
@@ -246,12 +243,7 @@ class TransferWorker:
         False only for a job handed over with ``step(..., background=True)`` (or queued behind
         another) whose copies kvoffload's thread is still enqueueing. ValueError for a job id
         its Offloader never handed out."""
-        with self._lock:
-            run = self._running.get(job_id)
-        if run is None and not self._ledger.handed_out(job_id):
-            raise ValueError(
-                f"enqueued: expected a job id its Offloader handed out, got {job_id!r}"
-            )
+        run = self._run_of(job_id, "enqueued")
         return run is None or run.pending.enqueued()
 
     def layer_waiter(
@@ -273,12 +265,7 @@ class TransferWorker:
             raise ValueError(
                 f"layer_waiter: expected timer a StallTimer or None, got {type(timer).__name__}"
             )
-        with self._lock:
-            run = self._running.get(job_id)
-        if run is None and not self._ledger.handed_out(job_id):
-            raise ValueError(
-                f"layer_waiter: expected a job id its Offloader handed out, got {job_id!r}"
-            )
+        run = self._run_of(job_id, "layer_waiter")
         groups = self.backend.layout.groups
         job = run.job if run is not None else self._ledger.job(job_id)
         if job is not None:
@@ -328,6 +315,15 @@ class TransferWorker:
         if stuck:
             log.warning("closing with %d transfer job(s) still running: %s", len(stuck), stuck)
         self.backend.close()
+
+    def _run_of(self, job_id: int, where: str) -> _Running | None:
+        """``job_id``'s running job (None once it finished); ValueError for an id its Offloader
+        never handed out."""
+        with self._lock:
+            run = self._running.get(job_id)
+        if run is None and not self._ledger.handed_out(job_id):
+            raise ValueError(f"{where}: expected a job id its Offloader handed out, got {job_id!r}")
+        return run
 
     # -- internals (the lock is held) ----------------------------------------------------------
 

@@ -268,4 +268,3 @@ def test_a_kernel_loaded_lazily_while_waits_are_pending_does_not_hang(handover):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("ok")
-    print(done.stdout.strip())

@@ -138,8 +138,11 @@ class HostTier:
         if load.waiter is None:  # bound to the current stream, once per load
             load.waiter = self.worker.layer_waiter(load.job_id, timer=load.timer)
         self._guard(load, layer, LAYER_WAIT, load.waiter, layer)
-        enqueued, job_id = self.local.worker.enqueued, load.job_id
-        if self.cuda and load.end is None and self.calls.call(f"{PROBE}enqueued", enqueued, job_id):
+        if (
+            self.cuda
+            and load.end is None
+            and self.calls.call(f"{PROBE}enqueued", self.local.worker.enqueued, load.job_id)
+        ):
             self.time_load(load)  # a background load's end, once its copies are enqueued
 
     def stall_timer(self) -> kvo.StallTimer:
