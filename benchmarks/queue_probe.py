@@ -35,7 +35,7 @@ def child(others: int) -> dict[str, Any]:
     import torch
     from cuda.bindings import driver as cu
 
-    torch.cuda.init()  # type: ignore[no-untyped-call]
+    torch.empty(1, device="cuda")  # the primary context, current in this thread for cu* calls
     err, host = cu.cuMemHostAlloc(4, cu.CU_MEMHOSTALLOC_DEVICEMAP)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuMemHostAlloc: expected success, got {err}")
