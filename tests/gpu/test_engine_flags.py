@@ -254,11 +254,18 @@ LAZY = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("connections", ["default", "1"])
 @pytest.mark.parametrize("handover", ["inline", "background"])
-def test_a_kernel_loaded_lazily_while_waits_are_pending_does_not_hang(handover):
+def test_a_kernel_loaded_lazily_while_waits_are_pending_does_not_hang(handover, connections):
     """... also for a load the core's thread enqueues (``background``): the layer's wait first
-    waits on the host for its slice's enqueue, so no GPU wait stands ahead of its copies."""
+    waits on the host for its slice's enqueue, so no GPU wait stands ahead of its copies. And
+    with one hardware queue for every stream (``CUDA_DEVICE_MAX_CONNECTIONS=1``, as some
+    training and serving stacks set): there a stream's unmet wait holds the kernels other streams
+    enqueue after it (``benchmarks/queue_probe.py``, H100, 2026-11-28), so a wait enqueued ahead
+    of the load's scatter would never pass."""
     env = dict(os.environ, CUDA_MODULE_LOADING="LAZY")
+    if connections != "default":
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = connections
     done = subprocess.run(
         [sys.executable, "-c", LAZY, handover],
         env=env,
