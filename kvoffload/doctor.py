@@ -4,14 +4,16 @@ Prints the GPU, the CUDA driver version, whether ``cuMemcpyBatchAsync`` resolved
 ``cuMemcpyAsync`` fallback is used), Triton's and cuda-python's status, the calibration table in
 use, which path the ``staged`` backend runs (the native core or ``dma``, and why), whether the
 native block index is built, the link GB/s measured now (contiguous pinned copies after a
-warm-up), and where a host arena lands: the NUMA node chosen for GPU 0 (or why none) and the
-nodes of a probe arena's pages, read back.
+warm-up), where a host arena lands: the NUMA node chosen for GPU 0 (or why none) and the
+nodes of a probe arena's pages, read back, and how many hardware queues the streams share.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -58,6 +60,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         else f"none at {path}: the planner uses 'staged' (run kvoffload calibrate)"
     )
     out["numa"] = numa_line(args.numa_node, "cuda:0")
+    out["hardware_queues"] = hardware_queues(os.environ)
     if args.link_mib > 0:
         from kvoffload.transfer.timing import Sleeper, measure_link
 
@@ -94,6 +97,24 @@ def numa_line(setting: str, device: str) -> str:
         return f"nodes {nodes}; numa_node={value!r}: {err}"
     chosen = "no node" if placement.node is None else f"node {placement.node}"
     return f"nodes {nodes}; arena on {chosen} ({placement.reason}); probe {found}"
+
+
+def hardware_queues(env: Mapping[str, str]) -> str:
+    """How many hardware queues this process's streams share (``CUDA_DEVICE_MAX_CONNECTIONS``,
+    read by CUDA when it starts) and what one queue means for kvoffload: there a stream's unmet
+    wait holds the kernels other streams enqueue after it (``benchmarks/queue_probe.py``, H100,
+    2026-11-28), which kvoffload's waits never depend on (each follows the work that meets it);
+    but a ``StallTimer``'s first event then queues behind the stall it should time."""
+    value = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if value is None:
+        return "8 (CUDA's default; CUDA_DEVICE_MAX_CONNECTIONS is unset)"
+    if value.strip() == "1":
+        return (
+            "1 (CUDA_DEVICE_MAX_CONNECTIONS=1): every stream shares one queue; layer waits "
+            "still pass (each follows the copies that meet it), but a StallTimer reads ~0 "
+            "(docs/transfer.md, 'twentieth round')"
+        )
+    return f"{value.strip()} (CUDA_DEVICE_MAX_CONNECTIONS)"
 
 
 def staged_enqueue() -> str:

@@ -125,8 +125,9 @@ def test_layer_waits_are_enqueued_before_the_copy_starts_and_order_each_layer(en
 
 def test_a_stall_timer_reads_each_layers_wait_on_the_device(engine):
     """A load held behind ~100 ms of GPU sleep, waited for layer by layer through a timed
-    waiter: the host never blocks; the stream stood ~the sleep at the first layer's wait and
-    ~nothing at the layers after it; every layer's bytes are exact."""
+    waiter: the host never blocks; every layer's bytes are exact; the stream stood ~the sleep at
+    the first layer's wait and ~nothing at the layers after it (not readable where every stream
+    shares one hardware queue, ``CUDA_DEVICE_MAX_CONNECTIONS=1``)."""
     from kvoffload.transfer.stall import StallTimer
 
     tensors, block_dim, kv, arena = engine
@@ -148,14 +149,18 @@ def test_a_stall_timer_reads_each_layers_wait_on_the_device(engine):
         assert not slept.query(), "a timed wait blocked the host until the copy could start"
         side.synchronize()
         assert pending.wait(30) and pending.error() is None
-        stalls = timer.stalls()
-        assert all(s is not None for s in stalls), stalls
-        first = float(stalls[0] or 0.0)
-        assert first >= 0.03, stalls  # the sleep (~100 ms) less the enqueue before it ran
-        assert sum(float(s or 0.0) for s in stalls[1:]) < first, stalls
         for layer, got in enumerate(seen):
             want = layer_bytes(kv, arena, slots, layer)
             assert np.array_equal(as_bytes(got, block_dim, len(dest)), want), f"layer {layer}"
+        stalls = timer.stalls()
+        assert all(s is not None for s in stalls), stalls
+        first = float(stalls[0] or 0.0)
+        if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1":
+            # (one hardware queue for every stream: the timer's first event queues behind the
+            # sleep, so the stall happens before it and it reads ~0; docs/transfer.md,
+            # "twentieth round")
+            assert first >= 0.03, stalls  # the sleep (~100 ms) less the enqueue before it ran
+            assert sum(float(s or 0.0) for s in stalls[1:]) < first, stalls
         print(
             f"timed waiter host time: median {1e6 * float(np.median(host)):.1f} us, "
             f"first stall {1e3 * first:.1f} ms"
