@@ -98,15 +98,6 @@ def run(exe: Path, slices: int, runs: int, iters: int, nbytes: int) -> dict[str,
     return out
 
 
-def driver_version() -> str:
-    done = subprocess.run(
-        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-    )
-    return done.stdout.strip() if done.returncode == 0 else f"unknown: {done.stderr.strip()}"
-
-
 def main(argv: list[str]) -> int:
     args = args_of(argv)
     import torch
@@ -114,6 +105,7 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("graph_enqueue_probe.py: expected a CUDA device, got none")
     from benchmarks import probe_util
+    from kvoffload.bench.e2e.command import device_info
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,7 +127,7 @@ def main(argv: list[str]) -> int:
     probe_util.dump(
         args.out,
         "graph_enqueue_probe",
-        driver=driver_version(),
+        driver=device_info("cuda")["driver"],
         iters=args.iters,
         copy_bytes=args.copy_kib << 10,
         results=rows,
