@@ -155,7 +155,12 @@ class FakeLauncher:
         jobs: int,
         words: int,
         num_warps: int = 4,
+        vec: int = 1,
     ) -> None:
+        if vec not in (1, 2) or (
+            vec == 2 and not aligned16(regions, n_regions, host_base, slot_stride)
+        ):
+            raise ValueError(f"a copy kernel of {8 * vec}-byte accesses over these pieces")
         ids = blocks.numpy()[first : first + n_blocks].tolist()
         slot_ids = (
             list(range(n_blocks)) if identity else slots.numpy()[first : first + n_blocks].tolist()
@@ -165,7 +170,7 @@ class FakeLauncher:
         FakeLauncher.calls.log.append(("launch", stream.cuda_stream, n_blocks))
         # "compiled": later launches of this variant may go through the C loop
         ints = (first, n_blocks, n_regions, host_base, slot_stride)
-        key = (to_host, identity, jobs, words, num_warps, *(extension.wide(v) for v in ints))
+        key = (to_host, identity, jobs, words, num_warps, vec, *(extension.wide(v) for v in ints))
         if key not in self.compiled:
             self.compiled[key] = len(_FUNCTIONS) + 1
             _FUNCTIONS[self.compiled[key]] = key
@@ -178,15 +183,23 @@ class FakeLauncher:
         words: int,
         num_warps: int,
         ints: tuple[int, ...],
+        vec: int = 1,
     ) -> extension.NativeKernel | None:
         """As ``CopyLauncher.native_kernel``: known once ``launch`` ran the variant; the function
         handle tells the fake cuLaunchKernel the direction and the integer widths."""
         wide = tuple(extension.wide(v) for v in ints)
-        function = self.compiled.get((to_host, identity, jobs, words, num_warps, *wide))
+        function = self.compiled.get((to_host, identity, jobs, words, num_warps, vec, *wide))
         if function is None:
             return None
         mask = sum(1 << j for j, w in enumerate(wide) if w)
         return extension.NativeKernel(function, 32 * num_warps, 0, mask, 2)
+
+
+def aligned16(regions: Any, n_regions: int, host_base: int, slot_stride: int) -> bool:
+    """Whether every piece of a launch (its regions' bases, strides, bytes and offsets, the slot
+    area's base and stride) is a multiple of 16 bytes: what a kernel of 16-byte accesses needs."""
+    table = np.asarray(regions)[:, :n_regions]
+    return not (table % 16).any() and host_base % 16 == 0 and slot_stride % 16 == 0
 
 
 # every fake "compiled" copy-kernel variant: function handle -> its key
@@ -309,7 +322,7 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
 
     def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         key = _FUNCTIONS[function]
-        to_host, identity, wide = key[0], key[1], key[5:]
+        to_host, identity, vec, wide = key[0], key[1], key[5], key[6:]
         slot = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
         blocks, slots, regions = (ctypes.c_uint64.from_address(slot[j]).value for j in range(3))
         ints = [
@@ -320,6 +333,8 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         table = np.array(int64s(regions, 4 * n_regions), dtype=np.int64).reshape(4, n_regions)
         ids = int64s(blocks + 8 * first, n_blocks)
         slot_ids = list(range(n_blocks)) if identity else int64s(slots + 8 * first, n_blocks)
+        if vec == 2 and not aligned16(table, n_regions, host_base, slot_stride):
+            raise ValueError("a 16-byte-access copy kernel launched over pieces not 16-aligned")
         copy_pieces(table, ids, slot_ids, host_base, slot_stride, to_host)
         calls.launches += 1
         calls.log.append(("launch", stream, n_blocks, gx))  # gx: the programs

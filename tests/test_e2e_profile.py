@@ -64,6 +64,7 @@ def test_numbered_core_flags_and_refusals():
     assert settings_of("lt4096") == {"layer_slice_transfer_bytes": 4 << 20}
     assert settings_of("wide") == {"load_programs": 0}
     assert settings_of("whole") == {"max_layer_slices": 1}  # a flag, not w + "hole"
+    assert settings_of("narrow") == {"access_bytes": 8}
     assert settings_of("most") == {"plan_link_GBps": 0.0}  # a flag, not ms + "ost"
     assert settings_of("lp0") is None and settings_of("lpx") is None
     assert parse_variant("evict-lp48", "staged").backend == "staged-lp48"

@@ -1,5 +1,5 @@
 """The GPU-only probes of issue 25 (``benchmarks/queue_probe.py``,
-``benchmarks/graph_enqueue_probe.py``) refuse what they cannot run, saying what they expected,
+``benchmarks/graph_enqueue_probe.py``, ``benchmarks/access_width_probe.py``) refuse what they cannot run, saying what they expected,
 before they build or touch anything (docs/transfer.md, "nineteenth round" and "twentieth round",
 say what each is for)."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBES = ("queue_probe", "graph_enqueue_probe")
+PROBES = ("queue_probe", "graph_enqueue_probe", "access_width_probe")
 pytestmark = pytest.mark.skipif(
     not all((ROOT / "benchmarks" / f"{p}.py").exists() for p in PROBES),
     reason="runs the source tree's benchmarks/ (the wheel job copies only tests and docs)",
@@ -30,6 +30,7 @@ def run(probe: str, *args: str) -> subprocess.CompletedProcess[str]:
     [
         ("queue_probe", "expected one argument, OUT.json, got []"),
         ("graph_enqueue_probe", "the following arguments are required: out"),
+        ("access_width_probe", "expected one argument, OUT.json, got []"),
     ],
 )
 def test_it_wants_an_output_path(probe, said) -> None:

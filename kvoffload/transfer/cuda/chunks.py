@@ -10,7 +10,7 @@ directly.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -108,3 +108,14 @@ def tile(max_page_bytes: int, tile_bytes: int) -> tuple[int, int]:
     words = 1 << max(0, (max_page_bytes // 8) - 1).bit_length()
     words = max(16, min(words, tile_bytes // 8))
     return max(1, tile_bytes // 8 // words), words
+
+
+def vector_words(values: Iterable[int], access_bytes: int = 16) -> int:
+    """8-byte words per memory access of the copy kernel (its ``VEC``) over pieces at these
+    addresses, strides and sizes: 2 (16-byte accesses) where ``access_bytes`` is 16 and every
+    value is a multiple of 16, else 1 (8-byte accesses, which any 8-byte-aligned piece takes)."""
+    if access_bytes not in (8, 16):
+        raise ValueError(f"expected access_bytes 8 or 16, got {access_bytes!r}")
+    if access_bytes == 8:
+        return 1
+    return 2 if all(int(v) % 16 == 0 for v in values) else 1

@@ -44,6 +44,7 @@ def copy_blocks(  # type: ignore[no-untyped-def]
     IDENTITY: tl.constexpr,
     JOBS: tl.constexpr,
     WORDS: tl.constexpr,
+    VEC: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -67,11 +68,23 @@ def copy_blocks(  # type: ignore[no-untyped-def]
         eng = base + b * stride
         slot = host_base.to(tl.int64) + s * slot_stride.to(tl.int64) + off
         longest = tl.max(words, axis=0)
+        if VEC > 1:  # every piece and slot address a multiple of 8 * VEC bytes (vector_words)
+            words = tl.multiple_of(words, VEC)
+            eng_p = eng.to(tl.pointer_type(tl.int64))
+            slot_p = slot.to(tl.pointer_type(tl.int64))
         for start in range(0, longest, WORDS):
             idx = start + wo
             m = idx[None, :] < words[:, None]
-            eng_ptr = (eng[:, None] + idx[None, :] * 8).to(tl.pointer_type(tl.int64))
-            slot_ptr = (slot[:, None] + idx[None, :] * 8).to(tl.pointer_type(tl.int64))
+            if VEC > 1:  # pointers the compiler knows aligned: one 8 * VEC-byte access per lane
+                eng_ptr = eng_p[:, None] + idx[None, :]
+                slot_ptr = slot_p[:, None] + idx[None, :]
+                eng_ptr = tl.max_contiguous(tl.multiple_of(eng_ptr, [8 * VEC, 8 * VEC]), [1, WORDS])
+                slot_ptr = tl.max_contiguous(
+                    tl.multiple_of(slot_ptr, [8 * VEC, 8 * VEC]), [1, WORDS]
+                )
+            else:
+                eng_ptr = (eng[:, None] + idx[None, :] * 8).to(tl.pointer_type(tl.int64))
+                slot_ptr = (slot[:, None] + idx[None, :] * 8).to(tl.pointer_type(tl.int64))
             if TO_HOST:
                 tl.store(slot_ptr, tl.load(eng_ptr, mask=m), mask=m)
             else:
@@ -104,10 +117,11 @@ class CopyLauncher:
         jobs: int,
         words: int,
         num_warps: int = 4,
+        vec: int = 1,
     ) -> None:
         ints = (first, n_blocks, n_regions, host_base, slot_stride)
-        key = variant(to_host, identity, jobs, words, num_warps, ints)
-        args = (blocks, slots, regions, *ints, to_host, identity, jobs, words)
+        key = variant(to_host, identity, jobs, words, num_warps, ints, vec)
+        args = (blocks, slots, regions, *ints, to_host, identity, jobs, words, vec)
         kernel = self._compiled.get(key)
         if kernel is None:
             import torch
@@ -125,6 +139,7 @@ class CopyLauncher:
         words: int,
         num_warps: int,
         ints: tuple[int, ...],
+        vec: int = 1,
     ) -> NativeKernel | None:
         """How C launches the variant that ``launch`` would use for these arguments, once Triton
         has compiled it (None before that: the first launch of a variant goes through ``launch``).
@@ -132,18 +147,24 @@ class CopyLauncher:
         Raises ValueError where the compiled kernel does not have the parameters
         ``native.kvo_staged`` passes (a Triton whose ABI differs from the one this was written
         for): the caller then keeps launching through Triton."""
-        kernel = self._compiled.get(variant(to_host, identity, jobs, words, num_warps, ints))
+        kernel = self._compiled.get(variant(to_host, identity, jobs, words, num_warps, ints, vec))
         if kernel is None:
             return None
         return native_info(kernel)
 
 
 def variant(
-    to_host: bool, identity: bool, jobs: int, words: int, num_warps: int, ints: tuple[int, ...]
+    to_host: bool,
+    identity: bool,
+    jobs: int,
+    words: int,
+    num_warps: int,
+    ints: tuple[int, ...],
+    vec: int = 1,
 ) -> tuple[Any, ...]:
     """The key of one compiled variant: Triton types an int argument i32 or i64 by its value, so
     a compiled variant fits only values of the same widths."""
-    return (to_host, identity, jobs, words, num_warps, *(_wide(v) for v in ints))
+    return (to_host, identity, jobs, words, num_warps, vec, *(_wide(v) for v in ints))
 
 
 def native_info(kernel: Any) -> NativeKernel:

@@ -35,6 +35,7 @@ from kvoffload.transfer.cuda.chunks import (
     load_schedules,
     slice_count,
     tile,
+    vector_words,
 )
 from kvoffload.transfer.cuda.core_spec import CoreSpec, GroupSpec, Part
 from kvoffload.transfer.cuda.driver import CudaCopyError
@@ -154,7 +155,7 @@ class NativeStagedBackend(CopyBackend):
                 from kvoffload.transfer.cuda.kernels import CopyLauncher  # imports Triton
 
                 launcher = CopyLauncher()
-            groups = tuple(self._group(g, launcher, bases["store"][0]) for g in layout.groups)
+            groups = tuple(self._group(g, launcher, bases) for g in layout.groups)
             handle = {d: [int(s.cuda_stream) for s in ss] for d, ss in self._streams.items()}
             self.spec = CoreSpec(
                 num_slots=arena.num_slots,
@@ -188,9 +189,10 @@ class NativeStagedBackend(CopyBackend):
                 table = int(core.timed_driver(table))
             self._core = core.Core(table, self.spec.pack())
 
-    def _group(self, g: LayerGroup, launcher: Any, area0: int) -> GroupSpec:
+    def _group(self, g: LayerGroup, launcher: Any, areas: dict[str, tuple[int, ...]]) -> GroupSpec:
         """The group's parts (whole slot, then every load slice of every schedule), its region
-        tables on the device, and its copy-kernel variants compiled (a launch moving nothing)."""
+        tables on the device, and its copy-kernel variants compiled (a launch moving nothing),
+        of 16-byte accesses where its pieces and the staging ``areas`` allow (``vector_words``)."""
         import torch
 
         config = self.config
@@ -215,6 +217,12 @@ class NativeStagedBackend(CopyBackend):
             parts.append(Part(off, offsets[p.stop] - off, int(t.data_ptr()), t.shape[1]))
         schedules = sorted(plans.items())
         jobs, words = tile(max(r.page_bytes for r in g.regions), config.chunk_bytes)
+        area0 = areas["store"][0]
+        addresses = [b for d in areas for b in areas[d]]
+        vec = vector_words(
+            [*np.concatenate(region_arrays(g)).tolist(), *addresses, g.slot_bytes],
+            config.access_bytes,
+        )
         kernels = []
         load_programs = config.load_programs or self._sms
         for store in (True, False):
@@ -235,9 +243,10 @@ class NativeStagedBackend(CopyBackend):
                 jobs=jobs,
                 words=words,
                 num_warps=config.num_warps,
+                vec=vec,
             )
             try:
-                info = launcher.native_kernel(store, True, jobs, words, config.num_warps, ints)
+                info = launcher.native_kernel(store, True, jobs, words, config.num_warps, ints, vec)
             except ValueError as err:  # a Triton whose kernel ABI the core does not know
                 raise NativeUnavailable(f"copy kernel: {err}") from None
             if info is None:

@@ -123,6 +123,11 @@ class StagedConfig:
     # job was done 20-30 us later than a caller polling ``get_finished`` saw it (H200,
     # docs/transfer.md, "seventeenth round"). The waiter is a thread blocked in our call anyway.
     wait_spin_us: int = 2000
+    # Bytes per memory access of the gather/scatter kernels: 16 where every piece's address,
+    # stride and size and the slots' are multiples of 16 (else 8, whatever this says), or 8.
+    # The kernel is the same either way; 16 issues half the load and store instructions
+    # (docs/transfer.md, "Access width").
+    access_bytes: int = 16
 
     def __post_init__(self) -> None:
         check_kernel_shape("StagedConfig", self.programs, self.chunk_bytes, self.num_warps)
@@ -172,6 +177,10 @@ class StagedConfig:
                 raise ValueError(
                     f"StagedConfig: expected {name} an int in [{low}, {high}], got {v!r}"
                 )
+        if isinstance(self.access_bytes, bool) or self.access_bytes not in (8, 16):
+            raise ValueError(
+                f"StagedConfig: expected access_bytes 8 or 16, got {self.access_bytes!r}"
+            )
         if isinstance(self.copy_priority, bool) or not isinstance(self.copy_priority, int):
             raise ValueError(
                 f"StagedConfig: expected copy_priority as an int, got {self.copy_priority!r}"

@@ -22,6 +22,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "wide": {"load_programs": 0},  # a load's scatter on one program per SM
     # a load's scatter on load_programs whatever its chunk's bytes (before 2026-11-27)
     "fixed": {"load_program_bytes": 0},
+    "narrow": {"access_bytes": 8},  # 8-byte accesses in the copy kernels (before 2026-11-28)
 }
 # parametric flags: ``lpN`` scatters loads with N programs, ``pN`` gathers/scatters the rest,
 # ``msN`` cuts a load into at most N layer slices, ``wN`` runs the kernels with N warps, ``dsN``
