@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -151,3 +152,33 @@ def test_host_events_count_the_collections_inside_the_block():
     assert events._on_gc not in gc.callbacks  # removed on exit
     gc.collect()
     assert events.counts["gc_collections"] >= 2
+
+
+def test_the_stall_timers_records_are_kept_apart_from_the_waits_and_the_total() -> None:
+    """``bench e2e`` times each layer's GPU wait with a StallTimer, whose two event records per
+    timed wait run inside the wait's call: the per-layer wait and the calls per restore are
+    kvoffload's own without them (``wait_call_us``), and with them (``wait_call_us_timed``)."""
+    import numpy as np
+    import torch
+
+    from kvoffload.bench.e2e.runner.calls import INSTRUMENT, CallClock, total
+    from kvoffload.bench.e2e.runner.engine import TurnResult
+    from kvoffload.bench.e2e.runner.host_tier import LAYER_WAIT
+    from kvoffload.bench.e2e.runner.results import record
+    from kvoffload.bench.e2e.runner.workload import Turn
+
+    clock = CallClock()
+    clock.call(LAYER_WAIT, time.sleep, 0.002)
+    clock.call(LAYER_WAIT, time.sleep, 0.002)
+    clock.call("worker.step", time.sleep, 0.001)
+    clock.note(INSTRUMENT, 0.003)  # of the waits' time, the timer's records
+    calls = clock.take()
+    waits_s, n = calls[LAYER_WAIT]
+    assert n == 2 and total(calls) == pytest.approx(waits_s + calls["worker.step"][0] - 0.003)
+    turn = Turn(0, 2, np.arange(4), np.arange(0))
+    r = TurnResult(1, torch.zeros(1), [], 0.01, 4, 0, 4, 0, None, [0.0, 0.0], {}, kvo_calls=calls)
+    rec = record(turn, r, 0)
+    assert rec["wait_call_us_timed"] == pytest.approx(waits_s / 2 * 1e6)
+    assert rec["wait_call_us"] == pytest.approx((waits_s - 0.003) / 2 * 1e6)
+    assert rec["stall_timer_ms"] == pytest.approx(3.0)
+    assert rec["kvo_ms_total"] == pytest.approx(total(calls) * 1e3)

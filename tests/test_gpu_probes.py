@@ -1,7 +1,7 @@
 """The GPU-only probes of issue 25 (``benchmarks/queue_probe.py``,
-``benchmarks/graph_enqueue_probe.py``, ``benchmarks/access_width_probe.py``) refuse what they cannot run, saying what they expected,
-before they build or touch anything (docs/transfer.md, "nineteenth round" and "twentieth round",
-say what each is for)."""
+``benchmarks/graph_enqueue_probe.py``, ``benchmarks/access_width_probe.py``) refuse what they
+cannot run, saying what they expected, before they build or touch anything (docs/transfer.md,
+"nineteenth round", "twentieth round" and "Access width", say what each is for)."""
 
 from __future__ import annotations
 

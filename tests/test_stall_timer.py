@@ -28,6 +28,7 @@ needs_core = pytest.mark.skipif(
     extension.module() is None, reason=f"native core not built: {extension.unavailable()}"
 )
 HELD_S = 0.05  # how long a test holds the copy's flag writes
+RECORD_S = 0.002  # how long a slowed fake event record takes
 
 
 def held_native_load(calls: Calls, backend: Any, slots: np.ndarray) -> tuple[Any, Any]:
@@ -56,9 +57,16 @@ def test_the_core_times_each_wait_it_enqueues_and_only_those(fake_cuda: Calls) -
         firsts = {owner.index(k) for k in set(owner)}
         timer = kvo.StallTimer(layers)
         waiter = pending.layer_waiter(124, layers, timer)
+        fake_cuda.on_record = lambda stream: time.sleep(RECORD_S) if stream == 124 else None
+        t0 = time.perf_counter()
         for layer in range(layers):
             waiter(layer)
+        waits_s = time.perf_counter() - t0
+        fake_cuda.on_record = None
         assert records_on(fake_cuda, 124) == 2 * len(firsts)  # two events per enqueued wait
+        # the timer's own records, inside the waits' calls: what bench e2e keeps apart
+        own = timer.own_seconds()
+        assert 2 * len(firsts) * RECORD_S <= own < waits_s
         held = timer.stalls()
         assert [i for i, s in enumerate(held) if s is None] == sorted(firsts)  # not passed yet
         assert all(s == 0.0 for i, s in enumerate(held) if i not in firsts)
@@ -73,12 +81,14 @@ def test_the_core_times_each_wait_it_enqueues_and_only_those(fake_cuda: Calls) -
         assert all(s is not None and 0.0 <= s < HELD_S * 0.9 for s in later)
         assert all(stalls[i] == 0.0 for i in range(layers) if i not in firsts)
         timer.reset()  # reused: a load that landed enqueues no wait and stood 0
+        assert timer.own_seconds() == 0.0
         before = records_on(fake_cuda, 124)
         reuse = pending.layer_waiter(124, layers, timer)
         for layer in range(layers):
             reuse(layer)
         assert records_on(fake_cuda, 124) == before
         assert timer.stalls() == [0.0] * layers
+        assert timer.own_seconds() == 0.0  # no record, no cost
         pair.oracle.copy([TransferSpec.of("store", np.arange(8), slots)])
         pair.oracle.copy([TransferSpec.of("load", np.arange(8, 16), slots)])
         pair.check()  # the timed waits changed no byte
@@ -125,6 +135,7 @@ def test_the_host_backend_times_its_blocking_waits() -> None:
         assert stalls[0] == 0.0
         assert stalls[1] is not None and stalls[1] >= HELD_S * 0.9  # the held layer
         assert sum(s or 0.0 for s in stalls) < stalls[1] + HELD_S  # the rest was quick
+        assert timer.own_seconds() == 0.0  # the host's clock, no event recorded
         timer.reset()
         assert timer.stalls() == [0.0] * LAYERS
         assert not worker.wait([load.job_id], 30)
@@ -181,8 +192,10 @@ def test_the_python_cuda_backends_time_their_waits_with_events(
         assert len(recorded) - len(before) == 2 * layers
         stalls = timer.stalls()
         assert all(s is not None and s >= 0.0 for s in stalls)
+        assert timer.own_seconds() > 0.0  # its records' host time, counted in Python
         events = {e[2] for e in recorded}
         timer.reset()
+        assert timer.own_seconds() == 0.0
         waiter(0)
         assert {e[2] for e in fake_cuda.log if e[0] == "record" and e[1] == 55} == events
         b.close()

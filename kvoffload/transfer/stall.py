@@ -32,6 +32,7 @@ class StallTimer:
         waiter(i)                                                    # before layer i's attention
         ...
         timer.stalls()  # after the forward: seconds per layer, None where not passed yet
+        timer.own_seconds()  # the host time its own event records took in those waits
 
     Several loads waited for at one layer in one step add up to one stall (on the device: from
     the first wait to the last). One thread uses a timer at a time.
@@ -46,10 +47,12 @@ class StallTimer:
         self._pairs: list[tuple[int, int]] = []  # free (start, end) timing events (driver.py)
         self._timed: dict[int, tuple[int, int]] = {}  # layer -> its events this round
         self._owned: list[int] = []  # every event made here (destroyed with the timer)
+        self._own = 0.0  # host seconds of the event records made here since the last reset
 
     def reset(self) -> None:
         """Every layer at 0 again (before a step's waits; the timer's events are reused)."""
         self._host = [0.0] * self.layers
+        self._own = 0.0
         for _, native in self._native.values():
             native.reset()
         self._pairs.extend(self._timed.values())
@@ -71,6 +74,13 @@ class StallTimer:
             for i, v in enumerate(row[: self.layers]):
                 out[i] = None if v is None or out[i] is None else out[i] + v  # type: ignore[operator]
         return out
+
+    def own_seconds(self) -> float:
+        """Host seconds this timer's own event records took since the last ``reset``: the
+        timing's cost, inside the waits' calls (two records per timed wait on a GPU; none on a
+        CPU backend, whose waits are timed by the host's clock), so that a caller can tell the
+        wait's own cost from its instrument's (``bench e2e``'s per-layer wait call)."""
+        return self._own + sum(float(n.own_seconds()) for _, n in self._native.values())
 
     # -- for the backends' waiters -----------------------------------------------------------------
 
@@ -104,10 +114,14 @@ class StallTimer:
         fresh = pair is None
         if pair is None:
             pair = self._pairs.pop() if self._pairs else self._new_pair(cu)
+            t0 = time.perf_counter()
             cu.event_record(pair[0], stream)
+            self._own += time.perf_counter() - t0
         try:
             wait()
+            t0 = time.perf_counter()
             cu.event_record(pair[1], stream)
+            self._own += time.perf_counter() - t0
         except BaseException:
             if fresh:
                 self._pairs.append(pair)

@@ -231,12 +231,13 @@ def _print_attribution(kind: str, graph: str, att: dict[str, Any]) -> None:
     table.add_row(graph, "total (no probes)", ms(att["kvo_ms_total_p50"]), "")
     table.add_row(graph, "of it before token 1", ms(att["kvo_ms_in_ttft_p50"]), "")
     console.print(table)
-    wait = att["wait_call_us_p50"]
+    wait, timed = att["wait_call_us_p50"], att.get("wait_call_us_timed_p50")
     ratio = att["launch_vs_gpu_all"]
     console.print(
         f"  launch {ms(att['launch_ms_p50'])} ms vs gpu_all {ms(att['gpu_all_launch_ms_p50'])} "
         f"ms ({'-' if ratio is None else f'{ratio:.2f}x'}); GPU waited {ms(att['gpu_wait_ms_p50'])}"
         f" ms; a per-layer wait call {'-' if wait is None else f'{wait:.1f}'} us"
+        + ("" if timed is None else f" ({timed:.1f} with the StallTimer's records)")
     )
     side = att.get("beside")
     if side:  # --modes with gpu_all_copy: the same bytes copied beside gpu_all's forward

@@ -5,6 +5,9 @@ proxies, so every public call the runner makes is wrapped with ``perf_counter`` 
 call name (``worker.step``, ``offloader.lookup``, ...) in one ``CallClock``. The engine takes the
 sums at the end of each request (``take``). Names starting with ``probe:`` are calls the benchmark
 makes only to time a load (a side stream waiting for it): reported, left out of ``total``.
+``INSTRUMENT`` is the host time of the ``StallTimer``'s own event records (the benchmark's timing of
+each layer's GPU wait, ``StallTimer.own_seconds``): it is inside the per-layer wait calls' time,
+so ``total`` takes it out of theirs.
 With ``KVOFFLOAD_DRIVER_TIMES=1`` (``bench e2e --driver-times``) the CUDA driver's share of each
 call, in the engine's thread, is summed too as ``driver:<name>`` (its count: driver calls), also
 left out of ``total``: it is part of the call's own time.
@@ -21,6 +24,7 @@ from kvoffload.transfer.cuda import extension
 T = TypeVar("T")
 PROBE = "probe:"
 DRIVER = "driver:"
+INSTRUMENT = PROBE + "stall_timer"  # inside the per-layer waits' time (``note``, ``total``)
 
 
 class CallClock:
@@ -44,6 +48,11 @@ class CallClock:
                 self.seconds[key] = self.seconds.get(key, 0.0) + sum(us for _, us in spent) / 1e6
                 self.counts[key] = self.counts.get(key, 0) + sum(c for c, _ in spent)
 
+    def note(self, name: str, seconds: float, count: int = 1) -> None:
+        """Add ``seconds`` measured elsewhere under ``name`` (``INSTRUMENT``)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.counts[name] = self.counts.get(name, 0) + count
+
     def peek(self) -> dict[str, tuple[float, int]]:
         """Seconds and call count per name since the last ``take``."""
         return {n: (s, self.counts[n]) for n, s in self.seconds.items()}
@@ -56,8 +65,10 @@ class CallClock:
 
 
 def total(calls: dict[str, tuple[float, int]]) -> float:
-    """Seconds of every call but the benchmark's own probes (driver shares are inside)."""
-    return sum(s for name, (s, _) in calls.items() if not name.startswith((PROBE, DRIVER)))
+    """Seconds of every call but the benchmark's own probes (driver shares are inside), less the
+    benchmark's instrument inside them (``INSTRUMENT``)."""
+    own = sum(s for name, (s, _) in calls.items() if not name.startswith((PROBE, DRIVER)))
+    return own - calls.get(INSTRUMENT, (0.0, 0))[0]
 
 
 class _Timed:

@@ -30,6 +30,7 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
     else:
         exposed = r.load_seconds
     waits = r.kvo_calls.get(LAYER_WAIT, (0.0, 0))
+    timing = r.kvo_calls.get(kvo_calls.INSTRUMENT, (0.0, 0))[0]  # the StallTimer's, inside them
     return {
         "graph": r.graph,
         "round": round_,
@@ -61,7 +62,10 @@ def record(turn: Turn, r: TurnResult, round_: int) -> dict[str, Any]:
         "kvo_calls": {name: n for name, (_, n) in r.kvo_calls.items()},
         "kvo_ms_total": kvo_calls.total(r.kvo_calls) * 1e3,
         "kvo_ms_in_ttft": r.kvo_ttft_s * 1e3,
-        "wait_call_us": waits[0] / waits[1] * 1e6 if waits[1] else None,
+        # kvoffload's own per-layer wait; ``_timed``: with the StallTimer's records inside it
+        "wait_call_us": (waits[0] - timing) / waits[1] * 1e6 if waits[1] else None,
+        "wait_call_us_timed": waits[0] / waits[1] * 1e6 if waits[1] else None,
+        "stall_timer_ms": timing * 1e3,
     }
 
 
@@ -188,6 +192,8 @@ def attribution(modes: dict[str, Any]) -> dict[str, Any] | None:
         "kvo_ms_p50": {n: med([r["kvo_ms"].get(n, 0.0) for r in restored]) for n in names},
         "kvo_calls_p50": {n: med([r["kvo_calls"].get(n, 0) for r in restored]) for n in names},
         "wait_call_us_p50": med([r["wait_call_us"] for r in restored]),
+        "wait_call_us_timed_p50": med([r.get("wait_call_us_timed") for r in restored]),
+        "stall_timer_ms_p50": med([r.get("stall_timer_ms", 0.0) for r in restored]),
         "launch_ms_p50": launch,
         "gpu_all_launch_ms_p50": ideal_launch,
         "launch_vs_gpu_all": launch / ideal_launch if launch and ideal_launch else None,

@@ -143,7 +143,12 @@ def targets(
                 (0.0, "none at replay: the waits are in the graph") if att else (None, None)
             )
         else:
-            wait, note = att.get("wait_call_us_p50"), None
+            wait, timed = att.get("wait_call_us_p50"), att.get("wait_call_us_timed_p50")
+            note = (
+                f"kvoffload's own: the StallTimer's records apart ({timed:.2f} us with them)"
+                if wait is not None and timed is not None and timed > wait
+                else None
+            )
         out.append(Target(f"{kind}: per-layer wait call", wait, WAIT_CALL_US, True, "us", note))
     fits = workloads.get("fits", {}).get("modes", {})
     tps = _ratio(fits, "kvoffload", "gpu", "turns_per_s")

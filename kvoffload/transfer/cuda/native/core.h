@@ -82,6 +82,9 @@ kvo_status kvo_timer_create(kvo_core *e, int64_t layers, kvo_timer **out, char *
 void kvo_timer_free(kvo_core *e, kvo_timer *t);
 void kvo_timer_reset(kvo_timer *t); /* every layer untimed again (its events are reused) */
 int64_t kvo_timer_layers(const kvo_timer *t);
+/* host seconds the timer's own event records took since its last reset (an instrument's cost,
+ * inside the waits that made them) */
+double kvo_timer_own_s(const kvo_timer *t);
 /* Per layer: seconds the stream stood at its timed wait; 0 where no wait was timed; -1 where
  * the stream has not passed it yet. KVO_FAILED where the driver cannot tell (msg says why). */
 kvo_status kvo_timer_read(kvo_core *e, kvo_timer *t, double *out, char *msg);

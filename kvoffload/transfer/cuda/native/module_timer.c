@@ -51,8 +51,15 @@ static PyObject *timer_read(TimerObject *self, PyObject *noargs) {
     return out;
 }
 
+static PyObject *timer_own_seconds(TimerObject *self, PyObject *noargs) {
+    (void)noargs;
+    return PyFloat_FromDouble(kvo_timer_own_s(self->timer));
+}
+
 static PyMethodDef timer_methods[] = {
     {"reset", (PyCFunction)timer_reset, METH_NOARGS, "every layer untimed again"},
+    {"own_seconds", (PyCFunction)timer_own_seconds, METH_NOARGS,
+     "own_seconds() -> host seconds of the timer's own event records since the last reset"},
     {"read", (PyCFunction)timer_read, METH_NOARGS,
      "read() -> per layer the seconds its stream stood at its timed wait (0.0: none "
      "timed, None: not passed yet)"},

@@ -18,6 +18,7 @@ struct kvo_timer {
     int64_t n;
     kvo_event *start, *end;
     unsigned char *state;
+    double own_s; /* host seconds of its records since the last reset (kvo_timer_own_s) */
 };
 
 void kvo_timer_free(kvo_core *e, kvo_timer *t) {
@@ -69,20 +70,28 @@ int64_t kvo_timer_layers(const kvo_timer *t) { return t->n; }
 
 void kvo_timer_reset(kvo_timer *t) {
     for (int64_t i = 0; i < t->n; i++) t->state[i] = UNTIMED;
+    t->own_s = 0.0;
 }
+
+double kvo_timer_own_s(const kvo_timer *t) { return t->own_s; }
 
 int kvo_timer_begin(kvo_core *e, kvo_timer *t, int64_t layer, kvo_stream stream) {
     if (layer < 0 || layer >= t->n) return 0;
     if (t->state[layer] == TIMED) return 1; /* an earlier job's wait at this layer: keep its start */
-    if (e->d.record(t->start[layer], stream) != 0) return 0;
+    double t0 = kvo_now();
+    int err = e->d.record(t->start[layer], stream);
+    t->own_s += kvo_now() - t0;
+    if (err) return 0;
     t->state[layer] = STARTED;
     return 1;
 }
 
 void kvo_timer_end(kvo_core *e, kvo_timer *t, int64_t layer, kvo_stream stream, int ok) {
-    if (ok) /* an end not recorded would leave an earlier one, before this wait: untimed */
+    if (ok) { /* an end not recorded would leave an earlier one, before this wait: untimed */
+        double t0 = kvo_now();
         t->state[layer] = e->d.record(t->end[layer], stream) == 0 ? TIMED : UNTIMED;
-    else if (t->state[layer] == STARTED) /* no wait enqueued (an earlier job's stays timed) */
+        t->own_s += kvo_now() - t0;
+    } else if (t->state[layer] == STARTED) /* no wait enqueued (an earlier job's stays timed) */
         t->state[layer] = UNTIMED;
 }
 
