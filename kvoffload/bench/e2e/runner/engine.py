@@ -32,7 +32,6 @@ from kvoffload.bench.e2e.runner.attention import paged_attend
 from kvoffload.bench.e2e.runner.beside import MODE as BESIDE
 from kvoffload.bench.e2e.runner.beside import BesideCopy
 from kvoffload.bench.e2e.runner.block_pool import BlockKey, BlockPool
-from kvoffload.bench.e2e.runner.calls import INSTRUMENT
 from kvoffload.bench.e2e.runner.calls import total as total_calls
 from kvoffload.bench.e2e.runner.graphs import GraphRunner
 from kvoffload.bench.e2e.runner.host_tier import HostTier, Load, slot_runs
@@ -42,9 +41,7 @@ from kvoffload.bench.e2e.runner.offload_mode import Offload
 from kvoffload.bench.e2e.runner.timing import HostClock, SectionTimer
 
 MODES = ("recompute", "gpu", "gpu_all", BESIDE, "kvoffload")
-# a prefill chunk's inputs uploaded ahead: (tokens, positions, block table) in eager mode, ()
-# with graphs (they live in the graph runner's static buffers)
-Staged = tuple[torch.Tensor, ...]
+Staged = tuple[torch.Tensor, ...]  # a prefill chunk's inputs uploaded ahead (eager; graphs: ())
 
 
 @dataclass
@@ -200,11 +197,10 @@ class PagedEngine:
         self.wait_host_s, t_prefill = 0.0, time.perf_counter()
         logits = self._prefill(tokens, loaded * bs, blocks, load if layered else None, staged)
         host_time.mark("launch")  # prefill enqueued (on a CPU: computed)
-        if load is not None and load.timer is not None and self.host is not None:
-            self.host.calls.note(INSTRUMENT, load.timer.own_seconds())  # inside the waits
         layers = self.model.config.layers  # the first chunk's layers, from the prefill's start
         stamps = [(t - t_prefill) * 1e3 for t in self.timer.take_stamps()[:layers]]
         if self.host is not None:  # host work while the device computes
+            self.host.end_waits(load)
             self._store_ahead(background=self.offload.store_handover == "background")
         host_time.mark("store_ahead")
         # The first token, then the load's result (the forward waited for all of it: no polling)

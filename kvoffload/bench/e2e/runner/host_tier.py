@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 import kvoffload as kvo
-from kvoffload.bench.e2e.runner.calls import PROBE, CallClock, timed
+from kvoffload.bench.e2e.runner.calls import INSTRUMENT, PROBE, CallClock, timed
 from kvoffload.bench.e2e.runner.kv_cache import PagedKVCache
 
 BlockKey = bytes
@@ -144,6 +144,12 @@ class HostTier:
             and self.calls.call(f"{PROBE}enqueued", self.local.worker.enqueued, load.job_id)
         ):
             self.time_load(load)  # a background load's end, once its copies are enqueued
+
+    def end_waits(self, load: Load | None) -> None:
+        """After the forward's layer waits: the StallTimer's own records, inside their time, noted
+        apart (``calls.INSTRUMENT``)."""
+        if load is not None and load.timer is not None:
+            self.calls.note(INSTRUMENT, load.timer.own_seconds())
 
     def stall_timer(self) -> kvo.StallTimer:
         """The tier's StallTimer, reset: for one load's waits (one request at a time)."""
