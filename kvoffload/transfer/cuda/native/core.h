@@ -58,6 +58,9 @@ kvo_status kvo_job_cancel(kvo_core *e, kvo_job *job, int *cancelled);
  * `stream` around it (kvo_timer_read). */
 kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t layer,
                            double timeout, kvo_timer *timer, int *ok, char *msg);
+/* 1 where kvo_job_wait_on would do nothing but set *ok (landed, cancelled, closed): no blocking,
+ * no driver call, so a caller may skip releasing its locks (the binding: the GIL). */
+int kvo_job_landed(kvo_core *e, kvo_job *job, int64_t layer, int *ok);
 kvo_status kvo_job_describe(kvo_core *e, kvo_job *job, kvo_job_info *out);
 /* Per layer, the load slice holding it (at most cap values; *n of them). */
 kvo_status kvo_job_layer_slices(kvo_core *e, kvo_job *job, int64_t *out, int64_t cap, int64_t *n);

@@ -38,11 +38,12 @@ static PyObject *job_wait(JobObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return PyBool_FromLong(finished);
 }
 
+/* With the GIL held: the core's lock guards short sections that never take the GIL, so waiting
+ * for it cannot deadlock, while releasing the GIL here would hand it to any other Python thread
+ * that wants it and make the engine's thread wait to get it back (docs/api.md, "The GIL"). */
 static int describe(JobObject *self, kvo_job_info *info) {
-    kvo_core *e = self->owner->e;
-    kvo_job *job = self->job;
-    Py_BEGIN_ALLOW_THREADS kvo_job_describe(e, job, info);
-    Py_END_ALLOW_THREADS return 0;
+    kvo_job_describe(self->owner->e, self->job, info);
+    return 0;
 }
 
 static PyObject *job_error(JobObject *self, PyObject *noargs) {
@@ -89,6 +90,7 @@ static PyObject *job_wait_on(JobObject *self, PyObject *args) {
     kvo_status rc;
     kvo_core *e = self->owner->e;
     kvo_job *job = self->job;
+    if (kvo_job_landed(e, job, (int64_t)layer, &ok)) return PyBool_FromLong(ok); /* GIL kept */
     Py_BEGIN_ALLOW_THREADS rc = kvo_job_wait_on(e, job, (kvo_stream)(uintptr_t)stream, layer,
                                                 timeout, timer, &ok, msg);
     Py_END_ALLOW_THREADS if (rc != KVO_OK) return raise_status(rc, msg);

@@ -148,6 +148,21 @@ static kvo_status until_enqueued(kvo_core *e, kvo_job *job, int64_t slice, doubl
     return kvo_say(msg, KVO_TIMEOUT, "the copy was not enqueued within %g s", timeout);
 }
 
+/* 1 where kvo_job_wait_on would enqueue nothing and return at once: the layer's slice (the
+ * job) enqueued and landed, the job cancelled, or the core closed; *ok as it would say. No
+ * blocking, no driver call: the binding calls it without releasing the GIL, so a layer that
+ * landed costs the engine's thread no hand-over of the GIL to another Python thread. */
+int kvo_job_landed(kvo_core *e, kvo_job *job, int64_t layer, int *ok) {
+    int layered = job->dir == KVO_LOAD && layer >= 0 && layer < job->n_layers;
+    if (!enqueued(job, layered ? job->layer_slice[layer] : -1)) return 0;
+    *ok = job->cancelled ? 0 : state_of(job) < KVO_INFLIGHT || !job->failed;
+    if (job->cancelled || !flags_enter(e)) return 1;
+    int64_t word = layered ? kvo_word_layer(&e->flags, layer) : kvo_word_done(job->dir);
+    int landed = kvo_flag_reached(&e->flags, word, job->seq);
+    flags_leave(e);
+    return landed;
+}
+
 kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t layer,
                            double timeout, kvo_timer *timer, int *ok, char *msg) {
     *ok = 1;
