@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvoffload.transfer.spec import TransferSpec
 from tests.fake_cuda import Calls, fake_cuda  # noqa: F401 (the fixture)
@@ -76,3 +77,27 @@ def test_a_landed_wait_and_a_jobs_fields_keep_the_gil(fake_cuda: Calls) -> None:
             assert not busy.released(waits)  # landed: nothing enqueued, the GIL kept
             assert not busy.released(lambda: (job.error(), job.direction, job.slices, job.id))
             assert busy.released(lambda: threading.Event().wait(0.001))  # the check works
+
+
+@needs_core
+def test_the_gil_probe_writes_its_rows(tmp_path: Any) -> None:
+    """``benchmarks/gil_probe.py`` runs on the CPU (the fake driver) and writes each call's
+    medians alone and beside a busy thread; without an output path it says what it expected."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / "gil_probe.py").exists():
+        pytest.skip("runs the source tree's benchmarks/ (the wheel job copies only tests)")
+    run = [sys.executable, "-m", "benchmarks.gil_probe"]
+    refused = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=root)
+    assert refused.returncode != 0 and "expected one argument, OUT.json, got []" in refused.stderr
+    out = tmp_path / "gil.json"
+    done = subprocess.run([*run, str(out)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["call"], r["beside"]) for r in rows} == {
+        (c, b) for c in ("wait_on", "error") for b in ("alone", "beside")
+    }
+    assert all(0 < r["median_us"] <= r["max_us"] for r in rows)
