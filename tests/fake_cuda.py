@@ -175,18 +175,12 @@ class FakeLauncher:
             self.compiled[key] = len(_FUNCTIONS) + 1
             _FUNCTIONS[self.compiled[key]] = key
 
-    def native_kernel(
-        self,
-        to_host: bool,
-        identity: bool,
-        jobs: int,
-        words: int,
-        num_warps: int,
-        ints: tuple[int, ...],
-        vec: int = 1,
-    ) -> extension.NativeKernel | None:
+    def native_kernel(self, *key: Any) -> extension.NativeKernel | None:
         """As ``CopyLauncher.native_kernel``: known once ``launch`` ran the variant; the function
-        handle tells the fake cuLaunchKernel the direction and the integer widths."""
+        handle tells the fake cuLaunchKernel the direction and the integer widths. ``key``: its
+        arguments (to_host, identity, jobs, words, num_warps, ints, vec=1)."""
+        to_host, identity, jobs, words, num_warps, ints, *rest = key
+        vec = rest[0] if rest else 1
         wide = tuple(extension.wide(v) for v in ints)
         function = self.compiled.get((to_host, identity, jobs, words, num_warps, vec, *wide))
         if function is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import triton
@@ -158,13 +159,13 @@ def variant(
     identity: bool,
     jobs: int,
     words: int,
-    num_warps: int,
-    ints: tuple[int, ...],
+    warps: int,
+    ints: Sequence[int],
     vec: int = 1,
 ) -> tuple[Any, ...]:
     """The key of one compiled variant: Triton types an int argument i32 or i64 by its value, so
     a compiled variant fits only values of the same widths."""
-    return (to_host, identity, jobs, words, num_warps, vec, *(_wide(v) for v in ints))
+    return (to_host, identity, jobs, words, warps, vec, *(_wide(v) for v in ints))
 
 
 def native_info(kernel: Any) -> NativeKernel:
