@@ -114,19 +114,21 @@ class StallTimer:
         fresh = pair is None
         if pair is None:
             pair = self._pairs.pop() if self._pairs else self._new_pair(cu)
-            t0 = time.perf_counter()
-            cu.event_record(pair[0], stream)
-            self._own += time.perf_counter() - t0
+            self._record(cu, pair[0], stream)
         try:
             wait()
-            t0 = time.perf_counter()
-            cu.event_record(pair[1], stream)
-            self._own += time.perf_counter() - t0
+            self._record(cu, pair[1], stream)
         except BaseException:
             if fresh:
                 self._pairs.append(pair)
             raise
         self._timed[layer] = pair
+
+    def _record(self, cu: Any, event: int, stream: int) -> None:
+        """Record ``event`` on ``stream``, its host time counted in ``own_seconds``."""
+        t0 = time.perf_counter()
+        cu.event_record(event, stream)
+        self._own += time.perf_counter() - t0
 
     def _new_pair(self, cu: Any) -> tuple[int, int]:
         if not self._owned:  # the events go back to the driver with the timer

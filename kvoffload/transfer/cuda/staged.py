@@ -196,7 +196,8 @@ class NativeStagedBackend(CopyBackend):
         import torch
 
         config = self.config
-        table = torch.from_numpy(np.ascontiguousarray(np.stack(region_arrays(g)))).to(self.device)
+        regions = np.stack(region_arrays(g))  # bases, strides, page bytes, offsets: int64 rows
+        table = torch.from_numpy(np.ascontiguousarray(regions)).to(self.device)
         most = slice_count(
             g.slot_bytes, g.num_layers, config.layer_slice_bytes, config.max_layer_slices
         )
@@ -220,7 +221,7 @@ class NativeStagedBackend(CopyBackend):
         area0 = areas["store"][0]
         addresses = [b for d in areas for b in areas[d]]
         vec = vector_words(
-            [*np.concatenate(region_arrays(g)).tolist(), *addresses, g.slot_bytes],
+            [*regions.ravel().tolist(), *addresses, g.slot_bytes],
             config.access_bytes,
         )
         kernels = []

@@ -148,17 +148,30 @@ static kvo_status until_enqueued(kvo_core *e, kvo_job *job, int64_t slice, doubl
     return kvo_say(msg, KVO_TIMEOUT, "the copy was not enqueued within %g s", timeout);
 }
 
+/* A wait on `layer` of the job is a layer's (a load's layer) or the whole job's: the slice it
+ * needs enqueued (-1: all of the job) and the flag word it reads. */
+static int layered(const kvo_job *job, int64_t layer) {
+    return job->dir == KVO_LOAD && layer >= 0 && layer < job->n_layers;
+}
+static int64_t slice_of(const kvo_job *job, int64_t layer) {
+    return layered(job, layer) ? job->layer_slice[layer] : -1;
+}
+static int64_t word_of(const kvo_core *e, const kvo_job *job, int64_t layer) {
+    return layered(job, layer) ? kvo_word_layer(&e->flags, layer) : kvo_word_done(job->dir);
+}
+
 /* 1 where kvo_job_wait_on would enqueue nothing and return at once: the layer's slice (the
  * job) enqueued and landed, the job cancelled, or the core closed; *ok as it would say. No
  * blocking, no driver call: the binding calls it without releasing the GIL, so a layer that
  * landed costs the engine's thread no hand-over of the GIL to another Python thread. */
 int kvo_job_landed(kvo_core *e, kvo_job *job, int64_t layer, int *ok) {
-    int layered = job->dir == KVO_LOAD && layer >= 0 && layer < job->n_layers;
-    if (!enqueued(job, layered ? job->layer_slice[layer] : -1)) return 0;
+    if (!enqueued(job, slice_of(job, layer))) return 0;
+    /* final for failures found while enqueueing once the job settled; a layer's wait may return
+     * before (its slice is enqueued): a later failure still writes every word, and the job
+     * reports it. A cancelled job never ran: nothing to wait for, the engine recomputes. */
     *ok = job->cancelled ? 0 : state_of(job) < KVO_INFLIGHT || !job->failed;
-    if (job->cancelled || !flags_enter(e)) return 1;
-    int64_t word = layered ? kvo_word_layer(&e->flags, layer) : kvo_word_done(job->dir);
-    int landed = kvo_flag_reached(&e->flags, word, job->seq);
+    if (job->cancelled || !flags_enter(e)) return 1; /* !flags_enter: closed, everything ended */
+    int landed = kvo_flag_reached(&e->flags, word_of(e, job, layer), job->seq);
     flags_leave(e);
     return landed;
 }
@@ -166,21 +179,13 @@ int kvo_job_landed(kvo_core *e, kvo_job *job, int64_t layer, int *ok) {
 kvo_status kvo_job_wait_on(kvo_core *e, kvo_job *job, kvo_stream stream, int64_t layer,
                            double timeout, kvo_timer *timer, int *ok, char *msg) {
     *ok = 1;
-    int layered = job->dir == KVO_LOAD && layer >= 0 && layer < job->n_layers;
-    kvo_status rc = until_enqueued(e, job, layered ? job->layer_slice[layer] : -1, timeout, msg);
+    kvo_status rc = until_enqueued(e, job, slice_of(job, layer), timeout, msg);
     if (rc != KVO_OK) return rc;
-    if (job->cancelled) { /* never ran: nothing to wait for, the engine recomputes */
-        *ok = 0;
-        return KVO_OK;
-    }
-    /* final for failures found while enqueueing once the job settled; a layer's wait may return
-     * before (its slice is enqueued): a later failure still writes every word, and the job
-     * reports it */
-    *ok = state_of(job) < KVO_INFLIGHT || !job->failed;
-    if (!flags_enter(e)) return KVO_OK; /* closed: everything ended */
-    int64_t word = layered ? kvo_word_layer(&e->flags, layer) : kvo_word_done(job->dir);
+    if (kvo_job_landed(e, job, layer, ok)) return KVO_OK; /* else enqueued, not landed: wait */
+    if (!flags_enter(e)) return KVO_OK; /* closed since: everything ended */
+    int64_t word = word_of(e, job, layer);
     int err = 0;
-    if (!kvo_flag_reached(&e->flags, word, job->seq)) { /* else landed: nothing to wait */
+    if (!kvo_flag_reached(&e->flags, word, job->seq)) { /* else landed since: nothing to wait */
         void *prev = kvo_ctx_enter(e);
         /* the timer is a report: a record it cannot make leaves the layer untimed, never the
          * wait undone */
