@@ -12,14 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvoffload.bench.transfer import host_time
+from kvoffload.bench.transfer import host_time, host_time_gpu
 from kvoffload.bench.transfer.host_time import HostTimeConfig, Rig, check_args, measure_method
 from kvoffload.bench.transfer.host_time_stats import (
     BASELINE,
+    PHASES,
     TABLE_HEADER,
     Deadline,
     WakeProbe,
     percentile,
+    phase_excess_us,
     schedule,
     summary,
     table_rows,
@@ -267,6 +269,13 @@ def test_host_backend_gets_every_row_measured_and_checked(cpu_rig):
     }
     assert all(r["n"] == TINY.step_rounds and r["median"] > 0 for r in ratios.values())
     assert rows_by(rows, "step_us")[BASELINE]["n"] >= TINY.step_rounds * TINY.steps_per_window
+    # every step is split into its parts: the baseline's medians, each arm's excess over them
+    base_parts = rows_by(rows, "step_us")[BASELINE]["phases_us"]
+    assert set(base_parts) == set(PHASES) and all(v >= 0 for v in base_parts.values())
+    assert base_parts["kernels"] > 0
+    for r in ratios.values():
+        assert set(r["phase_excess_us"]) == set(PHASES)
+        assert "us over baseline: before" in r["note"]
     # the engine step ran its kernels: warm-up and measured windows, 5 kernels per step
     windows = len(schedule(list(ratios), TINY.step_rounds))
     warmup = 6 * host_time.warmup_steps(TINY)
@@ -339,7 +348,7 @@ def test_run_assembles_every_method_into_json_rows_and_a_table(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(host_time, "gpu_rig", lambda device, cfg: rig.rig)
+    monkeypatch.setattr(host_time_gpu, "gpu_rig", lambda device, cfg: rig.rig)
     out = host_time.run(0, ["host", "no-such-method"], 60.0, config=TINY)
     assert json.loads(json.dumps(out)) == out
     assert out["device"] == "fake GPU" and out["slot_bytes"] == rig.kv.slot_bytes
@@ -375,3 +384,10 @@ def test_a_short_budget_covers_each_block_count_once_before_repeating(cpu_rig, c
     skipped = sorted(r["case"] for r in rows if r.get("note") == "skipped")
     assert skipped == sorted({"1 blocks", "4 blocks"} - set(measured))
     assert all(r["n"] >= 1 for r in rows_by(rows, "done_us:store").values())
+
+
+def test_phase_excess_is_each_parts_median_over_the_baselines():
+    base = {"before": [1e-6, 3e-6, 2e-6], "kernels": [1e-3, 1e-3, 1e-3], "after": [0.0], "sync": []}
+    arm = {"before": [5e-6, 4e-6, 6e-6], "kernels": [1.1e-3], "after": [2e-5], "sync": [1e-5]}
+    # a part with no steps on either side is left out, not reported as 0
+    assert phase_excess_us(arm, base) == {"before": 3.0, "kernels": 100.0, "after": 20.0}

@@ -45,8 +45,10 @@ import numpy as np
 
 from kvoffload.bench.transfer.host_time_stats import (
     BASELINE,
+    PHASES,
     Deadline,
     WakeProbe,
+    phase_excess_us,
     schedule,
     summary,
     table_rows,
@@ -282,19 +284,33 @@ class Beside(Arm):
             self.errors.append(err)
 
 
-def step_window(rig: Rig, arm: Arm, cfg: HostTimeConfig, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` engine steps with ``arm`` running."""
+def step_window(
+    rig: Rig,
+    arm: Arm,
+    cfg: HostTimeConfig,
+    steps: int,
+    phases: dict[str, list[float]] | None = None,
+) -> list[float]:
+    """Seconds of each of ``steps`` engine steps with ``arm`` running; with ``phases``, each
+    step's seconds per part (``PHASES``) are appended to it too."""
     times = []
     arm.start()
     try:
         for _ in range(steps):
             t0 = time.perf_counter()
             arm.before_step()
+            t1 = time.perf_counter()
             for _ in range(cfg.kernels_per_step):
                 rig.kernel()
+            t2 = time.perf_counter()
             arm.after_kernels()
+            t3 = time.perf_counter()
             rig.end_step()
-            times.append(time.perf_counter() - t0)
+            t4 = time.perf_counter()
+            times.append(t4 - t0)
+            if phases is not None:
+                for part, a, b in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4), strict=True):
+                    phases.setdefault(part, []).append(b - a)
     finally:
         arm.stop()
     return times
@@ -318,8 +334,9 @@ def step_part(
         step_window(rig, arm, cfg, warmup_steps(cfg))
     windows: list[tuple[str, float]] = []
     steps: dict[str, list[float]] = defaultdict(list)
+    parts: dict[str, dict[str, list[float]]] = defaultdict(dict)
     for name in schedule([a for a in arms if a != BASELINE], cfg.step_rounds):
-        times = step_window(rig, arms[name], cfg, cfg.steps_per_window)
+        times = step_window(rig, arms[name], cfg, cfg.steps_per_window, parts[name])
         windows.append((name, statistics.median(times)))
         steps[name] += times
         if name == BASELINE and deadline.passed() and len(windows) > 1:
@@ -332,6 +349,9 @@ def step_part(
             "measure": "step_us",
             "case": BASELINE,
             **summary(steps[BASELINE], 1e6),
+            "phases_us": {
+                p: round(statistics.median(v) * 1e6, 2) for p, v in parts[BASELINE].items()
+            },
             "note": f"window medians {min(base) * 1e6:.0f}-{max(base) * 1e6:.0f} us",
         }
     ]
@@ -340,6 +360,8 @@ def step_part(
         note = f"step {statistics.median(steps[name]) * 1e6:.0f} us"
         if isinstance(arm, InlineStores):
             note += f", {arm.late} stores not done by the next step"
+        excess = phase_excess_us(parts[name], parts[BASELINE])
+        note += ", us over baseline: " + " ".join(f"{p} {v:+.1f}" for p, v in excess.items())
         rows.append(
             {
                 "method": method,
@@ -349,6 +371,7 @@ def step_part(
                 "p99": None,
                 "n": len(r),
                 "ratios": r,
+                "phase_excess_us": excess,
                 "note": note,
             }
         )
@@ -405,48 +428,6 @@ def check_args(device: int, methods: list[str], budget_s: float) -> None:
         raise ValueError(f"expected budget_s > 0 seconds, got {budget_s!r}")
 
 
-def gpu_rig(device: int, cfg: HostTimeConfig) -> Rig:
-    """Llama-3-8B page-layout KV tensors on ``device`` and a pinned arena for them."""
-    import torch
-
-    from kvoffload.bench.transfer.kv import SyntheticKV
-    from kvoffload.transfer.pinning import cuda_pin
-
-    torch.cuda.set_device(device)
-    most = cfg.most_blocks
-    engine = SyntheticKV(MODEL, LAYOUT, BLOCK_SIZE, 2 * most + 16)
-    arena = HostArena(most + 16, engine.kv.slot_bytes, pin=cuda_pin)
-    x = torch.zeros(1024, device="cuda")
-    stream = torch.cuda.current_stream()
-
-    def kernel() -> None:
-        x.add_(1.0)
-
-    def scramble(blocks: np.ndarray) -> None:
-        index = torch.from_numpy(blocks).cuda()
-        for t in engine.tensors:
-            shape = list(t.shape)
-            shape[engine.block_dim] = len(blocks)
-            nbytes = math.prod(shape) * t.element_size()
-            noise = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=t.device)
-            t.index_copy_(engine.block_dim, index, noise.view(t.dtype).reshape(shape))
-
-    def stored_ok(blocks: np.ndarray, slots: np.ndarray) -> bool:
-        got = torch.from_numpy(arena.slots[slots, : engine.kv.slot_bytes]).cuda()
-        return bool(torch.equal(got, engine.slot_images(blocks)))
-
-    return Rig(
-        layout=engine.kv,
-        arena=arena,
-        pool=engine.pool,
-        kernel=kernel,
-        end_step=stream.synchronize,
-        scramble=scramble,
-        same_blocks=engine.same_blocks,
-        stored_ok=stored_ok,
-    )
-
-
 def run(
     device: int, methods: list[str], budget_s: float, config: HostTimeConfig | None = None
 ) -> dict[str, Any]:
@@ -467,6 +448,8 @@ def run(
         raise RuntimeError("the host-time benchmark needs a CUDA GPU; torch sees none")
     if device >= torch.cuda.device_count():
         raise ValueError(f"expected a device index < {torch.cuda.device_count()}, got {device}")
+    from kvoffload.bench.transfer.host_time_gpu import gpu_rig  # torch's rig: GPU runs only
+
     began = time.perf_counter()
     rig = gpu_rig(device, cfg)
     slot_bytes = rig.layout.slot_bytes

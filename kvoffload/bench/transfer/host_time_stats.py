@@ -128,3 +128,20 @@ class WakeProbe:
             late = time.perf_counter() - t0 - self.sleep_s
             if phase is not None and phase == self.phase:
                 self.samples[phase].append(late)
+
+
+# A step's parts, in order: the arm's work before the kernels (an inline store's completion
+# check), the kernels' launches, the arm's work after them (an inline store's submit) and the
+# host sync. Each step's seconds per part go to ``phases``, so a slower step says which part grew.
+PHASES = ("before", "kernels", "after", "sync")
+
+
+def phase_excess_us(
+    phases: dict[str, list[float]], base: dict[str, list[float]]
+) -> dict[str, float]:
+    """Per part of a step: its median microseconds in an arm's steps less the baseline's."""
+    return {
+        part: round((statistics.median(phases[part]) - statistics.median(base[part])) * 1e6, 2)
+        for part in PHASES
+        if phases.get(part) and base.get(part)
+    }

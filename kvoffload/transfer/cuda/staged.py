@@ -391,8 +391,8 @@ class NativePending(Pending):
         self, stream: object = None, layers: int | None = None, timer: StallTimer | None = None
     ) -> LayerWaiter:
         """At most one native wait per call (per load job: one for a submit of loads), and for
-        one load job one per layer slice; everything else resolved here: the stream's handle,
-        the job's bound ``wait_on``, its layers' slices, the timeout. With ``timer``, the core
+        one load job one per layer slice, the whole call in C; everything else resolved here:
+        the stream's handle, the job's layers' slices, the timeout. With ``timer``, the core
         records the timer's two events around each wait it enqueues, in the same call."""
         handle, timeout = stream_handle(stream), ENQUEUE_TIMEOUT
         native = None if timer is None or self.core is None else timer.native(self.core)
@@ -412,25 +412,18 @@ class NativePending(Pending):
 
             return wait_each
         job = loads[0]
-        wait_on = job.wait_on
-        # A layer's slice, fixed at submit. One wait per slice is enough on one stream: a slice's
-        # flag words are written together once all of its layers landed (pipeline.c,
-        # mark_slice), so the layers after the first of a slice need no driver call (a load in
-        # one slice: one call for all layers instead of one per layer).
-        owner = job.layer_slice
-        waited = [-1]  # the slice this stream already waits for
+        # One wait per layer slice is enough on one stream: a slice's flag words are written
+        # together once all of its layers landed (pipeline.c, mark_slice), so the layers after
+        # the first of a slice need no driver call. The waiter is one C call with the slices
+        # resolved here (module_waiter.c): called between the engine's launches, where our code
+        # and data are out of the CPU's caches, a Python closure around ``wait_on`` cost more.
 
-        def wait(layer: int) -> None:
-            if layers is not None and (type(layer) is not int or not 0 <= layer < layers):
-                check_layer(layer, layers)
-            k = owner[layer] if type(layer) is int and 0 <= layer < len(owner) else -1
-            if k >= 0 and k == waited[0]:
-                return
-            if not wait_on(handle, layer, timeout, native):
-                raise _exception(job.error())
-            waited[0] = k
+        def fail() -> None:
+            raise _exception(job.error())
 
-        return wait
+        checked = -1 if layers is None else layers
+        waiter: LayerWaiter = job.layer_waiter(handle, checked, timeout, native, check_layer, fail)
+        return waiter
 
     @property
     def layer_slice(self) -> np.ndarray | None:

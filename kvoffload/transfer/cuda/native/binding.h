@@ -1,5 +1,5 @@
 /* The Python binding's shared declarations (module.c: the module and Core; module_job.c: Job;
- * module_timer.c: Timer).
+ * module_timer.c: Timer; module_waiter.c: Waiter).
  * Bindings only: they call core.h's functions and never the core's lock or fields. */
 #ifndef KVO_BINDING_H
 #define KVO_BINDING_H
@@ -27,7 +27,10 @@ typedef struct {
     kvo_timer *timer;
 } TimerObject;
 
-extern PyTypeObject CoreType, JobType, TimerType;
+extern PyTypeObject CoreType, JobType, TimerType, WaiterType;
+
+/* Job.layer_waiter(stream, layers, timeout, timer, check, fail) -> Waiter (module_waiter.c). */
+PyObject *kvo_make_waiter(JobObject *job, PyObject *args);
 
 /* Set the exception of a status (KVO_REFUSED: ValueError, KVO_TIMEOUT: TimeoutError, else
  * RuntimeError) with msg; returns NULL. */

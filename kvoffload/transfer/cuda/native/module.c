@@ -445,7 +445,8 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__core(void) {
-    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&JobType) < 0 || PyType_Ready(&TimerType) < 0)
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&JobType) < 0 ||
+        PyType_Ready(&TimerType) < 0 || PyType_Ready(&WaiterType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

@@ -97,6 +97,10 @@ static PyObject *job_wait_on(JobObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+static PyObject *job_layer_waiter(JobObject *self, PyObject *args) {
+    return kvo_make_waiter(self, args);
+}
+
 static PyObject *job_times(JobObject *self, PyObject *noargs) {
     (void)noargs;
     kvo_job_info i;
@@ -145,6 +149,8 @@ static PyMethodDef job_methods[] = {
     {"cancel", (PyCFunction)job_cancel, METH_NOARGS, "True if the job will never run"},
     {"wait_on", (PyCFunction)job_wait_on, METH_VARARGS,
      "wait_on(stream, layer=-1, timeout=30, timer=None)"},
+    {"layer_waiter", (PyCFunction)job_layer_waiter, METH_VARARGS,
+     "layer_waiter(stream, layers, timeout, timer, check, fail) -> waiter(layer)"},
     {"times", (PyCFunction)job_times, METH_NOARGS,
      "(submitted, started, enqueued, done): monotonic seconds"},
     {NULL, NULL, 0, NULL},

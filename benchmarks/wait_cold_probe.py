@@ -1,0 +1,137 @@
+"""What a landed layer wait costs when the engine's work has run between two calls (cold caches).
+
+In ``bench e2e`` the per-layer wait read 2.4-4.1 us a call (own time, H200, 2026-11-28), while a
+loop of the same native call on a landed load reads 0.22 us (``benchmarks/gil_probe.py``). Between
+two layers an engine runs a layer's launches: the CPU's caches then hold the engine's data and the
+driver's, not ours. This probe times one call at a time, on the CPU with the tests' fake CUDA
+driver (the native core's own C code), a Llama-3-8B load (32 layers) that has landed:
+
+- ``native``: the job's ``wait_on`` for one layer (no driver call: the slice has landed);
+- ``waiter``: a ``layer_waiter``'s call per layer, as ``bench e2e`` makes them (one wait per
+  layer slice, the other layers answered at once), a new waiter per round: one C call
+  (``module_waiter.c``, since 2026-11-28);
+- ``closure``: the same as the Python closure around ``wait_on`` it replaced (the A/B);
+- ``empty``: a Python call that does nothing (what the timing itself costs).
+
+each back to back (``hot``) and with ``MiB`` of memory swept between two calls (``cold``: the
+sweep stands in for the engine's work between layers; 1 MiB stays in a core's L2, 8 and 64 MiB do
+not). Medians and p90 of every call over ``ROUNDS`` rounds. Run from the source tree:
+
+    python -m benchmarks.wait_cold_probe OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvoffload.bench.common import machine_info
+from kvoffload.transfer.backend import check_layer
+from kvoffload.transfer.spec import TransferSpec
+from tests.fake_cuda import faked
+from tests.test_native_engine import engine_on
+
+ROUNDS = 200
+SWEEP_MIB = (0, 1, 8, 64)  # memory swept between two calls; 0: back to back
+
+
+def timed_calls(
+    make: Callable[[], Callable[[int], Any]], layers: int, sweep: np.ndarray | None
+) -> list[float]:
+    """Microseconds of every call of ``make()``'s function on layers 0..layers-1, ROUNDS times,
+    with ``sweep`` read between two calls."""
+    got = []
+    clock = time.perf_counter_ns
+    for _ in range(ROUNDS):
+        fn = make()
+        for layer in range(layers):
+            if sweep is not None:
+                sweep.sum()  # the engine's work between two layers, in the CPU's caches
+            t0 = clock()
+            fn(layer)
+            got.append((clock() - t0) / 1000)
+    return got
+
+
+def measure(pending: Any, layers: int) -> list[dict[str, Any]]:
+    job = pending.jobs[0]
+
+    def native() -> Callable[[int], Any]:
+        return lambda layer: job.wait_on(124, layer, 5.0, None)
+
+    def waiter() -> Callable[[int], Any]:
+        return pending.layer_waiter(None, layers)
+
+    def closure() -> Callable[[int], Any]:  # staged.py's waiter before 2026-11-28
+        wait_on, owner, waited = job.wait_on, job.layer_slice, [-1]
+
+        def wait(layer: int) -> None:
+            if type(layer) is not int or not 0 <= layer < layers:
+                check_layer(layer, layers)
+            k = owner[layer] if type(layer) is int and 0 <= layer < len(owner) else -1
+            if k >= 0 and k == waited[0]:
+                return
+            if not wait_on(124, layer, 5.0, None):
+                raise RuntimeError(job.error())
+            waited[0] = k
+
+        return wait
+
+    def empty() -> Callable[[int], Any]:
+        return lambda layer: None
+
+    rows = []
+    for mib in SWEEP_MIB:
+        sweep = None if mib == 0 else np.ones(mib << 17, dtype=np.float64)  # mib MiB
+        arms = (("native", native), ("waiter", waiter), ("closure", closure), ("empty", empty))
+        for name, make in arms:
+            calls = timed_calls(make, layers, sweep)
+            row = {
+                "call": name,
+                "sweep_mib": mib,
+                "median_us": statistics.median(calls),
+                "p90_us": float(np.percentile(calls, 90)),
+                "calls": len(calls),
+            }
+            rows.append(row)
+            print(
+                f"{name:7} {'hot' if mib == 0 else f'cold {mib} MiB':12} "
+                f"median {row['median_us']:6.2f} us  p90 {row['p90_us']:6.2f} us"
+            )
+    return rows
+
+
+def main() -> int:
+    if len(sys.argv) != 2:
+        raise SystemExit(f"wait_cold_probe.py: expected one argument, OUT.json, got {sys.argv[1:]}")
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        faked(mp),
+        engine_on("llama3-8b", "kv_split") as (pair, backend),
+    ):
+        store = TransferSpec.of("store", np.arange(8), np.arange(8))
+        assert backend.submit([store]).wait(10)
+        pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), np.arange(8))])
+        if not pending.wait(10) or pending.error() is not None:
+            raise RuntimeError("the fake driver's load did not finish")
+        rows = measure(pending, pair.kv.groups[0].num_layers)
+        slices = len(set(pending.jobs[0].layer_slice))
+        del pending  # its job goes before the fake driver does
+    with open(sys.argv[1], "w") as f:
+        json.dump(
+            {"benchmark": "wait_cold_probe", **machine_info(), "slices": slices, "rows": rows},
+            f,
+            indent=1,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
