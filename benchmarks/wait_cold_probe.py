@@ -67,7 +67,8 @@ def measure(pending: Any, layers: int) -> list[dict[str, Any]]:
         return lambda layer: job.wait_on(124, layer, 5.0, None)
 
     def waiter() -> Callable[[int], Any]:
-        return pending.layer_waiter(None, layers)
+        made: Callable[[int], Any] = pending.layer_waiter(None, layers)
+        return made
 
     def closure() -> Callable[[int], Any]:  # staged.py's waiter before 2026-11-28
         wait_on, owner, waited = job.wait_on, job.layer_slice, [-1]

@@ -46,9 +46,10 @@ def test_bad_layers_are_refused_with_the_python_message_and_nothing_enqueued(
         for bad, said in ((-1, "-1"), (32, "32"), (2**70, str(2**70)), (True, "True")):
             with pytest.raises(ValueError, match=rf"layer in \[0, 32\), got {said}"):
                 waiter(bad)
-        for bad, said in ((1.0, "1.0"), ("0", "'0'"), (None, "None")):
+        odd: tuple[tuple[object, str], ...] = ((1.0, "1.0"), ("0", "'0'"), (None, "None"))
+        for thing, said in odd:
             with pytest.raises(ValueError, match=rf"layer in \[0, 32\), got {said}"):
-                waiter(bad)
+                waiter(thing)
         with pytest.raises(TypeError, match="one argument"):
             waiter(0, 1)
         with pytest.raises(TypeError, match="one argument"):
