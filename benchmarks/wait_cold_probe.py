@@ -14,8 +14,10 @@ driver (the native core's own C code), a Llama-3-8B load (32 layers) that has la
 - ``empty``: a Python call that does nothing (what the timing itself costs).
 
 each back to back (``hot``) and with ``MiB`` of memory swept between two calls (``cold``: the
-sweep stands in for the engine's work between layers; 1 MiB stays in a core's L2, 8 and 64 MiB do
-not). Medians and p90 of every call over ``ROUNDS`` rounds. Run from the source tree:
+sweep stands in for the engine's work between layers; 1 MiB stays in a core's L2, 8 MiB does not,
+and a last-level cache of 300 MiB, as on the H200 hosts, holds all but 512). Medians and p90 of
+every call, over 200 rounds back to back and fewer for the larger sweeps (``rounds_of``). Run
+from the source tree:
 
     python -m benchmarks.wait_cold_probe OUT.json
 """
@@ -38,18 +40,22 @@ from kvoffload.transfer.spec import TransferSpec
 from tests.fake_cuda import faked
 from tests.test_native_engine import engine_on
 
-ROUNDS = 200
-SWEEP_MIB = (0, 1, 8, 64)  # memory swept between two calls; 0: back to back
+SWEEP_MIB = (0, 1, 8, 64, 512)  # memory swept between two calls; 0: back to back
+SWEPT_MIB = 2048  # per round at most (32 sweeps): fewer rounds for the larger sweeps
+
+
+def rounds_of(mib: int) -> int:
+    return max(8, min(200, SWEPT_MIB // max(1, mib)))
 
 
 def timed_calls(
     make: Callable[[], Callable[[int], Any]], layers: int, sweep: np.ndarray | None
 ) -> list[float]:
-    """Microseconds of every call of ``make()``'s function on layers 0..layers-1, ROUNDS times,
-    with ``sweep`` read between two calls."""
+    """Microseconds of every call of ``make()``'s function on layers 0..layers-1, round after
+    round, with ``sweep`` read between two calls."""
     got = []
     clock = time.perf_counter_ns
-    for _ in range(ROUNDS):
+    for _ in range(rounds_of(0 if sweep is None else sweep.nbytes >> 20)):
         fn = make()
         for layer in range(layers):
             if sweep is not None:
@@ -67,7 +73,7 @@ def measure(pending: Any, layers: int) -> list[dict[str, Any]]:
         return lambda layer: job.wait_on(124, layer, 5.0, None)
 
     def waiter() -> Callable[[int], Any]:
-        made: Callable[[int], Any] = pending.layer_waiter(None, layers)
+        made: Callable[[int], Any] = pending.layer_waiter(124, layers)  # the fake's stream
         return made
 
     def closure() -> Callable[[int], Any]:  # staged.py's waiter before 2026-11-28
