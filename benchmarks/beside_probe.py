@@ -33,12 +33,11 @@ from kvoffload.bench.common import machine_info
 from kvoffload.bench.transfer.host_time import (
     Arm,
     Beside,
-    HostTimeConfig,
     build,
     step_window,
     warmup_steps,
 )
-from kvoffload.bench.transfer.host_time_gpu import gpu_rig
+from kvoffload.bench.transfer.host_time_rig import HostTimeConfig, gpu_rig
 from kvoffload.bench.transfer.host_time_stats import (
     BASELINE,
     phase_excess_us,

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvoffload.bench.transfer import host_time, host_time_gpu
-from kvoffload.bench.transfer.host_time import HostTimeConfig, Rig, check_args, measure_method
+from kvoffload.bench.transfer import host_time
+from kvoffload.bench.transfer.host_time import check_args, measure_method
+from kvoffload.bench.transfer.host_time_rig import HostTimeConfig, Rig
 from kvoffload.bench.transfer.host_time_stats import (
     BASELINE,
     PHASES,
@@ -348,7 +349,7 @@ def test_run_assembles_every_method_into_json_rows_and_a_table(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(host_time_gpu, "gpu_rig", lambda device, cfg: rig.rig)
+    monkeypatch.setattr(host_time, "gpu_rig", lambda device, cfg: rig.rig)
     out = host_time.run(0, ["host", "no-such-method"], 60.0, config=TINY)
     assert json.loads(json.dumps(out)) == out
     assert out["device"] == "fake GPU" and out["slot_bytes"] == rig.kv.slot_bytes

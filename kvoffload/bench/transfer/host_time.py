@@ -38,11 +38,19 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
+from kvoffload.bench.transfer.host_time_rig import (
+    BLOCK_SIZE,
+    LAYOUT,
+    MODEL,
+    HostTimeConfig,
+    Rig,
+    gpu_rig,
+)
 from kvoffload.bench.transfer.host_time_stats import (
     BASELINE,
     PHASES,
@@ -59,66 +67,8 @@ from kvoffload.transfer.backend import CopyBackend, Pending
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import Direction, TransferSpec
 
-MODEL, LAYOUT, BLOCK_SIZE = "llama3-8b", "page", 16
-
-
-@dataclass(frozen=True)
-class HostTimeConfig:
-    gil_blocks: tuple[int, ...] = (1, 4, 16, 64, 256, 1000, 2048)  # blocks per transfer, part a
-    sleep_s: float = 200e-6  # the probe thread's sleep
-    window_s: float = 0.2  # one baseline or loaded window of part a
-    gil_rounds: int = 3  # (baseline, loaded) pairs per block count
-    kernels_per_step: int = 200  # ~2.5 ms of launches per step on an H100
-    steps_per_window: int = 40
-    step_rounds: int = 5  # loaded windows per arm
-    inline_blocks: tuple[int, ...] = (1, 4, 16)  # stored per step by the step's own thread
-    periodic_s: float = 2e-3  # the other thread stores and loads 1..periodic_max_blocks this often
-    periodic_max_blocks: int = 16
-    back_to_back_blocks: tuple[int, ...] = (1, 16)  # the other thread's transfers, back to back
-    wait_s: float = 60.0  # a transfer not done by then is a failure
-
-    def __post_init__(self) -> None:
-        counts = (*self.gil_blocks, *self.inline_blocks, *self.back_to_back_blocks)
-        if not counts or any(n <= 0 for n in counts) or self.periodic_max_blocks <= 0:
-            raise ValueError(f"HostTimeConfig: expected block counts > 0, got {counts}")
-        for name in ("sleep_s", "window_s", "periodic_s", "wait_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"HostTimeConfig: expected {name} > 0, got {getattr(self, name)}")
-        for name in ("gil_rounds", "kernels_per_step", "steps_per_window", "step_rounds"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"HostTimeConfig: expected {name} > 0, got {getattr(self, name)}")
-
-    @property
-    def most_blocks(self) -> int:
-        return max(
-            *self.gil_blocks,
-            *self.inline_blocks,
-            *self.back_to_back_blocks,
-            self.periodic_max_blocks,
-        )
-
-    @property
-    def checked_blocks(self) -> list[int]:
-        """Every block count a method moves: each is byte-checked before timing."""
-        every = {*self.gil_blocks, *self.inline_blocks, *self.back_to_back_blocks}
-        return sorted(every | set(range(1, self.periodic_max_blocks + 1)))
-
 
 # -- the measuring loops (any backend, any rig) -------------------------------------------------
-@dataclass
-class Rig:
-    """What the loops need of an engine: its layout and arena, and callables."""
-
-    layout: KVLayout
-    arena: HostArena
-    pool: int  # engine blocks (>= 2 * most_blocks)
-    kernel: Callable[[], None]  # launch one small kernel of the engine step
-    end_step: Callable[[], None]  # the step's host sync (the engine reading its samples)
-    scramble: Callable[[np.ndarray], None]  # new random bytes in these engine blocks
-    same_blocks: Callable[[np.ndarray, np.ndarray], bool]  # blocks a hold what blocks b hold
-    stored_ok: Callable[[np.ndarray, np.ndarray], bool] | None = None  # slots hold the blocks
-
-
 def transfer(backend: CopyBackend, direction: Direction, blocks: Any, slots: Any) -> Pending:
     return backend.submit([TransferSpec.of(direction, blocks, slots)])
 
@@ -448,8 +398,6 @@ def run(
         raise RuntimeError("the host-time benchmark needs a CUDA GPU; torch sees none")
     if device >= torch.cuda.device_count():
         raise ValueError(f"expected a device index < {torch.cuda.device_count()}, got {device}")
-    from kvoffload.bench.transfer.host_time_gpu import gpu_rig  # torch's rig: GPU runs only
-
     began = time.perf_counter()
     rig = gpu_rig(device, cfg)
     slot_bytes = rig.layout.slot_bytes
