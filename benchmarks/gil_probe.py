@@ -22,6 +22,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -74,9 +75,12 @@ def measure(job: Any, layers: int) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> int:
+def run_on_landed_load(probe: str, measure_fn: Callable[[Any, int], dict[str, Any]]) -> int:
+    """A probe's main: on the fake driver, a Llama-3-8B load that has landed (after a store of the
+    same slots); ``measure_fn(pending, layers)`` gives the fields written to OUT.json (argv[1])
+    beside the probe's name and the machine's."""
     if len(sys.argv) != 2:
-        raise SystemExit(f"gil_probe.py: expected one argument, OUT.json, got {sys.argv[1:]}")
+        raise SystemExit(f"{probe}.py: expected one argument, OUT.json, got {sys.argv[1:]}")
     with (
         pytest.MonkeyPatch.context() as mp,
         faked(mp),
@@ -87,11 +91,17 @@ def main() -> int:
         pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), np.arange(8))])
         if not pending.wait(10) or pending.error() is not None:
             raise RuntimeError("the fake driver's load did not finish")
-        rows = measure(pending.jobs[0], pair.kv.groups[0].num_layers)
+        fields = measure_fn(pending, pair.kv.groups[0].num_layers)
         del pending  # its job goes before the fake driver does
     with open(sys.argv[1], "w") as f:
-        json.dump({"benchmark": "gil_probe", **machine_info(), "rows": rows}, f, indent=1)
+        json.dump({"benchmark": probe, **machine_info(), **fields}, f, indent=1)
     return 0
+
+
+def main() -> int:
+    return run_on_landed_load(
+        "gil_probe", lambda pending, layers: {"rows": measure(pending.jobs[0], layers)}
+    )
 
 
 if __name__ == "__main__":

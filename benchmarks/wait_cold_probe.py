@@ -24,21 +24,15 @@ from the source tree:
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pytest
 
-from kvoffload.bench.common import machine_info
+from benchmarks.gil_probe import run_on_landed_load
 from kvoffload.transfer.backend import check_layer
-from kvoffload.transfer.spec import TransferSpec
-from tests.fake_cuda import faked
-from tests.test_native_engine import engine_on
 
 SWEEP_MIB = (0, 1, 8, 64, 512)  # memory swept between two calls; 0: back to back
 SWEPT_MIB = 2048  # per round at most (32 sweeps): fewer rounds for the larger sweeps
@@ -116,28 +110,11 @@ def measure(pending: Any, layers: int) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        raise SystemExit(f"wait_cold_probe.py: expected one argument, OUT.json, got {sys.argv[1:]}")
-    with (
-        pytest.MonkeyPatch.context() as mp,
-        faked(mp),
-        engine_on("llama3-8b", "kv_split") as (pair, backend),
-    ):
-        store = TransferSpec.of("store", np.arange(8), np.arange(8))
-        assert backend.submit([store]).wait(10)
-        pending = backend.submit([TransferSpec.of("load", np.arange(8, 16), np.arange(8))])
-        if not pending.wait(10) or pending.error() is not None:
-            raise RuntimeError("the fake driver's load did not finish")
-        rows = measure(pending, pair.kv.groups[0].num_layers)
-        slices = len(set(pending.jobs[0].layer_slice))
-        del pending  # its job goes before the fake driver does
-    with open(sys.argv[1], "w") as f:
-        json.dump(
-            {"benchmark": "wait_cold_probe", **machine_info(), "slices": slices, "rows": rows},
-            f,
-            indent=1,
-        )
-    return 0
+    def fields(pending: Any, layers: int) -> dict[str, Any]:
+        rows = measure(pending, layers)
+        return {"slices": len(set(pending.jobs[0].layer_slice)), "rows": rows}
+
+    return run_on_landed_load("wait_cold_probe", fields)
 
 
 if __name__ == "__main__":

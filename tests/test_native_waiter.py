@@ -107,3 +107,22 @@ def test_a_failed_load_raises_its_error_from_the_waiter(fake_cuda: Calls) -> Non
         with pytest.raises((CudaCopyError, RuntimeError), match="700"):
             waiter(0)
         assert not fake_cuda.stream_held(125)
+
+
+def test_the_cold_probe_times_every_arm_and_its_waiter_waits_per_slice(
+    fake_cuda: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``benchmarks/wait_cold_probe.py``'s measure, cut to two sweeps of few rounds: a row per arm
+    and sweep, every call timed; its closure and the native waiter make the same flag waits."""
+    probe = pytest.importorskip("benchmarks.wait_cold_probe", reason="the source tree's benchmarks")
+    monkeypatch.setattr(probe, "SWEEP_MIB", (0, 1))
+    monkeypatch.setattr(probe, "rounds_of", lambda mib: 2)
+    with engine_on("llama3-8b", "kv_split") as (pair, backend):
+        pending, release = stored_then_loading(backend, fake_cuda)
+        release()
+        assert pending.wait(10) and pending.error() is None
+        layers = pair.kv.groups[0].num_layers
+        rows = probe.measure(pending, layers)
+        arms = {"native", "waiter", "closure", "empty"}
+        assert {(r["call"], r["sweep_mib"]) for r in rows} == {(a, m) for a in arms for m in (0, 1)}
+        assert all(r["calls"] == 2 * layers and 0 < r["median_us"] <= r["p90_us"] for r in rows)
