@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -33,6 +32,7 @@ from kvoffload.bench.common import machine_info
 from kvoffload.bench.transfer.host_time import (
     Arm,
     Beside,
+    ThreadArm,
     build,
     step_window,
     warmup_steps,
@@ -49,35 +49,21 @@ PERIOD_S = 2e-3
 SWITCH_S = (0.005, 0.0005)  # CPython's default switch interval, and a tenth of it
 
 
-class PythonOnly(Arm):
+class PythonOnly(ThreadArm):
     """Every ``PERIOD_S``: four sleeps of 20 us (each releases the GIL and takes it back), each
     followed by ~100 Python operations; no driver call."""
 
+    name = "beside-python"
+
     def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__(PERIOD_S)
         self.rounds = 0
 
-    def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="beside-python", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            for _ in range(4):
-                time.sleep(20e-6)
-                sum(i * i for i in range(100))
-            self.rounds += 1
-            rest = PERIOD_S - (time.perf_counter() - t0)
-            if rest > 0:
-                self._stop.wait(rest)
+    def _round(self) -> None:
+        for _ in range(4):
+            time.sleep(20e-6)
+            sum(i * i for i in range(100))
+        self.rounds += 1
 
 
 def measure(

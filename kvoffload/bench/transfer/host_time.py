@@ -190,24 +190,21 @@ class InlineStores(Arm):
         self.outstanding.clear()
 
 
-class Beside(Arm):
-    """Another Python thread moving blocks: every ``period_s`` a store and a load of 1..``most``
-    blocks (random), or (``period_s`` 0) ``most`` blocks back to back; each waited for."""
+class ThreadArm(Arm):
+    """A thread beside the step: ``_round()`` every ``period_s`` (0: back to back) until
+    ``stop``, which raises the first error a round raised."""
 
-    def __init__(
-        self, backend: CopyBackend, rig: Rig, most: int, period_s: float, wait_s: float
-    ) -> None:
-        self.backend, self.most, self.period_s, self.wait_s = backend, most, period_s, wait_s
-        self.half = rig.pool // 2
-        self.rng = np.random.default_rng(most)
+    name = "kvoffload-beside"
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
         self.errors: list[BaseException] = []
-        self.moved = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="kvoffload-beside", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -215,23 +212,42 @@ class Beside(Arm):
         if self._thread is not None:
             self._thread.join()
         if self.errors:
-            raise RuntimeError(f"the transfers beside the step failed: {self.errors[0]!r}")
+            raise RuntimeError(f"the thread beside the step failed: {self.errors[0]!r}")
+
+    def _round(self) -> None:
+        raise NotImplementedError
 
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
                 t0 = time.perf_counter()
-                n = self.most if self.period_s == 0 else int(self.rng.integers(1, self.most + 1))
-                ids = np.arange(n)
-                finish(transfer(self.backend, "store", ids, ids), self.wait_s, "a store beside")
-                load = transfer(self.backend, "load", ids + self.half, ids)
-                finish(load, self.wait_s, "a load beside")
-                self.moved += 2 * n
+                self._round()
                 rest = self.period_s - (time.perf_counter() - t0)
                 if rest > 0:
                     self._stop.wait(rest)
         except (RuntimeError, ValueError, TimeoutError) as err:
             self.errors.append(err)
+
+
+class Beside(ThreadArm):
+    """Another Python thread moving blocks: every ``period_s`` a store and a load of 1..``most``
+    blocks (random), or (``period_s`` 0) ``most`` blocks back to back; each waited for."""
+
+    def __init__(
+        self, backend: CopyBackend, rig: Rig, most: int, period_s: float, wait_s: float
+    ) -> None:
+        super().__init__(period_s)
+        self.backend, self.most, self.wait_s = backend, most, wait_s
+        self.half = rig.pool // 2
+        self.rng = np.random.default_rng(most)
+        self.moved = 0
+
+    def _round(self) -> None:
+        n = self.most if self.period_s == 0 else int(self.rng.integers(1, self.most + 1))
+        ids = np.arange(n)
+        finish(transfer(self.backend, "store", ids, ids), self.wait_s, "a store beside")
+        finish(transfer(self.backend, "load", ids + self.half, ids), self.wait_s, "a load beside")
+        self.moved += 2 * n
 
 
 def step_window(

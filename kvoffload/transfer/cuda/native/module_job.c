@@ -65,6 +65,43 @@ static PyObject *job_cancel(JobObject *self, PyObject *noargs) {
     Py_END_ALLOW_THREADS return PyBool_FromLong(cancelled);
 }
 
+int kvo_job_timer(JobObject *job, PyObject *obj, const char *where, kvo_timer **out) {
+    *out = NULL;
+    if (obj == Py_None) return 0;
+    if (!PyObject_TypeCheck(obj, &TimerType) || ((TimerObject *)obj)->owner != job->owner) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a Timer of this job's core or None, got %R",
+                     where, obj);
+        return -1;
+    }
+    *out = ((TimerObject *)obj)->timer;
+    return 0;
+}
+
+int64_t *kvo_job_slices(JobObject *job, int64_t *n) {
+    kvo_job_info i;
+    describe(job, &i);
+    int64_t *v = malloc((size_t)(i.layers + 1) * sizeof *v);
+    *n = 0;
+    if (v == NULL) return (int64_t *)PyErr_NoMemory();
+    kvo_job_layer_slices(job->owner->e, job->job, v, i.layers, n);
+    return v;
+}
+
+int kvo_job_enqueue_wait(JobObject *job, unsigned long long stream, long long layer,
+                         double timeout, kvo_timer *timer, int *ok) {
+    kvo_core *e = job->owner->e;
+    kvo_job *j = job->job;
+    *ok = 1;
+    if (kvo_job_landed(e, j, (int64_t)layer, ok)) return 0; /* GIL kept */
+    char msg[KVO_MSG] = "";
+    kvo_status rc;
+    Py_BEGIN_ALLOW_THREADS rc = kvo_job_wait_on(e, j, (kvo_stream)(uintptr_t)stream,
+                                                (int64_t)layer, timeout, timer, ok, msg);
+    Py_END_ALLOW_THREADS if (rc == KVO_OK) return 0;
+    raise_status(rc, msg);
+    return -1;
+}
+
 /* wait_on(stream, layer=-1, timeout=30, timer=None): make `stream` wait on the GPU for the job
  * (or for `layer` of a load); returns at once. False when the job failed or never ran (the
  * stream does not wait for it); TimeoutError when a job queued behind another was not enqueued
@@ -75,25 +112,11 @@ static PyObject *job_wait_on(JobObject *self, PyObject *args) {
     double timeout = 30.0;
     PyObject *timer_obj = Py_None;
     if (!PyArg_ParseTuple(args, "K|LdO", &stream, &layer, &timeout, &timer_obj)) return NULL;
-    kvo_timer *timer = NULL;
-    if (timer_obj != Py_None) {
-        if (!PyObject_TypeCheck(timer_obj, &TimerType) ||
-            ((TimerObject *)timer_obj)->owner != self->owner) {
-            PyErr_Format(PyExc_ValueError, "wait_on: expected a Timer of this job's core or None, got %R",
-                         timer_obj);
-            return NULL;
-        }
-        timer = ((TimerObject *)timer_obj)->timer;
-    }
-    int ok = 1;
-    char msg[KVO_MSG] = "";
-    kvo_status rc;
-    kvo_core *e = self->owner->e;
-    kvo_job *job = self->job;
-    if (kvo_job_landed(e, job, (int64_t)layer, &ok)) return PyBool_FromLong(ok); /* GIL kept */
-    Py_BEGIN_ALLOW_THREADS rc = kvo_job_wait_on(e, job, (kvo_stream)(uintptr_t)stream, layer,
-                                                timeout, timer, &ok, msg);
-    Py_END_ALLOW_THREADS if (rc != KVO_OK) return raise_status(rc, msg);
+    kvo_timer *timer;
+    int ok;
+    if (kvo_job_timer(self, timer_obj, "wait_on", &timer) < 0 ||
+        kvo_job_enqueue_wait(self, stream, layer, timeout, timer, &ok) < 0)
+        return NULL;
     return PyBool_FromLong(ok);
 }
 
@@ -131,11 +154,9 @@ static PyObject *job_get_slices(JobObject *self, void *c) {
 
 static PyObject *job_get_layer_slice(JobObject *self, void *c) {
     (void)c;
-    kvo_job_info i;
-    describe(self, &i);
-    int64_t *v = malloc((size_t)(i.layers + 1) * sizeof *v), n = 0;
-    if (v == NULL) return PyErr_NoMemory();
-    kvo_job_layer_slices(self->owner->e, self->job, v, i.layers, &n);
+    int64_t n;
+    int64_t *v = kvo_job_slices(self, &n);
+    if (v == NULL) return NULL;
     PyObject *out = kvo_int_list(v, n);
     free(v);
     return out;

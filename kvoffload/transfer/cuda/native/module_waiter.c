@@ -19,6 +19,7 @@ typedef struct {
     PyObject_HEAD
     JobObject *job;     /* holds its core */
     PyObject *timer;    /* a Timer of the same core, or NULL */
+    kvo_timer *timed;   /* its timer, or NULL */
     PyObject *check;    /* check(layer, layers): raises ValueError for a bad layer */
     PyObject *fail;     /* fail(): raises the job's error */
     unsigned long long stream;
@@ -67,19 +68,9 @@ static PyObject *waiter_call(WaiterObject *self, PyObject *args, PyObject *kwarg
     int64_t k = PyLong_CheckExact(arg) && layer >= 0 && layer < self->n_owner ? self->owner[layer]
                                                                                : -1;
     if (k >= 0 && k == self->waited) Py_RETURN_NONE; /* a slice's words are written together */
-    kvo_core *e = self->job->owner->e;
-    kvo_job *job = self->job->job;
-    int ok = 1;
-    if (!kvo_job_landed(e, job, (int64_t)layer, &ok)) { /* GIL kept when landed */
-        kvo_timer *timer = self->timer ? ((TimerObject *)self->timer)->timer : NULL;
-        kvo_stream stream = (kvo_stream)(uintptr_t)self->stream;
-        double timeout = self->timeout;
-        char msg[KVO_MSG] = "";
-        kvo_status rc;
-        Py_BEGIN_ALLOW_THREADS rc =
-            kvo_job_wait_on(e, job, stream, (int64_t)layer, timeout, timer, &ok, msg);
-        Py_END_ALLOW_THREADS if (rc != KVO_OK) return raise_status(rc, msg);
-    }
+    int ok;
+    if (kvo_job_enqueue_wait(self->job, self->stream, layer, self->timeout, self->timed, &ok) < 0)
+        return NULL;
     if (!ok) {
         PyObject *r = PyObject_CallNoArgs(self->fail);
         if (r == NULL) return NULL;
@@ -109,22 +100,16 @@ PyObject *kvo_make_waiter(JobObject *job, PyObject *args) {
     PyObject *timer, *check, *fail;
     if (!PyArg_ParseTuple(args, "KLdOOO", &stream, &layers, &timeout, &timer, &check, &fail))
         return NULL;
-    if (timer != Py_None &&
-        (!PyObject_TypeCheck(timer, &TimerType) || ((TimerObject *)timer)->owner != job->owner)) {
-        PyErr_Format(PyExc_ValueError,
-                     "layer_waiter: expected a Timer of this job's core or None, got %R", timer);
-        return NULL;
-    }
+    kvo_timer *timed;
+    if (kvo_job_timer(job, timer, "layer_waiter", &timed) < 0) return NULL;
     if (!PyCallable_Check(check) || !PyCallable_Check(fail)) {
         PyErr_Format(PyExc_ValueError, "layer_waiter: expected callables check and fail, got %R, %R",
                      check, fail);
         return NULL;
     }
-    kvo_job_info info;
-    kvo_job_describe(job->owner->e, job->job, &info);
-    int64_t *owner = malloc((size_t)(info.layers + 1) * sizeof *owner), n = 0;
-    if (owner == NULL) return PyErr_NoMemory();
-    kvo_job_layer_slices(job->owner->e, job->job, owner, info.layers, &n);
+    int64_t n;
+    int64_t *owner = kvo_job_slices(job, &n);
+    if (owner == NULL) return NULL;
     WaiterObject *w = PyObject_New(WaiterObject, &WaiterType);
     if (w == NULL) {
         free(owner);
@@ -133,6 +118,7 @@ PyObject *kvo_make_waiter(JobObject *job, PyObject *args) {
     Py_INCREF(job);
     w->job = job;
     w->timer = timer == Py_None ? NULL : (Py_INCREF(timer), timer);
+    w->timed = timed;
     Py_INCREF(check);
     w->check = check;
     Py_INCREF(fail);
