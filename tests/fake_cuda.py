@@ -78,6 +78,9 @@ class Calls:
     memops: int = 0
     # cuStreamWriteValue32/cuStreamBatchMemOp fail on this stream (None: never)
     fail_flags_on: int | None = None
+    # cuStreamQuery of this stream returns this error (a copy that failed on the device), else
+    # not ready while the stream is held, else done
+    fail_query_on: tuple[int, int] | None = None
     # seconds spent inside the C entry points' Python (benchmarks/api_fake.py leaves it out)
     seconds: float = 0.0
     # cuEventRecord through the C entry point: event -> the host clock when the stream reached
@@ -365,6 +368,11 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
     def query(event):
         return _NOT_READY if event in calls.event_times and calls.event_times[event] is None else 0
 
+    def stream_query(stream):
+        if calls.fail_query_on is not None and calls.fail_query_on[0] == stream:
+            return calls.fail_query_on[1]
+        return _NOT_READY if calls.stream_held(stream) else 0
+
     def elapsed(out, start, end):
         if not all(e in calls.event_times for e in (start, end)):
             return _INVALID_HANDLE
@@ -508,6 +516,7 @@ def _entry_callbacks(calls: Calls) -> dict[str, Any]:
         "ctx_sync": ctypes.CFUNCTYPE(ctypes.c_int)(guarded(ctx_sync)),
         "copy2d": ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)(guarded(copy2d)),
         "elapsed": ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P)(guarded(elapsed)),
+        "stream_query": pointer(guarded(stream_query)),
     }
 
 

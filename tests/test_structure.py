@@ -266,7 +266,7 @@ def test_the_native_core_has_one_owner_per_concept():
         assert "core_state.h" not in c_includes(NATIVE / binding), binding
         for private in ("pthread_", "->mu", "->lane", "->flags", "->inflight", "->spec"):
             assert private not in text, f"{binding} names the core's {private}"
-    for pure in ("pipeline.c", "pipeline.h", "flags.c", "job.c"):
+    for pure in ("pipeline.c", "pipeline.h", "part.h", "copies.c", "flags.c", "job.c"):
         text = (NATIVE / pure).read_text()
         core = {"core.h", "core_state.h"} & c_includes(NATIVE / pure)
         assert "pthread" not in text and not core, pure

@@ -17,13 +17,14 @@ from types import ModuleType
 
 import numpy as np
 
-ABI = 10  # KVO_ABI (native/kvo.h): the packed spec's and the driver table's layout
+ABI = 11  # KVO_ABI (native/kvo.h): the packed spec's and the driver table's layout
 # kvo_driver's entry points, in order (kvoffload/transfer/cuda/native/driver.h)
 DRIVER_FIELDS = (
     *("launch", "batch", "copy", "record", "wait", "event_create", "event_destroy"),
     *("event_query", "event_sync", "ctx_get", "ctx_set", "mem_alloc", "mem_free"),
     *("host_alloc", "host_free", "stream_sync", "error_name"),
     *("write32", "wait32", "memops", "host_dptr", "ctx_sync", "copy2d", "elapsed"),
+    "stream_query",
 )
 STEP_COPY = 2  # a copy the driver refused (native/job.h's step codes)
 

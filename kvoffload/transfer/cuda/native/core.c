@@ -9,7 +9,8 @@
  * whoever asks (a job's done() and wait() read its done word and finish it, waits.c): the
  * completion thread only finishes jobs nobody asks about, sleeping ~1/16 of the youngest job's
  * age (at most poll_max_ns), so no thread of ours polls fast beside the forward. A driver query
- * (cuEventQuery) is made only for a job in flight longer than KVO_ERROR_POLL_S, to report a copy
+ * (cuStreamQuery of the job's tail stream) is made only for a job in flight longer than
+ * KVO_ERROR_POLL_S, to report a copy
  * that failed on the device. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -79,7 +80,6 @@ static void event_give(kvo_core *e, kvo_event ev) {
 
 static void job_drop(kvo_core *e, kvo_job *job) {
     event_give(e, job->order);
-    event_give(e, job->done_ev);
     kvo_job_free(job);
 }
 
@@ -190,8 +190,7 @@ static kvo_status validate(kvo_core *e, const kvo_input *in, int64_t n_in, char 
 
 static int take_events(kvo_core *e, kvo_job *job, int has_order) { /* mu held */
     int err = 0;
-    job->done_ev = event_take(e, &err);
-    if (!err && has_order) job->order = event_take(e, &err);
+    if (has_order) job->order = event_take(e, &err);
     return err;
 }
 
@@ -309,11 +308,13 @@ static void *worker(void *p) {
 static int check(kvo_core *e, kvo_job *j, double now, int *code) {
     *code = 0;
     if (kvo_flag_reached(&e->flags, kvo_word_done(j->dir), j->seq)) return 1;
-    if (j->done_ev == NULL || now - j->t_enqueued < KVO_ERROR_POLL_S ||
+    if (j->tail == NULL || now - j->t_enqueued < KVO_ERROR_POLL_S ||
         now - j->t_polled < KVO_ERROR_POLL_S)
         return 0;
     j->t_polled = now;
-    int q = e->d.event_query(j->done_ev);
+    /* the tail stream, not an event of the job's own: one driver call fewer per job. Later
+     * jobs' work on it keeps it not ready; a copy that failed on the device fails it. */
+    int q = e->d.stream_query(j->tail);
     if (q == 0 || q == KVO_NOT_READY) return 0; /* 0: the flag's write is about to land */
     *code = q;
     return 1;

@@ -60,6 +60,8 @@ kvo_status kvo_resolve(kvo_driver *d, char *msg) {
         {(void **)&d->copy2d, "cuMemcpy2DAsync", 12000, 1},
         /* stall timers only (stall.c): without it they report nothing */
         {(void **)&d->elapsed, "cuEventElapsedTime", 12000, 0},
+        /* a job in flight long: whether its tail stream failed on the device (core.c) */
+        {(void **)&d->stream_query, "cuStreamQuery", 12000, 1},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         *want[i].slot = lookup(get, want[i].name, want[i].version);

@@ -34,9 +34,10 @@ typedef struct {
     int (*ctx_sync)(void);                                        /* cuCtxSynchronize */
     int (*copy2d)(const void *, kvo_stream);                      /* cuMemcpy2DAsync_v2 */
     int (*elapsed)(float *, kvo_event, kvo_event);                /* cuEventElapsedTime, may be NULL */
+    int (*stream_query)(kvo_stream);                              /* cuStreamQuery */
 } kvo_driver;
 
-#define KVO_DRIVER_FIELDS 24
+#define KVO_DRIVER_FIELDS 25
 
 /* Resolve libcuda.so.1's entry points into d: KVO_OK, or KVO_FAILED and why in msg. */
 kvo_status kvo_resolve(kvo_driver *d, char *msg);

@@ -47,6 +47,7 @@ static int t_write32(kvo_stream s, kvo_dptr a, uint32_t v, unsigned f) { TIMED(1
 static int t_wait32(kvo_stream s, kvo_dptr a, uint32_t v, unsigned f) { TIMED(18, inner.wait32(s, a, v, f)); }
 static int t_memops(kvo_stream s, unsigned n, void *p, unsigned f) { TIMED(19, inner.memops(s, n, p, f)); }
 static int t_copy2d(const void *desc, kvo_stream s) { TIMED(22, inner.copy2d(desc, s)); }
+static int t_stream_query(kvo_stream s) { TIMED(24, inner.stream_query(s)); }
 
 const kvo_driver *kvo_timed_driver(const kvo_driver *d) {
     if (d == &timed) return d;
@@ -62,7 +63,7 @@ const kvo_driver *kvo_timed_driver(const kvo_driver *d) {
         .host_free = inner.host_free, .stream_sync = inner.stream_sync,
         .error_name = inner.error_name, .write32 = t_write32, .wait32 = t_wait32,
         .memops = t_memops, .host_dptr = inner.host_dptr, .ctx_sync = inner.ctx_sync,
-        .copy2d = t_copy2d, .elapsed = inner.elapsed,
+        .copy2d = t_copy2d, .elapsed = inner.elapsed, .stream_query = t_stream_query,
     };
     wrapped = 1;
     return &timed;

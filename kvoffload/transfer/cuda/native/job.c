@@ -12,7 +12,7 @@ static const char *STEP_NAMES[] = {"",
                                    "cuStreamWaitEvent",
                                    "allocation",
                                    "kernel argument",
-                                   "cuEventQuery",
+                                   "cuStreamQuery",
                                    "cancel",
                                    "close",
                                    "a flag write"};

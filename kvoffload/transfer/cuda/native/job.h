@@ -25,7 +25,8 @@ typedef struct kvo_job {
     int64_t *plan_first, *plan_count; /* per spec (loads): first part, slices */
     int64_t n_slices, n_layers;
     int64_t *layer_slice;             /* per layer (loads): slice index */
-    kvo_event order, done_ev;
+    kvo_event order;
+    kvo_stream tail;                  /* the stream its end is on (0: none, flags set on the host) */
     uint32_t seq;                     /* the direction's sequence number: flags.h */
     int state, failed, cancelled;
     int64_t marked;                   /* loads: slices whose flag writes are enqueued (atomic) */

@@ -7,138 +7,13 @@
  * waits on. Chunks go round a ring of `depth` staging areas; `filled` / `freed` events hand an
  * area between the kernels' stream and the DMA stream(s), so the gather of chunk k+1 overlaps
  * the DMA of chunk k; the ring's reuse is ordered on the GPU (chunk sizes: plan_chunks). */
-#include <stdlib.h>
-#include <string.h>
-
-#include "pipeline.h"
-
-/* CUmemcpyAttributes: source read in stream order (a store's DMA waits for its gather so). */
-static struct { int order; int src_type, src_id, dst_type, dst_id; unsigned flags; } attrs = {1, 0, 0, 0, 0, 0};
-static size_t attr_index[1] = {0};
+#include "part.h"
 
 #define TRY(call, step, chunk)                                                      \
     do {                                                                            \
         int err_ = (call);                                                          \
         if (err_) return kvo_job_fail(job, p->d, err_, (step), (chunk), -1, NULL);  \
     } while (0)
-
-static int grow(int64_t **p, int64_t *cap, int64_t need, int count) {
-    if (need <= *cap) return 0;
-    int64_t n = need > 2 * *cap ? need : 2 * *cap;
-    for (int k = 0; k < count; k++) {
-        int64_t *q = realloc(p[k], (size_t)n * sizeof(int64_t));
-        if (q == NULL) return -1;
-        p[k] = q;
-    }
-    *cap = n;
-    return 0;
-}
-
-typedef struct {
-    const kvo_pipe *p;
-    kvo_job *job;
-    kvo_lane *lane;
-    const kvo_part *part;
-    const kvo_group *group; /* its kernel and load program bytes */
-    const int64_t *slots;
-    kvo_dptr blocks;
-    int64_t n_chunks, depth, position, descs_before;
-    int whole; /* whole host slots move: consecutive slots merge into one descriptor */
-    int exposed; /* a store's first part / a load's last slice: launch_on widens its edge */
-} part_run;
-
-static int64_t area_of(const part_run *r, int64_t c) { return (r->position + c) % r->depth; }
-
-/* CUDA_MEMCPY2D: one pitched copy (a run of consecutive host slots' slices into staging). */
-typedef struct {
-    size_t src_x, src_y;
-    int src_type, pad0;
-    const void *src_host;
-    uint64_t src_dev;
-    void *src_array;
-    size_t src_pitch;
-    size_t dst_x, dst_y;
-    int dst_type, pad1;
-    void *dst_host;
-    uint64_t dst_dev;
-    void *dst_array;
-    size_t dst_pitch;
-    size_t width, height;
-} memcpy2d;
-
-#define MEMORY_UNIFIED 4 /* CU_MEMORYTYPE_UNIFIED: an address of either side (UVA) */
-#define RUN_2D 2         /* runs of at least this many consecutive slots go as one 2D copy */
-
-/* Consecutive slots of a part that is not the whole slot (a load's layer slice) are a pitched
- * run in host memory: one 2D copy moves the run (measured: ~0.9 us of host time per
- * cuMemcpyBatchAsync descriptor, so a 1,000-block load of 16 slices took 15 ms to enqueue). */
-static int run_2d(part_run *r, int64_t c, int64_t host, int64_t staged, int64_t rows,
-                  kvo_stream stream) {
-    const kvo_pipe *p = r->p;
-    int64_t unit = r->part->unit;
-    int store = r->job->dir == KVO_STORE;
-    memcpy2d m;
-    memset(&m, 0, sizeof m);
-    m.src_type = m.dst_type = MEMORY_UNIFIED;
-    m.src_dev = (uint64_t)(store ? staged : host);
-    m.src_pitch = (size_t)(store ? unit : p->spec->arena_slot_bytes);
-    m.dst_dev = (uint64_t)(store ? host : staged);
-    m.dst_pitch = (size_t)(store ? p->spec->arena_slot_bytes : unit);
-    m.width = (size_t)unit;
-    m.height = (size_t)rows;
-    int err = p->d->copy2d(&m, stream);
-    return err ? kvo_job_fail(r->job, p->d, err, STEP_COPY, c, r->descs_before, NULL) : 0;
-}
-
-static int copies(part_run *r, int64_t c, kvo_stream stream) {
-    const kvo_pipe *p = r->p;
-    kvo_job *job = r->job;
-    kvo_lane *lane = r->lane;
-    const kvo_spec *s = p->spec;
-    int64_t start = lane->starts[c], count = lane->sizes[c], unit = r->part->unit;
-    int64_t base = s->bases[job->dir][area_of(r, c)], n = 0;
-    int store = job->dir == KVO_STORE;
-    for (int64_t i = 0; i < count; i++) {
-        const int64_t *slots = r->slots + start;
-        int64_t host = s->arena_base + slots[i] * s->arena_slot_bytes + r->part->offset;
-        int64_t staged = base + i * unit;
-        if (r->whole && n > 0 && slots[i] == slots[i - 1] + 1) {
-            lane->len[n - 1] += unit;
-            continue;
-        }
-        int64_t run = 1;
-        while (!r->whole && i + run < count && slots[i + run] == slots[i] + run) run++;
-        if (run >= RUN_2D) {
-            int err = run_2d(r, c, host, staged, run, stream);
-            if (err) return err;
-            r->descs_before++;
-            i += run - 1;
-            continue;
-        }
-        lane->src[n] = store ? staged : host;
-        lane->dst[n] = store ? host : staged;
-        lane->len[n] = unit;
-        n++;
-    }
-    if (n == 0) return 0;
-    if (p->d->batch == NULL || n == 1) { /* one copy: cuMemcpyAsync costs a third of a batch */
-        for (int64_t i = 0; i < n; i++) {
-            int err = p->d->copy((kvo_dptr)lane->dst[i], (kvo_dptr)lane->src[i],
-                                (size_t)lane->len[i], stream);
-            if (err)
-                return kvo_job_fail(job, p->d, err, STEP_COPY, c, r->descs_before + i, NULL);
-        }
-    } else {
-        size_t fail = SIZE_MAX;
-        int err = p->d->batch(lane->dst, lane->src, lane->len, (size_t)n, &attrs, attr_index, 1,
-                             &fail, stream);
-        if (err)
-            return kvo_job_fail(job, p->d, err, STEP_COPY, c,
-                            fail < (size_t)n ? r->descs_before + (int64_t)fail : -1, NULL);
-    }
-    r->descs_before += n;
-    return 0;
-}
 
 static int fits32(int64_t v) { return v >= -2147483648LL && v <= 2147483647LL; }
 
@@ -209,7 +84,7 @@ static int coupled_chunk(part_run *r, int64_t c) {
     kvo_lane *lane = r->lane;
     kvo_stream st = area_stream(r, c);
     int j = (int)(area_of(r, c) % p->spec->n_dmas);
-    int err = copies(r, c, st);
+    int err = kvo_part_copies(r, c, st);
     if (!err) err = order_once(r, c, st, j);
     if (!err) err = launch_on(r, c, st);
     if (!err) {
@@ -254,23 +129,49 @@ static int pace_store(part_run *r, int64_t c, kvo_stream dma) {
     return 0;
 }
 
+/* A coupled store's pacing (pace_store's, with fewer driver calls): a chunk after the job's
+ * first waits for the chunk before's `freed`; the job's first chunk waits for the job before's
+ * done word (written after its last copies, on the stream its end is on), and not at all where
+ * the host reads that word reached already: a store after an idle spell (an engine's inline
+ * stores of a few blocks per step) pays no wait, and its last chunk records no `freed` (nothing
+ * of its own follows it). */
+static int pace_coupled_store(part_run *r, int64_t c, kvo_stream st) {
+    const kvo_pipe *p = r->p;
+    kvo_job *job = r->job;
+    if (p->spec->n_dmas < 2) return 0;
+    if (r->lane->job_chunks > 0) return pace_store(r, c, st);
+    uint32_t prev = r->lane->prev_seq;
+    if (prev == 0 || kvo_flag_reached(p->flags, kvo_word_done(job->dir), prev)) return 0;
+    kvo_ops ops;
+    kvo_ops_begin(&ops, p->d, p->flags, st);
+    kvo_ops_wait(&ops, kvo_word_done(job->dir), prev, KVO_WAIT_GEQ);
+    int err = kvo_ops_end(&ops);
+    return err ? kvo_job_fail(job, p->d, err, STEP_WAIT, c, -1, "the wait for the store before")
+               : 0;
+}
+
 /* Coupled stores (spec->store_coupled): chunk c is gathered into its staging area and copied out
  * of it on one DMA stream, the area's own (no event between them; its next use is ordered by the
- * stream). Per chunk: one launch, its copies and the pacing (pace_store), three event calls fewer
- * than split (fake driver, Llama-3-8B stores of 1, 16, 256 blocks: 13, 34, 140 calls split, 8,
- * 23, 87 coupled before a job's end joined only the streams it used). */
+ * stream). Per chunk: one launch, its copies and the pacing (pace_coupled_store), three event
+ * calls fewer than split (fake driver, Llama-3-8B stores of 1, 16, 256 blocks: 13, 34, 140 calls
+ * split, 8, 23, 87 coupled before a job's end joined only the streams it used; a one-block store
+ * after the one before it finished: 6 calls since 2026-11-28, was 8). */
 static int coupled_store_chunk(part_run *r, int64_t c) {
     const kvo_pipe *p = r->p;
     kvo_job *job = r->job;
     kvo_stream st = area_stream(r, c);
     int j = (int)(area_of(r, c) % p->spec->n_dmas);
+    int last = r->last_part && c == r->n_chunks - 1;
     int err = order_once(r, c, st, j);
     if (!err) err = launch_on(r, c, st);
-    if (!err) err = pace_store(r, c, st);
-    if (!err) err = copies(r, c, st);
-    if (!err && p->spec->n_dmas > 1) /* the next chunk's copies wait for these */
+    if (!err) err = pace_coupled_store(r, c, st);
+    if (!err) err = kvo_part_copies(r, c, st);
+    if (!err && p->spec->n_dmas > 1 && !last) /* the next chunk's copies wait for these */
         TRY(p->d->record(r->lane->freed[area_of(r, c)], st), STEP_RECORD, c);
-    if (!err) r->lane->job_streams |= 1u << (r->lane->job_last = j);
+    if (!err) {
+        r->lane->job_streams |= 1u << (r->lane->job_last = j);
+        r->lane->job_chunks++;
+    }
     return err;
 }
 
@@ -281,7 +182,7 @@ static int send(part_run *r, int64_t c) {
     kvo_stream dma = (kvo_stream)p->spec->dmas[job->dir][c % p->spec->n_dmas];
     int64_t area = area_of(r, c);
     TRY(p->d->wait(dma, r->lane->freed[area], 0), STEP_WAIT, c);
-    int err = copies(r, c, dma);
+    int err = kvo_part_copies(r, c, dma);
     if (err) return err;
     TRY(p->d->record(r->lane->filled[area], dma), STEP_RECORD, c);
     return 0;
@@ -298,7 +199,7 @@ static int plan_chunks(const kvo_pipe *p, kvo_lane *lane, int64_t n, int64_t uni
     if (first < 1) first = 1;
     if (first > largest) first = largest;
     int64_t *arrays[2] = {lane->sizes, lane->starts};
-    if (grow(arrays, &lane->scratch_chunks, n + 1, 2) != 0) return -1;
+    if (kvo_grow(arrays, &lane->scratch_chunks, n + 1, 2) != 0) return -1;
     lane->sizes = arrays[0];
     lane->starts = arrays[1];
     int64_t m = 0, left = n, size = first;
@@ -324,7 +225,7 @@ static int plan_chunks(const kvo_pipe *p, kvo_lane *lane, int64_t n, int64_t uni
 
 /* Every chunk of one spec's part: the chunk loop of the staged path. */
 static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t s,
-                        const kvo_part *part, kvo_dptr blocks, int exposed) {
+                        const kvo_part *part, kvo_dptr blocks, int exposed, int last_part) {
     int64_t n = job->count[s];
     if (n == 0) return 0;
     const kvo_group *g = &p->spec->groups[job->group[s]];
@@ -333,14 +234,15 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
     if (plan_chunks(p, lane, n, part->unit, store, &m) != 0)
         return kvo_job_fail(job, p->d, 2, STEP_ALLOC, -1, -1, "out of host memory (chunk plan)");
     int64_t *desc[3] = {lane->src, lane->dst, lane->len};
-    if (grow(desc, &lane->scratch_desc, n, 3) != 0)
+    if (kvo_grow(desc, &lane->scratch_desc, n, 3) != 0)
         return kvo_job_fail(job, p->d, 2, STEP_ALLOC, -1, -1, "out of host memory (descriptors)");
     lane->src = desc[0];
     lane->dst = desc[1];
     lane->len = desc[2];
     part_run r = {p, job, lane, part, g, job->ids + job->at[s] + n, blocks,
                   m, p->spec->depth, lane->position, 0,
-                  part->offset == 0 && part->unit == p->spec->arena_slot_bytes, exposed};
+                  part->offset == 0 && part->unit == p->spec->arena_slot_bytes, last_part,
+                  exposed};
     lane->position = (lane->position + m) % p->spec->depth;
     int64_t ahead = p->spec->depth < m ? p->spec->depth : m;
     int err;
@@ -356,7 +258,7 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
             kvo_stream dma = (kvo_stream)p->spec->dmas[KVO_STORE][c % p->spec->n_dmas];
             if ((err = pace_store(&r, c, dma))) return err;
             TRY(p->d->wait(dma, lane->filled[area], 0), STEP_WAIT, c);
-            if ((err = copies(&r, c, dma))) return err;
+            if ((err = kvo_part_copies(&r, c, dma))) return err;
             TRY(p->d->record(lane->freed[area], dma), STEP_RECORD, c);
             if (c + ahead < m && (err = gather(&r, c + ahead))) return err;
         }
@@ -406,9 +308,12 @@ static int run_parts(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, kvo_dptr i
     int err;
     if (job->dir == KVO_STORE) {
         kvo_dptr at = ids;
+        int64_t last = job->n_specs - 1; /* the last spec with blocks */
+        while (last > 0 && job->count[last] == 0) last--;
         for (int64_t s = 0; s < job->n_specs; s++) {
             const kvo_group *g = &p->spec->groups[job->group[s]];
-            if ((err = enqueue_part(p, lane, job, s, &g->parts[0], at, s == 0))) return err;
+            if ((err = enqueue_part(p, lane, job, s, &g->parts[0], at, s == 0, s == last)))
+                return err;
             at += (kvo_dptr)job->count[s] * 8;
         }
         return 0;
@@ -419,7 +324,7 @@ static int run_parts(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, kvo_dptr i
             const kvo_group *g = &p->spec->groups[job->group[s]];
             if (k < job->plan_count[s] &&
                 (err = enqueue_part(p, lane, job, s, &g->parts[job->plan_first[s] + k], at,
-                                    k == job->n_slices - 1)))
+                                    k == job->n_slices - 1, 0)))
                 return err;
             at += (kvo_dptr)job->count[s] * 8;
         }
@@ -437,7 +342,8 @@ static kvo_stream stream_of(const kvo_pipe *p, int dir, int j) {
 /* The job's end on its tail: a coupled job's last chunk's stream, else (or after a failure) a
  * store's first DMA stream or a load's kernels' stream. The other streams the job used join it
  * (all after a failure), one call writes the flag words (a load's last slice's, the done word),
- * the done event is recorded; else the host waits for the streams and writes the words. */
+ * the tail is kept for the core's query of a job in flight long (core.c, check); else the host
+ * waits for the streams and writes the words. */
 static int is_coupled(const kvo_pipe *p, int dir) {
     return dir == KVO_LOAD ? p->spec->load_coupled != 0 : p->spec->store_coupled != 0;
 }
@@ -462,19 +368,21 @@ static int finish(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
             kvo_ops_write(&ops, kvo_word_layer(p->flags, l), job->seq);
     kvo_ops_write(&ops, kvo_word_done(dir), job->seq);
     if (!err) err = kvo_ops_end(&ops);
-    if (!err && job->done_ev != NULL) err = p->d->record(job->done_ev, tail);
-    if (!err) return 0;
+    if (!err) {
+        job->tail = tail; /* the core queries it for a device error (core.c, check) */
+        return 0;
+    }
     kvo_job_fail(job, p->d, err, STEP_FLAG, -1, -1, "the transfer's end (flags set on the host)");
     for (int j = 0; j < n_streams(p); j++) p->d->stream_sync(stream_of(p, dir, j));
     for (int64_t l = 0; l < job->n_layers; l++)
         kvo_flag_set(p->flags, kvo_word_layer(p->flags, l), job->seq);
     kvo_flag_set(p->flags, kvo_word_done(dir), job->seq);
-    if (job->done_ev != NULL) p->d->event_destroy(job->done_ev); /* never recorded */
-    job->done_ev = NULL; /* the core must not query it (nor give it back to its pool) */
     return err;
 }
 
 int kvo_pipeline_run(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
+    lane->prev_seq = lane->seq;
+    lane->job_chunks = 0;
     job->seq = ++lane->seq;
     if (job->seq == 0) job->seq = ++lane->seq; /* 0 is "never used" (index buffers) */
     int err = 0;
