@@ -92,7 +92,7 @@ def test_a_job_whose_stream_failed_on_the_device_is_reported_failed(
     """A load in flight past the core's first query (50 ms; its stream held, its done word not
     written) whose stream then reports a device error: the job finishes failed with that error
     (the engine recomputes), found by the completion thread's ``cuStreamQuery``."""
-    with engine_on("llama3-8b", "page", completion_poll_us=1000) as (pair, backend):
+    with engine_on("llama3-8b", "page", completion_poll_us=1000) as (_pair, backend):
         slots = np.arange(4)
         assert backend.submit([TransferSpec.of("store", np.arange(4), slots)]).wait(10)
         tail = backend.spec.gather[1]  # the split load's end is on the kernels' stream
