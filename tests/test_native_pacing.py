@@ -107,3 +107,30 @@ def test_a_job_whose_stream_failed_on_the_device_is_reported_failed(
         assert pending.jobs[0].error()[1] == STEP_QUERY
         fake_cuda.fail_query_on = None
         release()
+
+
+@needs_core
+def test_a_store_of_two_specs_paces_across_them_and_only_its_very_last_chunk_records_nothing(
+    fake_cuda: Calls,  # noqa: F811
+) -> None:
+    """One submit of two store specs: the first spec's last chunk is not the job's last, so it
+    records ``freed`` and the second spec's first chunk waits for it; only the job's very last
+    chunk records nothing on its stream; the bytes are the oracle's."""
+    with engine_on("llama3-8b", "page", **COUPLED) as (pair, backend):
+        specs = [
+            TransferSpec.of("store", np.arange(5), np.arange(5)),
+            TransferSpec.of("store", np.arange(5, 9), np.arange(5, 9)),
+        ]
+        start = len(fake_cuda.log)
+        pending = backend.submit(specs)
+        assert pending.wait(10) and pending.error() is None
+        log = fake_cuda.log[start:]
+        dmas = set(backend.spec.dmas[0][:2])
+        launches = [i for i, e in enumerate(log) if e[0] == "launch"]
+        records = [e for e in log[: launches[-1]] if e[0] == "record" and e[1] in dmas]
+        assert len(launches) >= 4 and len(records) == len(launches) - 1
+        for k in range(1, len(launches)):
+            chunk = log[launches[k] : launches[k + 1] if k + 1 < len(launches) else len(log)]
+            assert records[k - 1][2] in {e[2] for e in chunk if e[0] == "wait"}
+        pair.oracle.copy(specs)
+        pair.check()
