@@ -11,6 +11,12 @@ each phase over the rounds after the first ``--warm``.
 
 The VM this runs on is shared and noisy: compare two trees by alternating runs of each (A, B, A,
 B, ...) and comparing the medians of their runs.
+
+``--sweep-mib N``: N MiB of memory read before every call (untimed), as an engine's forward runs
+between two of our calls and leaves our code and data out of the CPU's caches (``bench e2e``
+reads each call cold; ``benchmarks/wait_cold_probe.py`` measured what that does to one call):
+
+    PYTHONPATH=. python -m benchmarks.percall_probe --rounds 400 --sweep-mib 64
 """
 
 from __future__ import annotations
@@ -50,8 +56,9 @@ class NoCopy(InlineHostBackend):
         return Landed()
 
 
-def measure(rounds: int, warm: int) -> dict[str, float]:
-    """Median µs of each phase (``PHASES``) over ``rounds`` store-lookup-load rounds."""
+def measure(rounds: int, warm: int, sweep_mib: int = 0) -> dict[str, float]:
+    """Median µs of each phase (``PHASES``) over ``rounds`` store-lookup-load rounds, with
+    ``sweep_mib`` MiB read before each call (0: back to back)."""
     kv = np.zeros((64, 64), np.uint8)
     layout = KVLayout.from_tensors([kv], block_size=16, block_dim=0)
     local = build_local(layout, OffloadConfig(host_capacity_blocks=2 * rounds + 16))
@@ -61,34 +68,27 @@ def measure(rounds: int, warm: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     keys = [_keys(rng, 1, "list") for _ in range(rounds)]
     times: dict[str, list[float]] = {p: [] for p in PHASES}
-    pc = time.perf_counter
+    sweep = np.ones(sweep_mib << 17, dtype=np.float64) if sweep_mib > 0 else None
+
+    def timed(name: str, fn: Any, *args: Any) -> Any:
+        if sweep is not None:
+            sweep.sum()  # the engine's work between two of our calls
+        t0 = time.perf_counter()
+        out = fn(*args)
+        times[name].append((time.perf_counter() - t0) * 1e6)
+        return out
+
     try:
         for i, k in enumerate(keys):
-            t0 = pc()
-            job = off.schedule_store(f"s{i}", k, [0])
-            t1 = pc()
-            worker.submit(job)  # type: ignore[arg-type]
-            t2 = pc()
-            results = worker.get_finished()
-            t3 = pc()
-            off.complete(results)
-            t4 = pc()
-            off.lookup(k)
-            t5 = pc()
-            load = off.schedule_load(f"l{i}", k, [1])
-            t6 = pc()
-            worker.submit(load)
-            t7 = pc()
-            results = worker.get_finished()
-            t8 = pc()
-            off.complete(results)
-            t9 = pc()
-            for name, dt in zip(
-                PHASES,
-                (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6, t8 - t7, t9 - t8),
-                strict=True,
-            ):
-                times[name].append(dt * 1e6)
+            job = timed("schedule_store", off.schedule_store, f"s{i}", k, [0])
+            timed("submit_store", worker.submit, job)
+            results = timed("get_finished_store", worker.get_finished)
+            timed("complete_store", off.complete, results)
+            timed("lookup", off.lookup, k)
+            load = timed("schedule_load", off.schedule_load, f"l{i}", k, [1])
+            timed("submit_load", worker.submit, load)
+            results = timed("get_finished_load", worker.get_finished)
+            timed("complete_load", off.complete, results)
     finally:
         worker.close()
         local.close()
@@ -99,6 +99,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=20000)
     p.add_argument("--warm", type=int, default=100)
+    p.add_argument("--sweep-mib", type=int, default=0, help="MiB read before every call")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.warm < 0 or args.rounds <= args.warm:
@@ -106,7 +107,9 @@ def main() -> int:
             f"expected --warm >= 0 and --rounds > --warm, got --warm {args.warm}, "
             f"--rounds {args.rounds}"
         )
-    us = measure(args.rounds, args.warm)
+    if args.sweep_mib < 0:
+        raise SystemExit(f"expected --sweep-mib >= 0, got {args.sweep_mib}")
+    us = measure(args.rounds, args.warm, args.sweep_mib)
     store = sum(us[ph] for ph in PHASES[:4])
     load = sum(us[ph] for ph in PHASES[5:])
     console.print("  ".join(f"{k} {v:.2f}" for k, v in us.items()))
@@ -115,6 +118,7 @@ def main() -> int:
     )
     if args.out is not None:
         data = {"benchmark": "percall_probe", **machine_info(), "rounds": args.rounds}
+        data["sweep_mib"] = args.sweep_mib
         data.update({"median_us": us, "store_us": round(store, 3), "load_us": round(load, 3)})
         console.print(f"wrote {write_json(args.out, data)}")
     return 0
