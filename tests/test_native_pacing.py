@@ -20,6 +20,30 @@ STEP_QUERY = 7  # native/job.h: the device error found by the core's query
 ILLEGAL_ADDRESS = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
 
 
+def stored_paced(fake_cuda: Calls, specs: list[TransferSpec], chunks: int) -> None:  # noqa: F811
+    """Store ``specs`` in one coupled submit and check its pacing: every chunk but the job's last
+    records ``freed`` on its DMA stream and the next chunk waits for it; the last chunk records
+    nothing on its stream (a record on the other stream after it is the job's end joining it);
+    at least ``chunks`` chunks; the bytes are the oracle's."""
+    with engine_on("llama3-8b", "page", **COUPLED) as (pair, backend):
+        start = len(fake_cuda.log)
+        pending = backend.submit(specs)
+        assert pending.wait(10) and pending.error() is None
+        log = fake_cuda.log[start:]
+        dmas = set(backend.spec.dmas[0][:2])
+        launches = [i for i, e in enumerate(log) if e[0] == "launch"]
+        assert len(launches) >= chunks
+        records = [e for e in log[: launches[-1]] if e[0] == "record" and e[1] in dmas]
+        assert len(records) == len(launches) - 1  # one per chunk before the job's last
+        last = log[launches[-1]][1]
+        assert not [e for e in log[launches[-1] :] if e[0] == "record" and e[1] == last]
+        for k in range(1, len(launches)):
+            chunk = log[launches[k] : launches[k + 1] if k + 1 < len(launches) else len(log)]
+            assert records[k - 1][2] in {e[2] for e in chunk if e[0] == "wait"}
+        pair.oracle.copy(specs)
+        pair.check()
+
+
 @needs_core
 def test_a_store_behind_one_in_flight_waits_for_its_done_word_and_both_land(
     fake_cuda: Calls,  # noqa: F811
@@ -62,27 +86,9 @@ def test_a_store_behind_one_in_flight_waits_for_its_done_word_and_both_land(
 def test_a_multi_chunk_store_still_paces_its_chunks_on_each_others_copies(
     fake_cuda: Calls,  # noqa: F811
 ) -> None:
-    """Within a job nothing changed: every chunk but the last records ``freed`` after its copies
-    and the next chunk (on the other DMA stream) waits for it; the last records nothing on its
-    stream (the other stream's record after it is the job's end joining it)."""
-    with engine_on("llama3-8b", "page", **COUPLED) as (pair, backend):
-        spec = [TransferSpec.of("store", np.arange(9), np.arange(9))]
-        start = len(fake_cuda.log)
-        assert backend.submit(spec).wait(10)
-        log = fake_cuda.log[start:]
-        dmas = set(backend.spec.dmas[0][:2])
-        launches = [i for i, e in enumerate(log) if e[0] == "launch"]
-        assert len(launches) >= 3
-        records = [e for e in log[: launches[-1]] if e[0] == "record" and e[1] in dmas]
-        assert len(records) == len(launches) - 1  # one per chunk before the job's last
-        last = log[launches[-1]][1]
-        assert not [e for e in log[launches[-1] :] if e[0] == "record" and e[1] == last]
-        for k in range(1, len(launches)):
-            chunk = log[launches[k] : launches[k + 1] if k + 1 < len(launches) else len(log)]
-            waited = {e[2] for e in chunk if e[0] == "wait"}
-            assert records[k - 1][2] in waited  # the chunk before's freed
-        pair.oracle.copy(spec)
-        pair.check()
+    """Within a job nothing changed: each chunk after the first waits for the one before's
+    ``freed`` (``stored_paced``)."""
+    stored_paced(fake_cuda, [TransferSpec.of("store", np.arange(9), np.arange(9))], 3)
 
 
 @needs_core
@@ -114,23 +120,9 @@ def test_a_store_of_two_specs_paces_across_them_and_only_its_very_last_chunk_rec
     fake_cuda: Calls,  # noqa: F811
 ) -> None:
     """One submit of two store specs: the first spec's last chunk is not the job's last, so it
-    records ``freed`` and the second spec's first chunk waits for it; only the job's very last
-    chunk records nothing on its stream; the bytes are the oracle's."""
-    with engine_on("llama3-8b", "page", **COUPLED) as (pair, backend):
-        specs = [
-            TransferSpec.of("store", np.arange(5), np.arange(5)),
-            TransferSpec.of("store", np.arange(5, 9), np.arange(5, 9)),
-        ]
-        start = len(fake_cuda.log)
-        pending = backend.submit(specs)
-        assert pending.wait(10) and pending.error() is None
-        log = fake_cuda.log[start:]
-        dmas = set(backend.spec.dmas[0][:2])
-        launches = [i for i, e in enumerate(log) if e[0] == "launch"]
-        records = [e for e in log[: launches[-1]] if e[0] == "record" and e[1] in dmas]
-        assert len(launches) >= 4 and len(records) == len(launches) - 1
-        for k in range(1, len(launches)):
-            chunk = log[launches[k] : launches[k + 1] if k + 1 < len(launches) else len(log)]
-            assert records[k - 1][2] in {e[2] for e in chunk if e[0] == "wait"}
-        pair.oracle.copy(specs)
-        pair.check()
+    records ``freed`` and the second spec's first chunk waits for it (``stored_paced``)."""
+    specs = [
+        TransferSpec.of("store", np.arange(5), np.arange(5)),
+        TransferSpec.of("store", np.arange(5, 9), np.arange(5, 9)),
+    ]
+    stored_paced(fake_cuda, specs, 4)
