@@ -1,6 +1,7 @@
-"""``benchmarks/api_gpu.py``'s fits, on rows made up here (the benchmark itself needs a GPU): with
-the driver's times in the rows, the API's line without the driver is the API's line less the
-driver's, judged against the same targets; ``--refit`` recomputes a results file's fits."""
+"""``benchmarks/api_gpu.py``'s fits, on rows made up here (the benchmark itself needs a GPU; this
+reads the source tree, so the wheel job leaves it out): with the driver's times in the rows, the
+API's line without the driver is the API's line less the driver's, judged against the same
+targets; ``--refit`` recomputes a results file's fits."""
 
 from __future__ import annotations
 
