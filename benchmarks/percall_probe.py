@@ -17,6 +17,9 @@ between two of our calls and leaves our code and data out of the CPU's caches (`
 reads each call cold; ``benchmarks/wait_cold_probe.py`` measured what that does to one call):
 
     PYTHONPATH=. python -m benchmarks.percall_probe --rounds 400 --sweep-mib 64
+
+``--layers``: instead, one key's lookup through ``Offloader``, ``BlockIndex`` and the native index,
+and an empty Python call, each after the sweep: what each Python layer adds to a cold call.
 """
 
 from __future__ import annotations
@@ -56,6 +59,57 @@ class NoCopy(InlineHostBackend):
         return Landed()
 
 
+def sweeper(mib: int) -> np.ndarray | None:
+    """``mib`` MiB to read before each call (None: nothing, calls back to back)."""
+    return np.ones(mib << 17, dtype=np.float64) if mib > 0 else None
+
+
+def after_sweep(sweep: np.ndarray | None, fn: Any, *args: Any) -> tuple[float, Any]:
+    """Microseconds of ``fn(*args)`` called after ``sweep`` was read, and what it returned."""
+    if sweep is not None:
+        sweep.sum()  # the engine's work between two of our calls
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return (time.perf_counter() - t0) * 1e6, out
+
+
+def lookup_layers(rounds: int, sweep_mib: int) -> dict[str, float]:
+    """Median µs of one key's lookup through each layer down to the native index (and of an
+    empty call), each after ``sweep_mib`` MiB read, the arms interleaved round by round: what each
+    Python layer adds to a call when it runs cold."""
+    kv = np.zeros((64, 64), np.uint8)
+    layout = KVLayout.from_tensors([kv], block_size=16, block_dim=0)
+    local = build_local(layout, OffloadConfig(host_capacity_blocks=64))
+    off = local.offloader
+    local.worker.close()
+    worker = TransferWorker(NoCopy(layout, local.arena), off)
+    key = _keys(np.random.default_rng(0), 1, "list")
+    job = off.schedule_store("s", key, [0])
+    if job is None:
+        raise RuntimeError("a new key's store was not scheduled")
+    worker.submit(job)
+    off.complete(worker.get_finished())
+    native = off.index._ix
+    arms: dict[str, Any] = {
+        "Offloader.lookup": lambda: off.lookup(key),
+        "BlockIndex.lookup": lambda: off.index.lookup(key),
+        "native Index.lookup": lambda: native.lookup(key),
+        "an empty Python call": lambda: None,
+    }
+    if off.lookup(key) != 1:
+        raise RuntimeError("the stored key is not found")
+    sweep = sweeper(sweep_mib)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    try:
+        for _ in range(rounds):
+            for name, fn in arms.items():
+                times[name].append(after_sweep(sweep, fn)[0])
+    finally:
+        worker.close()
+        local.close()
+    return {name: round(statistics.median(v), 3) for name, v in times.items()}
+
+
 def measure(rounds: int, warm: int, sweep_mib: int = 0) -> dict[str, float]:
     """Median µs of each phase (``PHASES``) over ``rounds`` store-lookup-load rounds, with
     ``sweep_mib`` MiB read before each call (0: back to back)."""
@@ -68,14 +122,11 @@ def measure(rounds: int, warm: int, sweep_mib: int = 0) -> dict[str, float]:
     rng = np.random.default_rng(0)
     keys = [_keys(rng, 1, "list") for _ in range(rounds)]
     times: dict[str, list[float]] = {p: [] for p in PHASES}
-    sweep = np.ones(sweep_mib << 17, dtype=np.float64) if sweep_mib > 0 else None
+    sweep = sweeper(sweep_mib)
 
     def timed(name: str, fn: Any, *args: Any) -> Any:
-        if sweep is not None:
-            sweep.sum()  # the engine's work between two of our calls
-        t0 = time.perf_counter()
-        out = fn(*args)
-        times[name].append((time.perf_counter() - t0) * 1e6)
+        us, out = after_sweep(sweep, fn, *args)
+        times[name].append(us)
         return out
 
     try:
@@ -100,6 +151,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=20000)
     p.add_argument("--warm", type=int, default=100)
     p.add_argument("--sweep-mib", type=int, default=0, help="MiB read before every call")
+    p.add_argument(
+        "--layers",
+        action="store_true",
+        help="instead: one key's lookup through each layer to the native index, --rounds times",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.warm < 0 or args.rounds <= args.warm:
@@ -109,6 +165,14 @@ def main() -> int:
         )
     if args.sweep_mib < 0:
         raise SystemExit(f"expected --sweep-mib >= 0, got {args.sweep_mib}")
+    if args.layers:
+        layers = lookup_layers(args.rounds, args.sweep_mib)
+        console.print("  ".join(f"{k} {v:.2f}" for k, v in layers.items()))
+        if args.out is not None:
+            data = {"benchmark": "percall_probe", **machine_info(), "rounds": args.rounds}
+            data.update({"sweep_mib": args.sweep_mib, "layers_us": layers})
+            console.print(f"wrote {write_json(args.out, data)}")
+        return 0
     us = measure(args.rounds, args.warm, args.sweep_mib)
     store = sum(us[ph] for ph in PHASES[:4])
     load = sum(us[ph] for ph in PHASES[5:])
