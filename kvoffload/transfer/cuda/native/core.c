@@ -10,8 +10,7 @@
  * completion thread only finishes jobs nobody asks about, sleeping ~1/16 of the youngest job's
  * age (at most poll_max_ns), so no thread of ours polls fast beside the forward. A driver query
  * (cuStreamQuery of the job's tail stream) is made only for a job in flight longer than
- * KVO_ERROR_POLL_S, to report a copy
- * that failed on the device. */
+ * KVO_ERROR_POLL_S, to report a copy that failed on the device. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
