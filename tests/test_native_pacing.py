@@ -120,9 +120,12 @@ def test_a_store_of_two_specs_paces_across_them_and_only_its_very_last_chunk_rec
     fake_cuda: Calls,  # noqa: F811
 ) -> None:
     """One submit of two store specs: the first spec's last chunk is not the job's last, so it
-    records ``freed`` and the second spec's first chunk waits for it (``stored_paced``)."""
+    records ``freed`` and the second spec's first chunk waits for it (``stored_paced``); empty
+    specs before and after them change nothing."""
     specs = [
         TransferSpec.of("store", np.arange(5), np.arange(5)),
         TransferSpec.of("store", np.arange(5, 9), np.arange(5, 9)),
     ]
     stored_paced(fake_cuda, specs, 4)
+    empty = TransferSpec.of("store", np.arange(0), np.arange(0))  # no part of its own
+    stored_paced(fake_cuda, [empty, *specs, empty], 4)

@@ -15,9 +15,12 @@ typedef struct {
     kvo_dptr blocks;
     int64_t n_chunks, depth, position, descs_before;
     int whole; /* whole host slots move: consecutive slots merge into one descriptor */
-    int last_part; /* a store's last part with blocks: its last chunk ends the job */
+    int ends;  /* a store's part: PART_FIRST / PART_LAST, the first / last part with blocks */
     int exposed; /* a store's first part / a load's last slice: launch_on widens its edge */
 } part_run;
+
+#define PART_FIRST 1 /* its first chunk starts the job */
+#define PART_LAST 2  /* its last chunk ends the job */
 
 static inline int64_t area_of(const part_run *r, int64_t c) {
     return (r->position + c) % r->depth;

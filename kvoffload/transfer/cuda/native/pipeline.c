@@ -139,7 +139,7 @@ static int pace_coupled_store(part_run *r, int64_t c, kvo_stream st) {
     const kvo_pipe *p = r->p;
     kvo_job *job = r->job;
     if (p->spec->n_dmas < 2) return 0;
-    if (r->lane->job_chunks > 0) return pace_store(r, c, st);
+    if (!(r->ends & PART_FIRST) || c > 0) return pace_store(r, c, st);
     uint32_t prev = r->lane->prev_seq;
     if (prev == 0 || kvo_flag_reached(p->flags, kvo_word_done(job->dir), prev)) return 0;
     kvo_ops ops;
@@ -161,17 +161,14 @@ static int coupled_store_chunk(part_run *r, int64_t c) {
     kvo_job *job = r->job;
     kvo_stream st = area_stream(r, c);
     int j = (int)(area_of(r, c) % p->spec->n_dmas);
-    int last = r->last_part && c == r->n_chunks - 1;
+    int last = (r->ends & PART_LAST) && c == r->n_chunks - 1;
     int err = order_once(r, c, st, j);
     if (!err) err = launch_on(r, c, st);
     if (!err) err = pace_coupled_store(r, c, st);
     if (!err) err = kvo_part_copies(r, c, st);
     if (!err && p->spec->n_dmas > 1 && !last) /* the next chunk's copies wait for these */
         TRY(p->d->record(r->lane->freed[area_of(r, c)], st), STEP_RECORD, c);
-    if (!err) {
-        r->lane->job_streams |= 1u << (r->lane->job_last = j);
-        r->lane->job_chunks++;
-    }
+    if (!err) r->lane->job_streams |= 1u << (r->lane->job_last = j);
     return err;
 }
 
@@ -225,7 +222,7 @@ static int plan_chunks(const kvo_pipe *p, kvo_lane *lane, int64_t n, int64_t uni
 
 /* Every chunk of one spec's part: the chunk loop of the staged path. */
 static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t s,
-                        const kvo_part *part, kvo_dptr blocks, int exposed, int last_part) {
+                        const kvo_part *part, kvo_dptr blocks, int exposed, int ends) {
     int64_t n = job->count[s];
     if (n == 0) return 0;
     const kvo_group *g = &p->spec->groups[job->group[s]];
@@ -241,8 +238,7 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
     lane->len = desc[2];
     part_run r = {p, job, lane, part, g, job->ids + job->at[s] + n, blocks,
                   m, p->spec->depth, lane->position, 0,
-                  part->offset == 0 && part->unit == p->spec->arena_slot_bytes, last_part,
-                  exposed};
+                  part->offset == 0 && part->unit == p->spec->arena_slot_bytes, ends, exposed};
     lane->position = (lane->position + m) % p->spec->depth;
     int64_t ahead = p->spec->depth < m ? p->spec->depth : m;
     int err;
@@ -308,12 +304,13 @@ static int run_parts(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, kvo_dptr i
     int err;
     if (job->dir == KVO_STORE) {
         kvo_dptr at = ids;
-        int64_t last = job->n_specs - 1; /* the last spec with blocks */
-        while (last > 0 && job->count[last] == 0) last--;
+        int64_t first = 0, last = job->n_specs - 1; /* the first and last specs with blocks */
+        while (first < last && job->count[first] == 0) first++;
+        while (last > first && job->count[last] == 0) last--;
         for (int64_t s = 0; s < job->n_specs; s++) {
             const kvo_group *g = &p->spec->groups[job->group[s]];
-            if ((err = enqueue_part(p, lane, job, s, &g->parts[0], at, s == 0, s == last)))
-                return err;
+            int ends = (s == first ? PART_FIRST : 0) | (s == last ? PART_LAST : 0);
+            if ((err = enqueue_part(p, lane, job, s, &g->parts[0], at, s == 0, ends))) return err;
             at += (kvo_dptr)job->count[s] * 8;
         }
         return 0;
@@ -382,7 +379,6 @@ static int finish(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
 
 int kvo_pipeline_run(const kvo_pipe *p, kvo_lane *lane, kvo_job *job) {
     lane->prev_seq = lane->seq;
-    lane->job_chunks = 0;
     job->seq = ++lane->seq;
     if (job->seq == 0) job->seq = ++lane->seq; /* 0 is "never used" (index buffers) */
     int err = 0;

@@ -25,8 +25,7 @@ typedef struct {
     int64_t *sizes, *starts, *src, *dst, *len; /* scratch: chunk plan and one chunk's descriptors */
     int64_t scratch_chunks, scratch_desc;
     uint32_t seq;  /* the last sequence number given to a job */
-    uint32_t prev_seq;  /* the job before the running one's (0: none) */
-    int64_t job_chunks; /* chunks of the running job enqueued so far */
+    uint32_t prev_seq; /* the job before the running one's (0: none) */
     int64_t parts; /* parts enqueued (stats) */
     unsigned slice_streams; /* coupled loads: bit j, DMA stream j had a chunk of this slice */
     unsigned job_streams;   /* coupled chunks: bit j, DMA stream j had a chunk of this job */
