@@ -59,6 +59,16 @@ class NoCopy(InlineHostBackend):
         return Landed()
 
 
+def no_copy_local(host_blocks: int) -> tuple[Any, TransferWorker]:
+    """``build_local`` for 64-byte blocks with ``host_blocks`` host slots, its worker replaced by
+    one over ``NoCopy``: (the local pair, that worker); close both."""
+    kv = np.zeros((64, 64), np.uint8)
+    layout = KVLayout.from_tensors([kv], block_size=16, block_dim=0)
+    local = build_local(layout, OffloadConfig(host_capacity_blocks=host_blocks))
+    local.worker.close()
+    return local, TransferWorker(NoCopy(layout, local.arena), local.offloader)
+
+
 def sweeper(mib: int) -> np.ndarray | None:
     """``mib`` MiB to read before each call (None: nothing, calls back to back)."""
     return np.ones(mib << 17, dtype=np.float64) if mib > 0 else None
@@ -77,12 +87,8 @@ def lookup_layers(rounds: int, sweep_mib: int) -> dict[str, float]:
     """Median µs of one key's lookup through each layer down to the native index (and of an
     empty call), each after ``sweep_mib`` MiB read, the arms interleaved round by round: what each
     Python layer adds to a call when it runs cold."""
-    kv = np.zeros((64, 64), np.uint8)
-    layout = KVLayout.from_tensors([kv], block_size=16, block_dim=0)
-    local = build_local(layout, OffloadConfig(host_capacity_blocks=64))
+    local, worker = no_copy_local(64)
     off = local.offloader
-    local.worker.close()
-    worker = TransferWorker(NoCopy(layout, local.arena), off)
     key = _keys(np.random.default_rng(0), 1, "list")
     job = off.schedule_store("s", key, [0])
     if job is None:
@@ -113,12 +119,8 @@ def lookup_layers(rounds: int, sweep_mib: int) -> dict[str, float]:
 def measure(rounds: int, warm: int, sweep_mib: int = 0) -> dict[str, float]:
     """Median µs of each phase (``PHASES``) over ``rounds`` store-lookup-load rounds, with
     ``sweep_mib`` MiB read before each call (0: back to back)."""
-    kv = np.zeros((64, 64), np.uint8)
-    layout = KVLayout.from_tensors([kv], block_size=16, block_dim=0)
-    local = build_local(layout, OffloadConfig(host_capacity_blocks=2 * rounds + 16))
+    local, worker = no_copy_local(2 * rounds + 16)
     off = local.offloader
-    local.worker.close()
-    worker = TransferWorker(NoCopy(layout, local.arena), off)
     rng = np.random.default_rng(0)
     keys = [_keys(rng, 1, "list") for _ in range(rounds)]
     times: dict[str, list[float]] = {p: [] for p in PHASES}

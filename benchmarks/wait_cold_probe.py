@@ -25,13 +25,13 @@ from the source tree:
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from benchmarks.gil_probe import run_on_landed_load
+from benchmarks.percall_probe import after_sweep, sweeper
 from kvoffload.transfer.backend import check_layer
 
 SWEEP_MIB = (0, 1, 8, 64, 512)  # memory swept between two calls; 0: back to back
@@ -48,15 +48,9 @@ def timed_calls(
     """Microseconds of every call of ``make()``'s function on layers 0..layers-1, round after
     round, with ``sweep`` read between two calls."""
     got = []
-    clock = time.perf_counter_ns
     for _ in range(rounds_of(0 if sweep is None else sweep.nbytes >> 20)):
         fn = make()
-        for layer in range(layers):
-            if sweep is not None:
-                sweep.sum()  # the engine's work between two layers, in the CPU's caches
-            t0 = clock()
-            fn(layer)
-            got.append((clock() - t0) / 1000)
+        got += [after_sweep(sweep, fn, layer)[0] for layer in range(layers)]
     return got
 
 
@@ -90,7 +84,7 @@ def measure(pending: Any, layers: int) -> list[dict[str, Any]]:
 
     rows = []
     for mib in SWEEP_MIB:
-        sweep = None if mib == 0 else np.ones(mib << 17, dtype=np.float64)  # mib MiB
+        sweep = sweeper(mib)
         arms = (("native", native), ("waiter", waiter), ("closure", closure), ("empty", empty))
         for name, make in arms:
             calls = timed_calls(make, layers, sweep)
