@@ -19,7 +19,10 @@ pinned copy (the engine's inputs), and times from the load's start when each of 
 - ``paced raw``: the same chunks, each held back (a cross-stream event wait) until the one
   before it is done, so one chunk at a time sits in the copy engine's queue.
 
-    python benchmarks/copy_queue_probe.py OUT.json     # CUDA only
+    python benchmarks/copy_queue_probe.py OUT.json [staged-FLAG-...]    # CUDA only
+
+The optional second argument builds kvoffload's loads on a variant of the native core
+(``bench e2e --backend``'s flags, e.g. ``staged-la1``: a load chunk in one staging area).
 """
 
 from __future__ import annotations
@@ -92,6 +95,12 @@ def stream_flags(handle: int) -> int:
 def main() -> int:
     out = sys.argv[1]
     from kvoffload import KVLayout, OffloadConfig, build_local
+    from kvoffload.bench.e2e.runner.core_flags import configured
+
+    backend_name = sys.argv[2] if len(sys.argv) > 2 else "staged"
+    if backend_name != "staged":
+        base, *flags = backend_name.split("-")
+        backend_name = configured(base, flags)
     from kvoffload.transfer.shapes import MODELS, engine_tensors
 
     host = torch.empty(CHUNKS * CHUNK, dtype=torch.uint8, pin_memory=True)
@@ -137,7 +146,7 @@ def main() -> int:
     )
     layout = KVLayout.from_tensors(tensors, block_size=16, block_dim=block_dim)
     local = build_local(
-        layout, OffloadConfig(host_capacity_blocks=2 * blocks + 8, backend="staged")
+        layout, OffloadConfig(host_capacity_blocks=2 * blocks + 8, backend=backend_name)
     )
     off, worker = local.offloader, local.worker
     keys = [i.to_bytes(16, "little") for i in range(1, blocks + 1)]
@@ -191,6 +200,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"),
         "load_bytes": CHUNKS * CHUNK,
+        "backend": backend_name,
         "rows": {},
     }
     d2d_src = torch.ones(4096, dtype=torch.int64, device="cuda")

@@ -69,6 +69,7 @@ class CoreSpec:
     poll_max_us: int  # the completion thread's longest pause between reads of the done words
     max_programs: int  # the device's SMs: the most a group's load_program_bytes rule gives
     wait_spin_us: int  # a job's waiter reads its done word back to back this long, then sleeps
+    load_span: int  # coupled loads: staging areas per chunk (StagedConfig.load_span)
     bases: tuple[tuple[int, ...], tuple[int, ...]]  # (store, load) staging area addresses
     groups: tuple[GroupSpec, ...]
 
@@ -104,6 +105,7 @@ class CoreSpec:
             self.poll_max_us * 1000,
             self.max_programs,
             self.wait_spin_us * 1000,
+            self.load_span,
             *self.bases[0],
             *self.bases[1],
         ]

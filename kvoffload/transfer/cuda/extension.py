@@ -17,7 +17,7 @@ from types import ModuleType
 
 import numpy as np
 
-ABI = 11  # KVO_ABI (native/kvo.h): the packed spec's and the driver table's layout
+ABI = 12  # KVO_ABI (native/kvo.h): the packed spec's and the driver table's layout
 # kvo_driver's entry points, in order (kvoffload/transfer/cuda/native/driver.h)
 DRIVER_FIELDS = (
     *("launch", "batch", "copy", "record", "wait", "event_create", "event_destroy"),

@@ -178,6 +178,7 @@ class NativeStagedBackend(CopyBackend):
                 poll_max_us=config.completion_poll_us,
                 max_programs=self._sms,
                 wait_spin_us=config.wait_spin_us,
+                load_span=config.load_span,
                 bases=(bases["store"], bases["load"]),
                 groups=groups,
             )

@@ -93,6 +93,15 @@ class StagedConfig:
     # stall the fifth round gave to the split pipeline was the ``auto`` backend's plain layer
     # gate (docs/e2e.md, "Sixth round").
     load_coupled: bool = True
+    # Coupled loads: a load's chunk is staged in this many consecutive areas of its DMA stream
+    # (0: all of them, ``depth // dma_streams``). A layer slice that fits is one chunk on one
+    # stream: its flag words follow its scatter with no join of another stream, and it is not
+    # cut into chunks of one area. With the fake driver a 176-block Llama-3-8B load in 8 slices
+    # takes 33 driver calls instead of 63 (host slots in one run), 57 instead of 79 (four runs).
+    # The cost: a chunk of up to ``staging_bytes / dma_streams`` in the copy engine's queue, where
+    # an engine's own host-to-device copy enqueued behind the load waits (docs/transfer.md,
+    # "twenty-fourth round"). 1: one area per chunk (before 2026-11-28).
+    load_chunk_areas: int = 0
     # True: a store's chunk is gathered into its staging area and copied out of it on one DMA
     # stream (the area's), with no event between them: per chunk one launch, its copies and the
     # pacing wait and record, where False (the gather on a stream of its own) adds three event
@@ -166,6 +175,14 @@ class StagedConfig:
                     f"StagedConfig: expected depth a multiple of dma_streams "
                     f"({self.dma_streams}) for {flag}, got depth {self.depth}"
                 )
+        span = self.load_chunk_areas
+        if isinstance(span, bool) or not isinstance(span, int) or span < 0:
+            raise ValueError(f"StagedConfig: expected load_chunk_areas an int >= 0, got {span!r}")
+        if self.load_coupled and span and (self.depth // self.dma_streams) % span:
+            raise ValueError(
+                f"StagedConfig: expected load_chunk_areas to divide depth // dma_streams "
+                f"({self.depth // self.dma_streams}) or 0, got {span}"
+            )
         for name, low, high in (
             ("exposed_programs", 0, 65535),
             ("host_ids", 0, 1 << 20),
@@ -204,3 +221,11 @@ class StagedConfig:
             raise ValueError(
                 f"StagedConfig: expected first_slice_bytes >= 0, got {self.first_slice_bytes!r}"
             )
+
+    @property
+    def load_span(self) -> int:
+        """The staging areas one load chunk spans (``load_chunk_areas`` resolved; 1 for split
+        loads)."""
+        if not self.load_coupled:
+            return 1
+        return self.load_chunk_areas or self.depth // self.dma_streams

@@ -30,7 +30,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 # the exposed chunk's kernel (a store's first, a load's last) on at least N programs, ``hiN``
 # reads the ids of jobs up to N blocks from host memory, ``cpN`` polls completion every <= N us,
 # ``pbN`` scatters a load's chunk on one program per N KiB, ``wsN`` spins a job's waiter N us,
-# ``ltN`` allows a load one layer slice per N KiB
+# ``ltN`` allows a load one layer slice per N KiB, ``laN`` stages a coupled load's chunk in N areas
+# (``la1``: one area a chunk, before 2026-11-28)
 NUMBERED = {
     "lp": ("load_programs", 1),
     "ms": ("max_layer_slices", 1),
@@ -44,6 +45,7 @@ NUMBERED = {
     "pb": ("load_program_bytes", 1024),
     "ws": ("wait_spin_us", 1),
     "lt": ("layer_slice_transfer_bytes", 1024),
+    "la": ("load_chunk_areas", 1),
 }
 
 
@@ -64,7 +66,8 @@ def configured(backend: str, flags: list[str]) -> str:
     if bad:
         raise ValueError(
             f"expected engine flags from {sorted(SETTINGS)} or lpN / msN / pN / wN / dsN / "
-            f"fcN / xpN / hiN / cpN / pbN / wsN / ltN, got {bad} in {'-'.join([backend, *flags])!r}"
+            f"fcN / xpN / hiN / cpN / pbN / wsN / ltN / laN, got {bad} in "
+            f"{'-'.join([backend, *flags])!r}"
         )
     if backend != "staged":
         raise ValueError(

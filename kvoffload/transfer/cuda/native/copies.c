@@ -70,7 +70,7 @@ int kvo_part_copies(part_run *r, int64_t c, kvo_stream stream) {
     kvo_lane *lane = r->lane;
     const kvo_spec *s = p->spec;
     int64_t start = lane->starts[c], count = lane->sizes[c], unit = r->part->unit;
-    int64_t base = s->bases[job->dir][area_of(r, c)], n = 0;
+    int64_t base = area_base(r, c), n = 0;
     int store = job->dir == KVO_STORE;
     for (int64_t i = 0; i < count; i++) {
         const int64_t *slots = r->slots + start;

@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 /* The ABI of the packed spec and of the driver table (Python: kvoffload.transfer.cuda.extension). */
-#define KVO_ABI 11
+#define KVO_ABI 12
 
 typedef void *kvo_stream;
 typedef void *kvo_event;

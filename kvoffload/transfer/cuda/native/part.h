@@ -14,6 +14,8 @@ typedef struct {
     const int64_t *slots;
     kvo_dptr blocks;
     int64_t n_chunks, depth, position, descs_before;
+    int64_t span; /* areas per chunk (spec->load_span for coupled loads, else 1); depth counts
+                   * chunks of span areas */
     int whole; /* whole host slots move: consecutive slots merge into one descriptor */
     int ends;  /* a store's part: PART_FIRST / PART_LAST, the first / last part with blocks */
     int exposed; /* a store's first part / a load's last slice: launch_on widens its edge */
@@ -24,6 +26,11 @@ typedef struct {
 
 static inline int64_t area_of(const part_run *r, int64_t c) {
     return (r->position + c) % r->depth;
+}
+
+/* Chunk c's staging address: its first area's (the span's areas are consecutive in memory). */
+static inline int64_t area_base(const part_run *r, int64_t c) {
+    return r->p->spec->bases[r->job->dir][area_of(r, c) * r->span];
 }
 
 /* Grow `count` arrays of *cap int64s each to at least `need`; 0 or -1 (out of memory). */

@@ -22,7 +22,7 @@ static int launch_on(part_run *r, int64_t c, kvo_stream stream) {
     kvo_job *job = r->job;
     const kvo_kernel *k = &r->group->kernel[job->dir];
     int64_t ints[5] = {r->lane->starts[c], r->lane->sizes[c], r->part->n_regions,
-                       p->spec->bases[job->dir][area_of(r, c)], r->part->unit};
+                       area_base(r, c), r->part->unit};
     union { int32_t i32; int64_t i64; uint64_t ptr; } arg[8];
     uint64_t none = 0;
     void *params[16];
@@ -60,7 +60,10 @@ static int launch(part_run *r, int64_t c) {
  * it on one DMA stream, the area's own (area % n_dmas): no event between them, the area's next
  * use (the same stream; depth a multiple of n_dmas) ordered by the stream. Per chunk: its copies
  * and one launch (split adds four event calls); the copy engine holds at most n_dmas chunks. A
- * slice's words go on its last chunk's stream once the others joined it (the last's: finish). */
+ * slice's words go on its last chunk's stream once the others joined it (the last's: finish).
+ * A chunk's area is spec->load_span consecutive areas (by default a DMA stream's whole share):
+ * a slice that fits is one chunk on one stream, so nothing joins it (a record and a wait saved
+ * per slice, and a launch and its copies per chunk no longer cut). */
 static kvo_stream area_stream(const part_run *r, int64_t c) {
     const kvo_spec *s = r->p->spec;
     return (kvo_stream)s->dmas[r->job->dir][area_of(r, c) % s->n_dmas];
@@ -191,8 +194,8 @@ static int send(part_run *r, int64_t c) {
  * caller a launch and event calls, and the slices' scatters already overlap the next slice's
  * copy (a 256-block Llama-3-8B load enqueued in 0.32 ms instead of 0.93, enqueue_probe.py). */
 static int plan_chunks(const kvo_pipe *p, kvo_lane *lane, int64_t n, int64_t unit, int store,
-                       int64_t *chunks) {
-    int64_t largest = p->spec->area_bytes / unit, first = p->spec->first_chunk_bytes / unit;
+                       int64_t span, int64_t *chunks) {
+    int64_t largest = p->spec->area_bytes * span / unit, first = p->spec->first_chunk_bytes / unit;
     if (first < 1) first = 1;
     if (first > largest) first = largest;
     int64_t *arrays[2] = {lane->sizes, lane->starts};
@@ -227,8 +230,9 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
     if (n == 0) return 0;
     const kvo_group *g = &p->spec->groups[job->group[s]];
     int store = job->dir == KVO_STORE;
-    int64_t m = 0;
-    if (plan_chunks(p, lane, n, part->unit, store, &m) != 0)
+    int64_t span = !store && p->spec->load_coupled ? p->spec->load_span : 1;
+    int64_t depth = p->spec->depth / span, m = 0;
+    if (plan_chunks(p, lane, n, part->unit, store, span, &m) != 0)
         return kvo_job_fail(job, p->d, 2, STEP_ALLOC, -1, -1, "out of host memory (chunk plan)");
     int64_t *desc[3] = {lane->src, lane->dst, lane->len};
     if (kvo_grow(desc, &lane->scratch_desc, n, 3) != 0)
@@ -237,10 +241,10 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
     lane->dst = desc[1];
     lane->len = desc[2];
     part_run r = {p, job, lane, part, g, job->ids + job->at[s] + n, blocks,
-                  m, p->spec->depth, lane->position, 0,
+                  m, depth, lane->position, 0, span,
                   part->offset == 0 && part->unit == p->spec->arena_slot_bytes, ends, exposed};
-    lane->position = (lane->position + m) % p->spec->depth;
-    int64_t ahead = p->spec->depth < m ? p->spec->depth : m;
+    lane->position = (lane->position + m) % depth;
+    int64_t ahead = depth < m ? depth : m;
     int err;
     kvo_stream gs = (kvo_stream)p->spec->gather[job->dir];
     if (store && p->spec->store_coupled) {

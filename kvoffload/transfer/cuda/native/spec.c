@@ -6,7 +6,7 @@
 
 #include "spec.h"
 
-#define HEAD 34 /* fields before the staging bases */
+#define HEAD 35 /* fields before the staging bases */
 
 typedef struct {
     const int64_t *p;
@@ -33,7 +33,7 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
     cursor c = {packed, n, 0};
     int64_t head[HEAD];
     memset(s, 0, sizeof *s);
-    if (take(&c, head, HEAD) != 0) return "expected a core spec of at least 34 fields";
+    if (take(&c, head, HEAD) != 0) return "expected a core spec of at least 35 fields";
     if (head[0] != KVO_ABI) return "expected a core spec of this build's ABI (a stale build)";
     s->n_groups = head[1];
     s->num_slots = head[2];
@@ -86,6 +86,11 @@ static const char *parse(kvo_spec *s, const int64_t *packed, int64_t n) {
                "slice bytes >= 1 and 1 <= DMA streams <= 4 in the core spec";
     if ((s->load_coupled || s->store_coupled) && s->depth % s->n_dmas != 0)
         return "expected a depth that is a multiple of the DMA streams for coupled chunks";
+    s->load_span = head[34];
+    if (s->load_span < 1 || s->depth % s->load_span != 0 ||
+        (s->load_coupled ? (s->depth / s->load_span) % s->n_dmas != 0 : s->load_span != 1))
+        return "expected a load span dividing the depth into a multiple of the DMA streams "
+               "(1 for split loads) in the core spec";
     for (int d = 0; d < 2; d++)
         if ((s->bases[d] = take_array(&c, s->depth)) == NULL) return "truncated core spec";
     s->groups = calloc((size_t)s->n_groups, sizeof(kvo_group));

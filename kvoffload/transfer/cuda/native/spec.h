@@ -74,6 +74,10 @@ typedef struct {
     /* a job's waiter (kvo_job_wait) reads its done word back to back this long before it
      * sleeps between reads (waits.c) */
     int64_t wait_spin_ns;
+    /* coupled loads: a chunk's staging is this many consecutive areas (depth / load_span of
+     * them, each on DMA stream (area % n_dmas)): a layer slice up to that size is one chunk, so
+     * no other stream joins it before its flag words (pipeline.c, "coupled loads"); else 1 */
+    int64_t load_span;
     int64_t *bases[2];                 /* per direction: staging area addresses (depth) */
     kvo_group *groups;
 } kvo_spec;
