@@ -33,7 +33,7 @@ SHAPES = (
     ("deepseek-v2-lite-mla", "page"),
 )
 BLOCKS = (37, 176, 512)
-RUNS = (1, 4)
+RUNS = (1, 4, 12)
 AREAS = (1, 0)  # one area a chunk (before 2026-11-28), the default span
 MEMOPS = {"write32", "wait32"}  # logged per operation; counted by call through ``calls.memops``
 
@@ -51,6 +51,8 @@ def count(model: str, layout: str, blocks: int, runs: int, areas: int) -> dict[s
     from kvoffload.transfer.shapes import MODELS, engine_tensors
     from tests.fake_cuda import cuda_layout, faked, no_pin
 
+    if not 1 <= runs <= blocks:
+        raise ValueError(f"expected 1 <= runs <= blocks ({blocks}), got {runs}")
     with pytest.MonkeyPatch.context() as mp, faked(mp) as calls:
         shape = MODELS[model]
         dtype = torch.bfloat16 if shape.dtype_bytes == 2 else torch.uint8
@@ -68,9 +70,9 @@ def count(model: str, layout: str, blocks: int, runs: int, areas: int) -> dict[s
         worker = TransferWorker(backend, off)
         try:
             keys = [(i + 1).to_bytes(16, "little") for i in range(blocks)]
-            per = -(-blocks // runs)
+            cuts = [blocks * r // runs for r in range(runs + 1)]  # runs <= blocks: none empty
             for r in range(runs):  # each run its own store, a one-block store between them
-                part = keys[r * per : (r + 1) * per]
+                part = keys[cuts[r] : cuts[r + 1]]
                 gap = [(1 << 64 | r).to_bytes(16, "little")]
                 for name, ks in ((f"s{r}", part), (f"g{r}", gap)):
                     job = off.schedule_store(name, ks, list(range(len(ks))))
