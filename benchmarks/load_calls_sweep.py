@@ -68,6 +68,7 @@ def count(model: str, layout: str, blocks: int, runs: int, areas: int) -> dict[s
             cuda_layout(kv), pinned, config=StagedConfig(load_chunk_areas=areas)
         )
         worker = TransferWorker(backend, off)
+        span = backend.config.load_span
         try:
             keys = [(i + 1).to_bytes(16, "little") for i in range(blocks)]
             cuts = [blocks * r // runs for r in range(runs + 1)]  # runs <= blocks: none empty
@@ -104,7 +105,7 @@ def count(model: str, layout: str, blocks: int, runs: int, areas: int) -> dict[s
         "blocks": blocks,
         "runs": runs,
         "load_chunk_areas": areas,
-        "load_span": StagedConfig(load_chunk_areas=areas).load_span,
+        "load_span": span,
         "slot_bytes": kv.slot_bytes,
         "driver_calls": sum(by.values()),
         "by_entry": dict(by),

@@ -67,7 +67,7 @@ static int64_t plan_ns(const kvo_spec *s, const kvo_group *g, int64_t k, int64_t
     int64_t count = g->plan_count[k], ns = 0;
     for (int64_t j = 0; j < count; j++) {
         int64_t unit = g->parts[g->plan_first[k] + j].unit;
-        int64_t per_chunk = s->area_bytes * (s->load_coupled ? s->load_span : 1) / unit;
+        int64_t per_chunk = s->area_bytes * s->load_span / unit; /* 1 for split loads */
         int64_t chunks = (n + per_chunk - 1) / per_chunk;
         ns += once_ns + s->cost_slice_ns + chunks * s->cost_chunk_ns;
     }

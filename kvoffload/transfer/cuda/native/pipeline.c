@@ -230,7 +230,7 @@ static int enqueue_part(const kvo_pipe *p, kvo_lane *lane, kvo_job *job, int64_t
     if (n == 0) return 0;
     const kvo_group *g = &p->spec->groups[job->group[s]];
     int store = job->dir == KVO_STORE;
-    int64_t span = !store && p->spec->load_coupled ? p->spec->load_span : 1;
+    int64_t span = store ? 1 : p->spec->load_span; /* 1 for split loads (spec.c) */
     int64_t depth = p->spec->depth / span, m = 0;
     if (plan_chunks(p, lane, n, part->unit, store, span, &m) != 0)
         return kvo_job_fail(job, p->d, 2, STEP_ALLOC, -1, -1, "out of host memory (chunk plan)");
