@@ -32,6 +32,7 @@ setup(
                 for f in (
                     *("module.c", "index.c", "check.c", "batch.c", "keys.c", "table.c"),
                     *("lists.c", "policy.c", "lru.c", "arc.c", "inspect.c", "ids.c", "bind_ids.c"),
+                    "runs.c",
                 )
             ],
             depends=[INDEX + "ix.h", INDEX + "binding.h"],

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvoffload.store.arena import slots_for_capacity
 from kvoffload.store.numa import check_setting as check_numa_setting
-from kvoffload.store.policies import POLICIES
+from kvoffload.store.policies import MAX_WINDOW, POLICIES
 from kvoffload.transfer.registry import BACKENDS
 
 DEFAULT_HOST_CAPACITY_BYTES = 4 << 30
@@ -33,6 +33,10 @@ class OffloadConfig:
     host_capacity_blocks: int | None = None
     # Which block to give up when the host tier is full: "lru" or "arc".
     eviction_policy: str = "lru"
+    # A store that must evict n blocks picks them among the policy's first n x this many
+    # evictable ones, in the fewest runs of consecutive host slots (a load moves one copy per run
+    # and layer slice; docs/api.md, "Eviction window"). 1: the policy's exact order.
+    eviction_window: int = 4
     # Copy backend: "auto" (host for CPU tensors, the calibrated choice on a GPU), "host",
     # "staged", "dma" or "sm".
     backend: str = "auto"
@@ -108,6 +112,12 @@ class OffloadConfig:
             if getattr(self, name) is not None:
                 _check_int(self, name, minimum=1)
         _check_choice(self, "eviction_policy", sorted(POLICIES))
+        window = self.eviction_window
+        if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
+            raise ValueError(
+                f"expected eviction_window to be an int of 1 to {MAX_WINDOW}, "
+                f"got {self.eviction_window!r}"
+            )
         _check_choice(self, "backend", ["auto", *sorted(BACKENDS)])  # with register_backend()-ed
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise ValueError(

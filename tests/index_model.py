@@ -15,16 +15,54 @@ import numpy as np
 
 from kvoffload.store.index import FREE, READABLE, WRITING, StorePlan
 from kvoffload.store.keys import BlockKey
+from kvoffload.store.policies import check_window
 from kvoffload.store.stats import StoreStats
 from tests.policy_model import EvictionPolicy, make_policy
 
-__all__ = ["FREE", "READABLE", "WRITING", "ModelIndex"]
+__all__ = ["FREE", "READABLE", "WRITING", "ModelIndex", "choose_runs"]
+
+
+def choose_runs(slots: Sequence[int], want: int) -> list[int]:
+    """Of candidate ``slots`` in the policy's order (more than ``want``), the positions of the
+    ``want`` victims in the fewest runs of consecutive slots, in the policy's order: the shortest
+    run that covers what is still needed (its lowest slots), else the longest run whole, the
+    oldest first among equal lengths (a run's age: its oldest candidate's position). The rule of
+    ``kvoffload/store/native/runs.c``, written again."""
+    order = sorted(range(len(slots)), key=lambda i: slots[i])
+    runs: list[list[int]] = []  # [start in ``order``, length, age]
+    for at, i in enumerate(order):
+        if at and slots[i] == slots[order[at - 1]] + 1:
+            runs[-1][1] += 1
+            runs[-1][2] = min(runs[-1][2], i)
+        else:
+            runs.append([at, 1, i])
+    runs.sort(key=lambda r: (-r[1], r[2]))
+    take: set[int] = set()
+    need, i = want, 0
+    while need > 0:
+        start, length, _ = runs[i]
+        if length >= need:  # the shortest that covers the rest, the oldest of those
+            fits = [r for r in runs[i:] if r[1] >= need]
+            shortest = min(r[1] for r in fits)
+            start, length = next(r[:2] for r in fits if r[1] == shortest)
+            length = need
+        take.update(order[start : start + length])
+        need -= length
+        i += 1
+    return sorted(take)
 
 
 class ModelIndex:
-    def __init__(self, num_slots: int, slot_bytes: int, policy: str | EvictionPolicy = "lru"):
+    def __init__(
+        self,
+        num_slots: int,
+        slot_bytes: int,
+        policy: str | EvictionPolicy = "lru",
+        window: int = 1,
+    ):
         if num_slots <= 0:
             raise ValueError(f"expected num_slots > 0, got {num_slots}")
+        self.window = check_window(window)
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.policy = make_policy(policy, num_slots) if isinstance(policy, str) else policy
@@ -110,7 +148,7 @@ class ModelIndex:
         new = [keys[i] for i in positions]
         evicted: list[BlockKey] = []
         if len(new) > self._num_free:  # never evict a block of this same call
-            evicted = self._evict(len(new) - self._num_free, protect=set(keys))
+            evicted = self._evict(len(new) - self._num_free, set(keys), self.window)
         fit = min(len(new), self._num_free)
         new, dropped = new[:fit], len(new) - fit
         slots = np.sort(self._pop_free(fit))  # ascending, as the native index hands them
@@ -233,10 +271,13 @@ class ModelIndex:
         """Drop every unpinned READABLE block; blocks being read or written stay."""
         return len(self.remove(list(self.policy.candidates())))
 
-    def _evict(self, n: int, protect: Collection[BlockKey]) -> list[BlockKey]:
+    def _evict(self, n: int, protect: Collection[BlockKey], window: int = 1) -> list[BlockKey]:
         readers = self._readers
         evictable = (k for k in self.policy.candidates() if k not in readers and k not in protect)
-        victims = list(itertools.islice(evictable, n))
+        victims = list(itertools.islice(evictable, n * window))
+        if len(victims) > n:
+            slots = [self._readable[k] for k in victims]
+            victims = [victims[i] for i in choose_runs(slots, n)]
         self._drop(victims, evicted=True)
         return victims
 

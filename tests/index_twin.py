@@ -40,9 +40,11 @@ def _copy(arg: Any) -> Any:
 class TwinIndex:
     """A ``BlockIndex`` that is the native index and the model at once (the native one answers)."""
 
-    def __init__(self, num_slots: int, slot_bytes: int, policy: str = "lru") -> None:
-        self.native = BlockIndex(num_slots, slot_bytes, policy)
-        self.model = ModelIndex(num_slots, slot_bytes, policy)
+    def __init__(
+        self, num_slots: int, slot_bytes: int, policy: str = "lru", window: int = 1
+    ) -> None:
+        self.native = BlockIndex(num_slots, slot_bytes, policy, window)
+        self.model = ModelIndex(num_slots, slot_bytes, policy, window)
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
         self.calls = 0
 

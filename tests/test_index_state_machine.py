@@ -2,12 +2,13 @@
 
 ``OffloaderMachine``: 10^5 operations on the scheduler side (Offloader over the native
 BlockIndex and its Python model side by side, ``tests/index_twin.py``: every index call is made on
-both and must give the same result; the policy, LRU or ARC, drawn first; keys of 4, 16, 17
-(negative-int form) and 36 bytes; its jobs run by a host-backend worker whose copies fail when the
-test says), bad calls and forged results mixed in. After every step the two indexes hold the
-same state, key by key, and: every slot is exactly one of free / being written / readable; a block
-being read is still readable (never evicted); a failed or cancelled store left nothing readable;
-the stats equal the model's counts; a refused call changed nothing (capacity, pins, settled-ness).
+both and must give the same result; the policy (LRU or ARC) and the eviction window drawn first;
+keys of 4, 16, 17 (negative-int form) and 36 bytes; its jobs run by a host-backend worker whose
+copies fail when the test says), bad calls and forged results mixed in. After every step the two
+indexes hold the same state, key by key, and: every slot is exactly one of free / being written /
+readable; a block being read is still readable (never evicted); a failed or cancelled store left
+nothing readable; the stats equal the model's counts; a refused call changed nothing (capacity,
+pins, settled-ness).
 
 ``ReplayMachine``: Offloader + TransferWorker + host backend moving real bytes, with finished
 jobs re-submitted and other Offloaders' jobs submitted between the engine's own operations: each
@@ -98,10 +99,10 @@ class OffloaderMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         self.local.close()
 
-    @initialize(policy=st.sampled_from(["lru", "arc"]))
-    def choose_policy(self, policy: str) -> None:
-        """The eviction policy, drawn like any other choice (nothing has been stored yet)."""
-        self.twin = TwinIndex(SLOTS, self.off.slot_bytes, policy)
+    @initialize(policy=st.sampled_from(["lru", "arc"]), window=st.sampled_from([1, 2, 4, 1024]))
+    def choose_policy(self, policy: str, window: int) -> None:
+        """The eviction policy and window, drawn like any other choice (nothing stored yet)."""
+        self.twin = TwinIndex(SLOTS, self.off.slot_bytes, policy, window)
         self.off.index = self.twin  # type: ignore[assignment]
 
     def _new_req(self) -> str:

@@ -107,7 +107,9 @@ class Offloader:
         self.engine_blocks = None if engine_blocks is None else tuple(engine_blocks)
         self.block_size = block_size
         self.token = secrets.token_hex(8)  # stamped on every job: whose it is
-        self.index = BlockIndex(config.num_slots(slot_bytes), slot_bytes, config.eviction_policy)
+        self.index = BlockIndex(
+            config.num_slots(slot_bytes), slot_bytes, config.eviction_policy, config.eviction_window
+        )
         self.lower: LowerTiers | None = None
         self._lock = threading.RLock()
         self._ids = itertools.count()

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from kvoffload.store.keys import BlockKey
-from kvoffload.store.policies import POLICIES
+from kvoffload.store.policies import POLICIES, check_window
 from kvoffload.store.stats import StoreStats
 
 try:
@@ -119,19 +119,21 @@ def native_index() -> Any:
 
 
 class BlockIndex:
-    def __init__(self, num_slots: int, slot_bytes: int, policy: str = "lru"):
+    def __init__(self, num_slots: int, slot_bytes: int, policy: str = "lru", window: int = 1):
         if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots <= 0:
             raise ValueError(f"expected num_slots > 0, got {num_slots}")
         if policy not in POLICIES:
             raise ValueError(f"expected an eviction policy in {sorted(POLICIES)}, got {policy!r}")
+        check_window(window)
         native = native_index()
         if num_slots > native.MAX_SLOTS:
             raise ValueError(f"expected num_slots <= {native.MAX_SLOTS}, got {num_slots}")
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.policy = policy
+        self.window = window
         self.stats = StoreStats()
-        self._ix = native.Index(num_slots, policy)
+        self._ix = native.Index(num_slots, policy, window)
         self._refused = native.Refused
 
     # -- queries ------------------------------------------------------------------------------

@@ -10,6 +10,22 @@ they are tested against are in ``tests/policy_model.py``):
 
 A policy only orders keys; the index owns slots and reference counts and skips pinned
 candidates (a block being read is never evicted).
+
+A store into a full arena takes exactly its victims' slots, and a load moves one pitched copy per
+run of consecutive host slots and layer slice, so victims taken in exact policy order hand each
+new prefix the scatter of the old ones (the arena fragments as a server runs). With a window
+``w`` > 1 a store that must evict ``n`` blocks picks them among the policy's first ``n * w``
+evictable ones, in the fewest runs of consecutive slots (``kvoffload/store/native/runs.c``; the
+Python model is ``tests/index_model.py``'s ``choose_runs``); ``evict``, ``remove`` and ``reset``
+keep the exact order.
 """
 
 POLICIES = ("arc", "lru")
+MAX_WINDOW = 1024  # the native index's IX_MAX_WINDOW
+
+
+def check_window(window: object) -> int:
+    """``window`` as an eviction window (an int of 1 to ``MAX_WINDOW``); ValueError otherwise."""
+    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
+        raise ValueError(f"expected an eviction window of 1 to {MAX_WINDOW}, got {window!r}")
+    return window

@@ -200,6 +200,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "background=True)) or by the engine's thread inside the call",
     )
     k.add_argument(
+        "--eviction-window",
+        type=int,
+        default=4,
+        help="OffloadConfig.eviction_window of the host tier: a store that must evict n blocks "
+        "picks them among the policy's first n x this many, in the fewest runs of host slots "
+        "(1: the policy's exact order)",
+    )
+    k.add_argument(
         "--load-handover",
         default="inline",
         choices=("inline", "background"),
@@ -305,6 +313,8 @@ def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
             configured("staged", args.backend.split("-")[1:])
         if args.block_size <= 0:
             raise ValueError(f"expected --block-size > 0, got {args.block_size}")
+        if not 1 <= args.eviction_window <= 1024:
+            raise ValueError(f"expected --eviction-window of 1 to 1024, got {args.eviction_window}")
         runs = tuple(
             _workload_run(args, model, kind)
             for kind in _list(args.workloads, WORKLOADS, "--workloads")
@@ -326,6 +336,7 @@ def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
                 load_handover=args.load_handover,
             ),
             backend=args.backend,
+            eviction_window=args.eviction_window,
             zero_reuse_rounds=args.zero_reuse_rounds,
             zero_reuse_turns=_zero_reuse_turns(args, runs[0].workload),
             verify=args.verify,

@@ -45,7 +45,7 @@ VLLM_KEYS = frozenset(
     }
 )
 CAPACITY_KEY = "cpu_bytes_to_use"
-HOST_KEYS = ("eviction_policy", "backend", "pin_memory")
+HOST_KEYS = ("eviction_policy", "eviction_window", "backend", "pin_memory")
 LAYER_KEY = "per_layer_loads"  # KVOffloadConnector: sync loads waited for layer by layer
 MODULE = "kvoffload.integrations.vllm"
 DISK_TIER, VALKEY_TIER = "KVOffloadDiskTier", "KVOffloadValkeyTier"

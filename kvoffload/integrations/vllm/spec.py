@@ -133,6 +133,7 @@ class KVOffloadSpec(OffloadingSpec):
                 self.chunk_bytes,
                 self.options.config.eviction_policy,
                 events=self.kv_events_config.enable_kv_cache_events,
+                window=self.options.config.eviction_window,
             )
             host = KVOffloadManager(tier, rows, region, self._info())
             tiers: list[SecondaryTierManager] = []

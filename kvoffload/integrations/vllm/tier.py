@@ -41,12 +41,18 @@ class TierEvent:
 
 class HostTier:
     def __init__(
-        self, num_chunks: int, chunk_bytes: int, policy: str = "lru", events: bool = False
+        self,
+        num_chunks: int,
+        chunk_bytes: int,
+        policy: str = "lru",
+        events: bool = False,
+        window: int = 1,
     ) -> None:
         self.num_chunks = num_chunks
         self.chunk_bytes = chunk_bytes
         self.policy = policy
-        self.index = BlockIndex(num_chunks, chunk_bytes, policy)
+        self.window = window  # OffloadConfig.eviction_window
+        self.index = BlockIndex(num_chunks, chunk_bytes, policy, window)
         self.stats = self.index.stats  # cumulative, kept across resets
         self.store_refusals = 0  # prepare_store calls that found no slot at all
         self._events: list[TierEvent] | None = [] if events else None
@@ -104,7 +110,7 @@ class HostTier:
 
     def reset(self) -> None:
         stats = self.stats
-        self.index = BlockIndex(self.num_chunks, self.chunk_bytes, self.policy)
+        self.index = BlockIndex(self.num_chunks, self.chunk_bytes, self.policy, self.window)
         self.index.stats = stats
         self._store_order.clear()
 

@@ -49,6 +49,7 @@ ix_status ix_init(ix_index *ix, uint32_t num_slots, int policy) {
     if (ix->e == NULL || ix->free == NULL) return IX_NOMEM;
     for (uint32_t i = 0; i < num_slots; i++) ix->free[i] = num_slots - 1 - i; /* pops 0 first */
     ix->num_free = num_slots;
+    ix->window = 1;
     ix_status st = ix_table_init(&ix->table, num_slots);
     if (st == IX_OK) st = ix_policy_init(&ix->pol, policy, num_slots);
     if (st != IX_OK) return st;
@@ -123,19 +124,27 @@ static ix_status out_alloc(ix_plan *out, int64_t n) {
     return out->ev_keys && out->ev_full ? IX_OK : IX_NOMEM;
 }
 
-/* Up to ``want`` unpinned, unmarked READABLE slots in policy order, then dropped as evicted. */
-static ix_status evict(ix_index *ix, int64_t want, int evicted, ix_plan *out) {
-    uint32_t *victims = malloc((size_t)(want ? want : 1) * sizeof *victims);
+/* Up to ``want`` unpinned, unmarked READABLE slots, then dropped as evicted: the first in policy
+ * order, or with ``window`` > 1 those of the policy's first want x window in the fewest runs of
+ * consecutive slots (runs.c). */
+static ix_status evict(ix_index *ix, int64_t want, int evicted, uint32_t window, ix_plan *out) {
+    int64_t room = want * (int64_t)window;
+    if (room > ix->num_readable) room = ix->num_readable > want ? ix->num_readable : want;
+    uint32_t *victims = malloc((size_t)(room ? room : 1) * sizeof *victims);
     if (victims == NULL) return IX_NOMEM;
     const ix_list *lists[2];
     ix_policy_order(&ix->pol, &lists[0], &lists[1]);
     int64_t n = 0;
-    for (int l = 0; l < 2 && n < want; l++) {
+    for (int l = 0; l < 2 && n < room; l++) {
         if (lists[l] == NULL) continue;
-        for (uint32_t s = lists[l]->head; s != IX_NIL && n < want; s = ix->pol.links[s].next)
+        for (uint32_t s = lists[l]->head; s != IX_NIL && n < room; s = ix->pol.links[s].next)
             if (ix->e[s].readers == 0 && !ix->e[s].mark) victims[n++] = s;
     }
     ix_status st = IX_OK;
+    if (n > want) {
+        st = ix_choose_runs(victims, n, want);
+        n = want;
+    }
     uint32_t from = ix->num_free;
     for (int64_t i = 0; i < n && st == IX_OK; i++) st = drop(ix, victims[i], evicted, out);
     freed_in_order(ix, from);
@@ -147,13 +156,13 @@ ix_status ix_evict(ix_index *ix, int64_t n, ix_plan *out) {
     memset(out, 0, sizeof *out);
     if (n > ix->num_readable) n = ix->num_readable;
     ix_status st = out_alloc(out, n);
-    return st != IX_OK ? st : evict(ix, n, 1, out);
+    return st != IX_OK ? st : evict(ix, n, 1, 1, out);
 }
 
 ix_status ix_remove(ix_index *ix, const ix_key *keys, int64_t n, int all, ix_plan *out) {
     memset(out, 0, sizeof *out);
     ix_status st = out_alloc(out, all ? ix->num_readable : n);
-    if (st != IX_OK || all) return st != IX_OK ? st : evict(ix, ix->num_readable, 0, out);
+    if (st != IX_OK || all) return st != IX_OK ? st : evict(ix, ix->num_readable, 0, 1, out);
     uint32_t from = ix->num_free;
     for (int64_t i = 0; i < n && st == IX_OK; i++) {
         uint32_t s = ix_find(ix, &keys[i]);
@@ -265,7 +274,7 @@ ix_status ix_prepare_store(ix_index *ix, const ix_key *keys, int64_t n, ix_plan 
     if (st == IX_OK && short_by) { /* never evict a block of this same call */
         for (int64_t h = 0; h < n_held; h++) /* the slots the lookup above found */
             if (readable(ix, held[h])) ix->e[held[h]].mark = 1;
-        st = evict(ix, short_by, 1, plan);
+        st = evict(ix, short_by, 1, ix->window, plan);
         for (int64_t h = 0; h < n_held; h++) ix->e[held[h]].mark = 0;
     }
     int64_t fit = fresh < ix->num_free ? fresh : ix->num_free, j = 0;

@@ -160,6 +160,7 @@ struct ix_index {
     uint32_t num_free, num_writing, num_readable, num_pinned;
     ix_table table;   /* WRITING and READABLE keys -> slot */
     ix_policy pol;
+    uint32_t window;  /* a store's victims come from the policy's first want x window (runs.c) */
 };
 
 /* What one prepare_store decided. Arrays are allocated by the index, freed with ix_plan_free. */
@@ -197,6 +198,10 @@ ix_status ix_release_slots(ix_index *ix, const int64_t *slots, int64_t n, ix_ref
 void ix_touch(ix_index *ix, const ix_key *keys, int64_t n);
 /* Evict up to n (victims) or drop the given keys (remove); the dropped keys go to ``out``. */
 ix_status ix_evict(ix_index *ix, int64_t n, ix_plan *out);
+/* runs.c: of ``n`` > ``want`` candidate slots in the policy's order, keep in ``victims[0..want)``
+ * the ``want`` that make the fewest runs of consecutive slots, in the policy's order. */
+ix_status ix_choose_runs(uint32_t *victims, int64_t n, int64_t want);
+#define IX_MAX_WINDOW 1024u
 ix_status ix_remove(ix_index *ix, const ix_key *keys, int64_t n, int all, ix_plan *out);
 const char *ix_check(const ix_index *ix); /* NULL, or what contradicts itself */
 

@@ -136,14 +136,20 @@ static PyObject *dropped_keys(const ix_plan *plan) {
 /* -- Index ------------------------------------------------------------------------------------- */
 
 static int index_init(IndexObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"num_slots", "policy", NULL};
-    long long num_slots;
+    static char *names[] = {"num_slots", "policy", "window", NULL};
+    long long num_slots, window = 1;
     const char *policy;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "Ls", names, &num_slots, &policy)) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Ls|L", names, &num_slots, &policy, &window))
+        return -1;
     int kind = strcmp(policy, "lru") == 0 ? IX_LRU : strcmp(policy, "arc") == 0 ? IX_ARC : -1;
     if (kind < 0 || num_slots <= 0 || num_slots > (long long)IX_MAX_SLOTS) {
         PyErr_Format(PyExc_ValueError, "expected 0 < num_slots <= %u and a policy 'lru' or "
                      "'arc', got %lld and %s", IX_MAX_SLOTS, num_slots, policy);
+        return -1;
+    }
+    if (window < 1 || window > (long long)IX_MAX_WINDOW) {
+        PyErr_Format(PyExc_ValueError, "expected an eviction window of 1 to %u, got %lld",
+                     IX_MAX_WINDOW, window);
         return -1;
     }
     if (self->ready) ix_free(&self->ix);
@@ -153,6 +159,7 @@ static int index_init(IndexObject *self, PyObject *args, PyObject *kw) {
         PyErr_NoMemory();
         return -1;
     }
+    self->ix.window = (uint32_t)window;
     self->ready = 1;
     return 0;
 }

@@ -62,7 +62,12 @@ def run_bench(cfg: BenchConfig, advance: Advance) -> dict[str, Any]:
     blocks = cfg.cache_blocks() + 1  # the last one: the graphs' scratch block, in no pool
     cache = PagedKVCache(mc, blocks, cfg.block_size, device, getattr(torch, cfg.dtype))
     host_blocks = max(r.host_blocks for r in cfg.workloads)
-    host = HostTier(cache, kvo.OffloadConfig(host_capacity_blocks=host_blocks, backend=cfg.backend))
+    config = kvo.OffloadConfig(
+        host_capacity_blocks=host_blocks,
+        backend=cfg.backend,
+        eviction_window=cfg.eviction_window,
+    )
+    host = HostTier(cache, config)
     sync(device)
     setup_s = time.perf_counter() - t0
     runs = {}
