@@ -34,8 +34,9 @@ class OffloadConfig:
     # Which block to give up when the host tier is full: "lru" or "arc".
     eviction_policy: str = "lru"
     # A store that must evict n blocks picks them among the policy's first n x this many
-    # evictable ones, in the fewest runs of consecutive host slots (a load moves one copy per run
-    # and layer slice; docs/api.md, "Eviction window"). 1: the policy's exact order.
+    # evictable ones (at most num_slots / 16 more than n) by runs of consecutive host slots, the
+    # oldest first: a later load moves one copy per run and layer slice (docs/api.md, "Eviction
+    # window"). 1: the policy's exact order.
     eviction_window: int = 4
     # Copy backend: "auto" (host for CPU tensors, the calibrated choice on a GPU), "host",
     # "staged", "dma" or "sm".

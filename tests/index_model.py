@@ -15,7 +15,7 @@ import numpy as np
 
 from kvoffload.store.index import FREE, READABLE, WRITING, StorePlan
 from kvoffload.store.keys import BlockKey
-from kvoffload.store.policies import check_window
+from kvoffload.store.policies import WINDOW_SHARE, check_window
 from kvoffload.store.stats import StoreStats
 from tests.policy_model import EvictionPolicy, make_policy
 
@@ -24,31 +24,32 @@ __all__ = ["FREE", "READABLE", "WRITING", "ModelIndex", "choose_runs"]
 
 def choose_runs(slots: Sequence[int], want: int) -> list[int]:
     """Of candidate ``slots`` in the policy's order (more than ``want``), the positions of the
-    ``want`` victims in the fewest runs of consecutive slots, in the policy's order: the shortest
-    run that covers what is still needed (its lowest slots), else the longest run whole, the
-    oldest first among equal lengths (a run's age: its oldest candidate's position). The rule of
-    ``kvoffload/store/native/runs.c``, written again."""
+    ``want`` victims, in the policy's order: the oldest candidate not yet taken, with the rest of
+    its run of consecutive candidate slots, until enough are; of a run longer than what is still
+    needed, the part ending at that oldest unless the part starting there is older (of a prefix
+    in ascending slots, the tail). The rule of ``kvoffload/store/native/runs.c``, written again."""
     order = sorted(range(len(slots)), key=lambda i: slots[i])
-    runs: list[list[int]] = []  # [start in ``order``, length, age]
+    runs: list[list[int]] = []  # candidate positions, in slot order
+    run_of: dict[int, int] = {}
     for at, i in enumerate(order):
-        if at and slots[i] == slots[order[at - 1]] + 1:
-            runs[-1][1] += 1
-            runs[-1][2] = min(runs[-1][2], i)
-        else:
-            runs.append([at, 1, i])
-    runs.sort(key=lambda r: (-r[1], r[2]))
+        if not (at and slots[i] == slots[order[at - 1]] + 1):
+            runs.append([])
+        runs[-1].append(i)
+        run_of[i] = len(runs) - 1
     take: set[int] = set()
-    need, i = want, 0
-    while need > 0:
-        start, length, _ = runs[i]
-        if length >= need:  # the shortest that covers the rest, the oldest of those
-            fits = [r for r in runs[i:] if r[1] >= need]
-            shortest = min(r[1] for r in fits)
-            start, length = next(r[:2] for r in fits if r[1] == shortest)
-            length = need
-        take.update(order[start : start + length])
-        need -= length
-        i += 1
+    need = want
+    for age in range(len(slots)):
+        if need == 0:
+            break
+        if age in take:
+            continue  # runs are taken whole but for the last
+        run = runs[run_of[age]]
+        if len(run) > need:  # the ``need`` ending at ``age``, unless those starting there are older
+            j = run.index(age)
+            down, up = run[max(j - need + 1, 0) :][:need], run[min(j, len(run) - need) :][:need]
+            run = up if max(up) < max(down) else down
+        take.update(run)
+        need -= len(run)
     return sorted(take)
 
 
@@ -274,7 +275,8 @@ class ModelIndex:
     def _evict(self, n: int, protect: Collection[BlockKey], window: int = 1) -> list[BlockKey]:
         readers = self._readers
         evictable = (k for k in self.policy.candidates() if k not in readers and k not in protect)
-        victims = list(itertools.islice(evictable, n * window))
+        room = n + min(n * (window - 1), self.num_slots // WINDOW_SHARE)
+        victims = list(itertools.islice(evictable, room))
         if len(victims) > n:
             slots = [self._readable[k] for k in victims]
             victims = [victims[i] for i in choose_runs(slots, n)]

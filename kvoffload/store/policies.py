@@ -14,14 +14,17 @@ candidates (a block being read is never evicted).
 A store into a full arena takes exactly its victims' slots, and a load moves one pitched copy per
 run of consecutive host slots and layer slice, so victims taken in exact policy order hand each
 new prefix the scatter of the old ones (the arena fragments as a server runs). With a window
-``w`` > 1 a store that must evict ``n`` blocks picks them among the policy's first ``n * w``
-evictable ones, in the fewest runs of consecutive slots (``kvoffload/store/native/runs.c``; the
-Python model is ``tests/index_model.py``'s ``choose_runs``); ``evict``, ``remove`` and ``reset``
-keep the exact order.
+``w`` > 1 a store that must evict ``n`` blocks picks them among the policy's first
+``n + min(n * (w - 1), num_slots // WINDOW_SHARE)`` evictable ones: the oldest not yet taken with
+the rest of its run of consecutive candidate slots, until enough are, a longer run giving its
+older end (``kvoffload/store/native/runs.c``; the Python model is ``tests/index_model.py``'s
+``choose_runs``). The oldest block always goes, and the victims are never in more runs than the
+exact order's. ``evict``, ``remove`` and ``reset`` keep the exact order.
 """
 
 POLICIES = ("arc", "lru")
 MAX_WINDOW = 1024  # the native index's IX_MAX_WINDOW
+WINDOW_SHARE = 16  # a window reaches at most num_slots // 16 past the exact victims (ix.h)
 
 
 def check_window(window: object) -> int:

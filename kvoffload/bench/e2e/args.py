@@ -204,8 +204,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=4,
         help="OffloadConfig.eviction_window of the host tier: a store that must evict n blocks "
-        "picks them among the policy's first n x this many, in the fewest runs of host slots "
-        "(1: the policy's exact order)",
+        "picks them among the policy's first n x this many by runs of host slots, the oldest "
+        "first (1: the policy's exact order)",
     )
     k.add_argument(
         "--load-handover",

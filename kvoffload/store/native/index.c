@@ -124,11 +124,11 @@ static ix_status out_alloc(ix_plan *out, int64_t n) {
     return out->ev_keys && out->ev_full ? IX_OK : IX_NOMEM;
 }
 
-/* Up to ``want`` unpinned, unmarked READABLE slots, then dropped as evicted: the first in policy
- * order, or with ``window`` > 1 those of the policy's first want x window in the fewest runs of
- * consecutive slots (runs.c). */
+/* Up to ``want`` unpinned, unmarked READABLE slots dropped as evicted: the first in policy order,
+ * or (window > 1) by runs of slots among the first want x window, at most ix.h's share more. */
 static ix_status evict(ix_index *ix, int64_t want, int evicted, uint32_t window, ix_plan *out) {
-    int64_t room = want * (int64_t)window;
+    int64_t extra = want * (int64_t)(window - 1), most = ix->num_slots / IX_WINDOW_SHARE;
+    int64_t room = want + (extra < most ? extra : most);
     if (room > ix->num_readable) room = ix->num_readable > want ? ix->num_readable : want;
     uint32_t *victims = malloc((size_t)(room ? room : 1) * sizeof *victims);
     if (victims == NULL) return IX_NOMEM;
