@@ -130,7 +130,7 @@ def test_refused_windows_change_nothing() -> None:
 def test_the_offloader_uses_the_configs_window() -> None:
     kv = np.zeros((4, 64), np.uint8)
     layout = KVLayout.from_tensors([kv], block_size=16, block_dim=0)
-    assert OffloadConfig().eviction_window == 4
+    assert OffloadConfig().eviction_window == 1
     for window in (1, 4, 16):
         local = build_local(layout, OffloadConfig(host_capacity_blocks=8, eviction_window=window))
         try:

@@ -48,7 +48,7 @@ def test_options_leave_vllm_keys_to_vllm_and_validate_ours() -> None:
 def test_the_eviction_window_option_reaches_the_host_tiers_index() -> None:
     options = parse_options({"cpu_bytes_to_use": 1 << 30, "eviction_window": "8"})
     assert options.config.eviction_window == 8
-    assert parse_options({"cpu_bytes_to_use": 1 << 30}).config.eviction_window == 4
+    assert parse_options({"cpu_bytes_to_use": 1 << 30}).config.eviction_window == 1
     with pytest.raises(ValueError, match="expected eviction_window to be an integer"):
         parse_options({"cpu_bytes_to_use": 1 << 30, "eviction_window": "wide"})
     with pytest.raises(ValueError, match="expected eviction_window to be an int of 1 to 1024"):

@@ -202,7 +202,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument(
         "--eviction-window",
         type=int,
-        default=4,
+        default=1,
         help="OffloadConfig.eviction_window of the host tier: a store that must evict n blocks "
         "picks them among the policy's first n x this many by runs of host slots, the oldest "
         "first (1: the policy's exact order)",

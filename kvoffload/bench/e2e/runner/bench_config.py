@@ -60,7 +60,7 @@ class BenchConfig:
     chunk_tokens: int = 2048  # prefill chunk
     offload: Offload = field(default_factory=Offload)  # how the engine uses the host tier
     backend: str = "auto"  # kvoffload copy backend
-    eviction_window: int = 4  # OffloadConfig.eviction_window of the host tier
+    eviction_window: int = 1  # OffloadConfig.eviction_window of the host tier
     zero_reuse_rounds: int = 2  # rounds of (gpu, kvoffload, ...) on unique prompts; 0 skips
     zero_reuse_turns: int = 16  # requests per zero-reuse round
     verify: int = 2  # sampled turns checked bit for bit; 0 skips
