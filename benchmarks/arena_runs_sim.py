@@ -114,7 +114,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for model in a.models.split(","):
         for share in _floats(a.capacities):
-            for window in (int(w) for w in _floats(a.windows)):
+            for window in (int(w) for w in a.windows.split(",") if w):
                 rows.extend(passes(model, window, share))
     if a.out:
         out = {"benchmark": "arena_runs_sim", "machine": machine_info(), "rows": rows}

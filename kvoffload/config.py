@@ -12,7 +12,7 @@ from typing import Any
 
 from kvoffload.store.arena import slots_for_capacity
 from kvoffload.store.numa import check_setting as check_numa_setting
-from kvoffload.store.policies import MAX_WINDOW, POLICIES
+from kvoffload.store.policies import POLICIES, check_window
 from kvoffload.transfer.registry import BACKENDS
 
 DEFAULT_HOST_CAPACITY_BYTES = 4 << 30
@@ -114,12 +114,7 @@ class OffloadConfig:
             if getattr(self, name) is not None:
                 _check_int(self, name, minimum=1)
         _check_choice(self, "eviction_policy", sorted(POLICIES))
-        window = self.eviction_window
-        if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
-            raise ValueError(
-                f"expected eviction_window to be an int of 1 to {MAX_WINDOW}, "
-                f"got {self.eviction_window!r}"
-            )
+        check_window(self.eviction_window, "eviction_window")
         _check_choice(self, "backend", ["auto", *sorted(BACKENDS)])  # with register_backend()-ed
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise ValueError(

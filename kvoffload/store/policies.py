@@ -27,8 +27,10 @@ MAX_WINDOW = 1024  # the native index's IX_MAX_WINDOW
 WINDOW_SHARE = 16  # a window reaches at most num_slots // 16 past the exact victims (ix.h)
 
 
-def check_window(window: object) -> int:
-    """``window`` as an eviction window (an int of 1 to ``MAX_WINDOW``); ValueError otherwise."""
+def check_window(window: object, name: str | None = None) -> int:
+    """``window`` as an eviction window (an int of 1 to ``MAX_WINDOW``); ValueError otherwise,
+    naming the option ``name`` where given."""
     if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
-        raise ValueError(f"expected an eviction window of 1 to {MAX_WINDOW}, got {window!r}")
+        what = f"{name} to be an int" if name else "an eviction window"
+        raise ValueError(f"expected {what} of 1 to {MAX_WINDOW}, got {window!r}")
     return window

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.bench.e2e.runner.config import GPU_MODELS
+from kvoffload.store.policies import MAX_WINDOW
 
 WORKLOADS = ("chat", "fits", "docs", "mixed")
 MODES = ("recompute", "gpu", "gpu_all", "kvoffload")  # the default
@@ -313,8 +314,10 @@ def build_config(args: argparse.Namespace, cuda: bool, dtype: str) -> Any:
             configured("staged", args.backend.split("-")[1:])
         if args.block_size <= 0:
             raise ValueError(f"expected --block-size > 0, got {args.block_size}")
-        if not 1 <= args.eviction_window <= 1024:
-            raise ValueError(f"expected --eviction-window of 1 to 1024, got {args.eviction_window}")
+        if not 1 <= args.eviction_window <= MAX_WINDOW:
+            raise ValueError(
+                f"expected --eviction-window of 1 to {MAX_WINDOW}, got {args.eviction_window}"
+            )
         runs = tuple(
             _workload_run(args, model, kind)
             for kind in _list(args.workloads, WORKLOADS, "--workloads")

@@ -198,12 +198,12 @@ ix_status ix_release_slots(ix_index *ix, const int64_t *slots, int64_t n, ix_ref
 void ix_touch(ix_index *ix, const ix_key *keys, int64_t n);
 /* Evict up to n (victims) or drop the given keys (remove); the dropped keys go to ``out``. */
 ix_status ix_evict(ix_index *ix, int64_t n, ix_plan *out);
+ix_status ix_remove(ix_index *ix, const ix_key *keys, int64_t n, int all, ix_plan *out);
 /* runs.c: of ``n`` > ``want`` candidate slots in the policy's order, keep in ``victims[0..want)``
  * the ``want`` taken by runs of consecutive slots, in the policy's order. */
 ix_status ix_choose_runs(uint32_t *victims, int64_t n, int64_t want);
 #define IX_MAX_WINDOW 1024u
 #define IX_WINDOW_SHARE 16 /* a window reaches at most num_slots / 16 past the exact victims */
-ix_status ix_remove(ix_index *ix, const ix_key *keys, int64_t n, int all, ix_plan *out);
 const char *ix_check(const ix_index *ix); /* NULL, or what contradicts itself */
 
 /* -- ids.c: engine block ids of a transfer --------------------------------------------------- */

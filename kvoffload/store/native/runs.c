@@ -5,8 +5,8 @@
  * (index.c, evict) the oldest not yet taken is taken with the rest of its run of consecutive
  * candidate slots, until enough are; of a run longer than what is still needed, the part around
  * that oldest (window_at). So the oldest candidate always goes, every run taken holds one of the
- * `want` the exact order would take, and the victims are never in more runs than those. tests/index_model.py holds the
- * same rule in Python. */
+ * `want` the exact order would take, and the victims are never in more runs than those.
+ * tests/index_model.py holds the same rule in Python. */
 #include <stdlib.h>
 
 #include "ix.h"
